@@ -1,0 +1,30 @@
+# Two entry points: `make demo` (plan a built-in model and show the plan) and
+# `make test`. Each builds .venv first when it is missing or older than the
+# files that define it.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PIP_FLAGS ?= --quiet --disable-pip-version-check
+PYTEST_ARGS ?=
+
+.PHONY: demo test venv clean bench
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install $(PIP_FLAGS) --upgrade pip
+	$(BIN)/python -m pip install $(PIP_FLAGS) -c constraints.txt torch==2.13.0
+	$(BIN)/python -m pip install $(PIP_FLAGS) -c constraints.txt -e ".[dev]"
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/smp plan gpt:layers=8,d_model=256 --stages 4 --microbatches 8 -o demo-plan.json
+	$(BIN)/smp inspect demo-plan.json --timeline demo-timeline.png
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) demo-plan.json demo-timeline.png

@@ -1,0 +1,343 @@
+"""OpGraph: the costed op graph every solver reads (a networkx DiGraph plus totals)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+
+__all__ = ["OpGraph", "NODE_FIELDS", "GRAPH_SCHEMA_VERSION"]
+
+GRAPH_SCHEMA_VERSION = 1
+
+#: Node attributes every OpGraph node carries, with their units. Solvers need only
+#: ``fwd``, ``bwd``, ``params`` and ``out_bytes``; the rest explain a plan to people
+#: and let the runtime map nodes back to the traced program.
+NODE_FIELDS: dict[str, str] = {
+    "fwd": "forward time, seconds",
+    "bwd": "backward time (input + weight gradients), seconds",
+    "params": "bytes of parameters first used by this node (a shared parameter counted once)",
+    "buffers": "bytes of buffers first used by this node (BatchNorm running stats, ...)",
+    "out_bytes": "bytes of all tensors the node outputs",
+    "flops": "forward floating-point operations (torch.utils.flop_counter)",
+    "module": "module path the op came from, '' for the root module",
+    "op": "what the op is: 'linear', 'aten.addmm.default', 'add', ...",
+    "index": "position in the traced program's order (a topological order)",
+    "param_names": "fully qualified names of the parameters this node uses",
+    "buffer_names": "fully qualified names of the buffers this node uses",
+    "shared_params": "names of parameters this node uses whose bytes were counted on an earlier node",
+    "fx_nodes": "names of the fx nodes this node stands for (several after coarsening)",
+}
+
+_DEFAULTS: dict[str, Any] = {
+    "fwd": 0.0,
+    "bwd": 0.0,
+    "params": 0,
+    "buffers": 0,
+    "out_bytes": 0,
+    "flops": 0,
+    "module": "",
+    "op": "",
+    "param_names": (),
+    "buffer_names": (),
+    "shared_params": (),
+}
+
+
+class OpGraph:
+    """A DAG of ops with their costs; ``.nx`` is the underlying ``networkx.DiGraph``.
+
+    Node names are the fx node names of the traced program. An edge u -> v means v
+    consumes u's output. ``meta`` records how the graph was made (model, batch, timing
+    method, device) so that a plan can say what it was planned from.
+    """
+
+    def __init__(self, graph: nx.DiGraph | None = None, meta: Mapping[str, Any] | None = None):
+        self.nx: nx.DiGraph = graph if graph is not None else nx.DiGraph()
+        self.meta: dict[str, Any] = dict(meta or {})
+        for i, (name, data) in enumerate(self._nodes_in_given_order()):
+            for key, default in _DEFAULTS.items():
+                data.setdefault(key, default)
+            data.setdefault("index", i)
+            data.setdefault("fx_nodes", (name,))
+        if not nx.is_directed_acyclic_graph(self.nx):
+            cycle = nx.find_cycle(self.nx)
+            raise ValueError(f"an OpGraph must be acyclic; found the cycle {cycle}")
+
+    def _nodes_in_given_order(self) -> Iterable[tuple[str, dict]]:
+        return self.nx.nodes(data=True)
+
+    # ---------------------------------------------------------------- structure
+
+    def __len__(self) -> int:
+        return self.nx.number_of_nodes()
+
+    def __iter__(self):
+        return iter(self.topological_order())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.nx
+
+    def __getitem__(self, name: str) -> dict[str, Any]:
+        return self.nx.nodes[name]
+
+    def __repr__(self) -> str:
+        return (
+            f"OpGraph({len(self)} ops, {self.nx.number_of_edges()} edges, "
+            f"params={self.total_params:,} B, fwd={self.total_fwd * 1e3:.3f} ms, "
+            f"bwd={self.total_bwd * 1e3:.3f} ms)"
+        )
+
+    def topological_order(self) -> list[str]:
+        """Nodes in program order (``index``), which is always a topological order."""
+        return sorted(self.nx.nodes, key=lambda n: self.nx.nodes[n]["index"])
+
+    def is_chain(self) -> bool:
+        """True when every node has at most one producer and one consumer on a single path."""
+        order = self.topological_order()
+        return all(self.nx.has_edge(a, b) for a, b in zip(order, order[1:])) and (
+            self.nx.number_of_edges() == max(len(order) - 1, 0)
+        )
+
+    # ---------------------------------------------------------------- totals
+
+    def _sum(self, key: str) -> float:
+        return sum(d[key] for _, d in self.nx.nodes(data=True))
+
+    @property
+    def total_fwd(self) -> float:
+        return self._sum("fwd")
+
+    @property
+    def total_bwd(self) -> float:
+        return self._sum("bwd")
+
+    @property
+    def total_params(self) -> int:
+        return int(self._sum("params"))
+
+    @property
+    def total_buffers(self) -> int:
+        return int(self._sum("buffers"))
+
+    @property
+    def total_out_bytes(self) -> int:
+        return int(self._sum("out_bytes"))
+
+    @property
+    def total_flops(self) -> int:
+        return int(self._sum("flops"))
+
+    def heaviest(self, k: int = 10, key: str = "fwd") -> list[tuple[str, dict[str, Any]]]:
+        """The ``k`` nodes with the largest ``key`` (ties broken by program order)."""
+        nodes = sorted(self.nx.nodes(data=True), key=lambda nd: (-nd[1][key], nd[1]["index"]))
+        return nodes[:k]
+
+    # ---------------------------------------------------------------- (de)serialisation
+
+    def to_dict(self) -> dict[str, Any]:
+        nodes = []
+        for name in self.topological_order():
+            data = dict(self.nx.nodes[name])
+            for key in ("param_names", "buffer_names", "shared_params", "fx_nodes"):
+                data[key] = list(data[key])
+            nodes.append({"name": name, **data})
+        edges = [[u, v, dict(d)] if d else [u, v] for u, v, d in self.nx.edges(data=True)]
+        return {"schema": GRAPH_SCHEMA_VERSION, "kind": "smp.OpGraph", "meta": self.meta,
+                "nodes": nodes, "edges": edges}
+
+    def to_json(self, path: str | Path | None = None, *, indent: int | None = 1) -> str:
+        """The graph as JSON text; also written to ``path`` when given."""
+        text = json.dumps(self.to_dict(), indent=indent)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> OpGraph:
+        if data.get("kind") != "smp.OpGraph":
+            raise ValueError("not an smp op graph: the JSON has no \"kind\": \"smp.OpGraph\" "
+                             "(write one with `smp profile MODEL -o graph.json`)")
+        if data.get("schema", 0) > GRAPH_SCHEMA_VERSION:
+            raise ValueError(
+                f"this op graph uses schema {data['schema']}, newer than this smp "
+                f"understands ({GRAPH_SCHEMA_VERSION}); upgrade smp or re-profile the model")
+        g = nx.DiGraph()
+        for node in data["nodes"]:
+            attrs = dict(node)
+            name = attrs.pop("name")
+            for key in ("param_names", "buffer_names", "shared_params", "fx_nodes"):
+                if key in attrs:
+                    attrs[key] = tuple(attrs[key])
+            g.add_node(name, **attrs)
+        for edge in data["edges"]:
+            g.add_edge(edge[0], edge[1], **(edge[2] if len(edge) > 2 else {}))
+        return cls(g, data.get("meta", {}))
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> OpGraph:
+        """Read JSON text, or a path to a JSON file written by ``to_json``."""
+        text = str(text_or_path)
+        if not text.lstrip().startswith("{"):
+            path = Path(text)
+            if not path.exists():
+                raise FileNotFoundError(f"no op graph file at {path}")
+            text = path.read_text()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"the op graph file is not valid JSON ({err}); re-profile the model") from None
+        return cls.from_dict(data)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, OpGraph) and self.to_dict() == other.to_dict()
+
+    # ---------------------------------------------------------------- coarsening
+
+    def coarsen(
+        self,
+        *,
+        depth: int | None = None,
+        fold_free: bool = True,
+        fold_chains: bool = False,
+        free_threshold: float = 0.0,
+    ) -> OpGraph:
+        """A smaller graph whose nodes are groups of this graph's nodes; costs add up.
+
+        ``depth``: merge ops whose module paths share the same first ``depth`` components
+        (``layers.3.attn.q`` at depth 2 -> ``layers.3``), when merging keeps the graph
+        acyclic. ``fold_free``: fold nodes with no compute and no parameters (views,
+        getattr, reshapes) into their single producer, or single consumer. ``fold_chains``:
+        also fold a node into its producer when it is that producer's only consumer and
+        its only input. The new node keeps the first member's name; ``fx_nodes`` lists all
+        members, so every fx node still maps to exactly one coarse node.
+        """
+        groups: dict[str, str] = {n: n for n in self.nx.nodes}  # node -> representative
+
+        def find(n: str) -> str:
+            while groups[n] != n:
+                groups[n] = groups[groups[n]]
+                n = groups[n]
+            return n
+
+        def quotient() -> nx.DiGraph:
+            q = nx.DiGraph()
+            q.add_nodes_from({find(n) for n in self.nx.nodes})
+            q.add_edges_from((find(u), find(v)) for u, v in self.nx.edges if find(u) != find(v))
+            return q
+
+        def try_merge(a: str, b: str) -> bool:
+            ra, rb = find(a), find(b)
+            if ra == rb:
+                return False
+            # Merging two groups keeps the quotient acyclic iff no path between them
+            # passes through a third group.
+            q = quotient()
+            q_no_direct = q.copy()
+            q_no_direct.remove_edges_from([(ra, rb), (rb, ra)])
+            if nx.has_path(q_no_direct, ra, rb) or nx.has_path(q_no_direct, rb, ra):
+                return False
+            keep, drop = sorted((ra, rb), key=lambda n: self.nx.nodes[n]["index"])
+            groups[drop] = keep
+            return True
+
+        order = self.topological_order()
+        if depth is not None:
+            by_prefix: dict[str, list[str]] = {}
+            for n in order:
+                module = self.nx.nodes[n]["module"]
+                if not module:
+                    continue
+                prefix = ".".join(module.split(".")[:depth])
+                by_prefix.setdefault(prefix, []).append(n)
+            for members in by_prefix.values():
+                # Merge in program order into a growing group; a member whose merge
+                # would close a cycle starts a new group instead.
+                head = members[0]
+                for m in members[1:]:
+                    if not try_merge(head, m):
+                        head = m
+        if fold_free or fold_chains:
+            for n in order:
+                d = self.nx.nodes[n]
+                is_free = d["fwd"] + d["bwd"] <= free_threshold and d["params"] == 0 and d["buffers"] == 0
+                preds = list(self.nx.predecessors(n))
+                succs = list(self.nx.successors(n))
+                if fold_free and is_free:
+                    if len({find(p) for p in preds}) == 1:
+                        try_merge(preds[0], n)
+                        continue
+                    if not preds and len({find(s) for s in succs}) == 1:
+                        try_merge(n, succs[0])
+                        continue
+                if fold_chains and len(preds) == 1 and len(list(self.nx.successors(preds[0]))) == 1:
+                    try_merge(preds[0], n)
+        return self._contract(find)
+
+    def contract(self, group_of: Mapping[str, str] | Callable[[str], str]) -> OpGraph:
+        """Merge nodes that map to the same group; raises if the result has a cycle."""
+        fn = group_of if callable(group_of) else group_of.__getitem__
+        return self._contract(fn)
+
+    def _contract(self, group_of: Callable[[str], str]) -> OpGraph:
+        members: dict[str, list[str]] = {}
+        for n in self.topological_order():
+            members.setdefault(group_of(n), []).append(n)
+        g = nx.DiGraph()
+        for rep, group in members.items():
+            datas = [self.nx.nodes[m] for m in group]
+            first = datas[0]
+            modules = [d["module"] for d in datas if d["module"]]
+            g.add_node(
+                group[0],
+                fwd=sum(d["fwd"] for d in datas),
+                bwd=sum(d["bwd"] for d in datas),
+                params=sum(d["params"] for d in datas),
+                buffers=sum(d["buffers"] for d in datas),
+                flops=sum(d["flops"] for d in datas),
+                # The group's output is what leaves it: bytes of members read outside.
+                out_bytes=sum(
+                    d["out_bytes"] for m, d in zip(group, datas)
+                    if any(group_of(s) != rep for s in self.nx.successors(m))
+                    or self.nx.out_degree(m) == 0
+                ),
+                module=_common_prefix(modules) if modules else first["module"],
+                op=first["op"] if len(group) == 1 else f"group({len(group)})",
+                index=first["index"],
+                param_names=tuple(p for d in datas for p in d["param_names"]),
+                buffer_names=tuple(b for d in datas for b in d["buffer_names"]),
+                shared_params=tuple(p for d in datas for p in d["shared_params"]),
+                fx_nodes=tuple(f for d in datas for f in d["fx_nodes"]),
+            )
+        for u, v in self.nx.edges:
+            gu, gv = members_rep(group_of, u, members), members_rep(group_of, v, members)
+            if gu != gv:
+                g.add_edge(gu, gv)
+        if not nx.is_directed_acyclic_graph(g):
+            raise ValueError("contracting these groups makes the op graph cyclic; "
+                             "groups must be convex (no path leaves a group and comes back)")
+        # Re-number so that ``index`` stays a dense topological order.
+        for i, n in enumerate(sorted(g.nodes, key=lambda n: g.nodes[n]["index"])):
+            g.nodes[n]["index"] = i
+        meta = dict(self.meta)
+        meta["coarsened_from"] = len(self)
+        return OpGraph(g, meta)
+
+
+def members_rep(group_of: Callable[[str], str], node: str, members: dict[str, list[str]]) -> str:
+    """The name of the coarse node that ``node`` ended up in (its group's first member)."""
+    return members[group_of(node)][0]
+
+
+def _common_prefix(modules: list[str]) -> str:
+    parts = [m.split(".") for m in modules]
+    prefix: list[str] = []
+    for column in zip(*parts):
+        if all(c == column[0] for c in column):
+            prefix.append(column[0])
+        else:
+            break
+    return ".".join(prefix)

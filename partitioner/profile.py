@@ -1,0 +1,427 @@
+"""Profile a traced model op by op into an OpGraph: forward/backward time, bytes, FLOPs."""
+
+from __future__ import annotations
+
+import operator
+import statistics
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from partitioner.devices import DeviceSpec, dtype_key
+from partitioner.graph import OpGraph
+from partitioner.trace import TraceError, flatten_inputs, trace
+
+__all__ = ["profile", "op_nodes", "TIMINGS"]
+
+TIMINGS = ("measured", "analytic")
+ProgressFn = Callable[[int, int], None]
+
+
+def op_nodes(gm: fx.GraphModule) -> tuple[list[fx.Node], dict[fx.Node, fx.Node]]:
+    """The fx nodes that become OpGraph nodes, and the op each fx node belongs to.
+
+    Every call node is an op except ``getitem``, which belongs to the op whose output it
+    picks from (a cut never falls between a tuple and its elements).
+    """
+    ops: list[fx.Node] = []
+    owner: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op not in ("call_module", "call_function", "call_method"):
+            continue
+        if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and node.args[0] in owner:
+            owner[node] = owner[node.args[0]]
+            continue
+        owner[node] = node
+        ops.append(node)
+    return ops, owner
+
+
+def profile(
+    model: nn.Module,
+    example_args: Sequence[Any] | Any = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    timing: str = "measured",
+    device: str | torch.device | None = None,
+    repeats: int = 5,
+    warmup: int = 2,
+    device_profile: str | Path | dict | None = None,
+    dtype: str | None = None,
+    training: bool = True,
+    graph_module: fx.GraphModule | None = None,
+    frontend: str = "auto",
+    leaf_modules: Iterable[type | str] = (),
+    progress: ProgressFn | None = None,
+) -> OpGraph:
+    """Trace ``model`` on the sample and cost every op; returns an ``OpGraph``.
+
+    ``timing="measured"`` runs each op on its own inputs (warm-up, then the median of
+    ``repeats``; CUDA events on a GPU) and times its backward with autograd on a random
+    output gradient. ``timing="analytic"`` counts FLOPs (``torch.utils.flop_counter``) and
+    bytes moved and prices them on ``device_profile`` (a name in profiles/ or a path;
+    ``dtype`` prices the ops as if run in, e.g., ``"bf16"``): this plans a GPU cluster from
+    a laptop, and works on a model built on the meta device. ``device`` moves the model
+    there for the duration of the call (it is moved back afterwards).
+    """
+    if timing not in TIMINGS:
+        raise ValueError(f"unknown timing {timing!r}; choose 'measured' or 'analytic'")
+    if repeats < 1:
+        raise ValueError("repeats must be at least 1")
+    args = tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,)
+    kwargs = dict(example_kwargs or {})
+    home = _model_device(model)
+    target = torch.device(device) if device is not None else home
+    if target.type == "meta" and timing == "measured":
+        raise ValueError("a model on the meta device has no real tensors to time; use timing='analytic' "
+                         "(with device_profile='h100-sxm' or another profile) to plan it")
+    spec = None
+    if timing == "analytic":
+        spec = DeviceSpec.from_profile(device_profile or ("cpu" if target.type == "cpu" else "h100-sxm"))
+    moved = target != home
+    if moved:
+        model.to(target)
+    args, kwargs = _to_device((args, kwargs), target)
+    was_training = model.training
+    model.train(training)
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    try:
+        gm = graph_module if graph_module is not None else trace(
+            model, args, kwargs, frontend=frontend, leaf_modules=leaf_modules)
+        runner = _OpRunner(gm, target, training=training, timing=timing, spec=spec, dtype=dtype,
+                           repeats=repeats, warmup=warmup)
+        try:
+            inputs = flatten_inputs(gm, args, kwargs)
+        except TypeError as err:
+            raise TraceError(f"the sample inputs do not match the traced model: {err}") from None
+        graph = runner.run(inputs, progress)
+    finally:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name in buffers and b.shape == buffers[name].shape:
+                    b.copy_(buffers[name])
+        model.train(was_training)
+        if moved:
+            model.to(home)
+    info = gm.meta.get("smp_trace")
+    graph.meta.update({
+        "model": type(model).__name__,
+        "frontend": getattr(info, "frontend", "unknown"),
+        "timing": timing,
+        "device": str(target),
+        "device_profile": spec.name if spec else None,
+        "dtype": dtype,
+        "repeats": repeats if timing == "measured" else None,
+        "training": training,
+        "torch": torch.__version__,
+        "inputs": _describe_inputs(args, kwargs),
+    })
+    return graph
+
+
+# ------------------------------------------------------------------ the op runner
+
+
+@dataclass
+class _Costs:
+    fwd: float
+    bwd: float
+    bwd_input: float
+    flops: int
+
+
+class _OpRunner:
+    """Walks the graph in program order, running and costing one op at a time."""
+
+    def __init__(self, gm: fx.GraphModule, device: torch.device, *, training: bool, timing: str,
+                 spec: DeviceSpec | None, dtype: str | None, repeats: int, warmup: int):
+        self.gm = gm
+        self.device = device
+        self.training = training
+        self.timing = timing
+        self.spec = spec
+        self.dtype = dtype
+        self.repeats = repeats
+        self.warmup = warmup
+        self.interpreter = fx.Interpreter(gm)
+        self.cuda = device.type == "cuda"
+
+    def run(self, inputs: list[Any], progress: ProgressFn | None) -> OpGraph:
+        ops, owner = op_nodes(self.gm)
+        env: dict[fx.Node, Any] = {}
+        placeholders = iter(inputs)
+        g = nx.DiGraph()
+        seen_state: dict[int, str] = {}
+        index = 0
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder":
+                env[node] = next(placeholders)
+                continue
+            if node.op == "get_attr":
+                env[node] = self.interpreter.fetch_attr(str(node.target))
+                continue
+            if node.op == "output":
+                continue
+            args, kwargs = self._args(node, env)
+            if owner[node] is not node:  # getitem: plumbing that belongs to its producer
+                with torch.set_grad_enabled(self.training):
+                    env[node] = self._call(node, args, kwargs)
+                g.nodes[owner[node].name]["fx_nodes"] += (node.name,)
+                continue
+            with torch.set_grad_enabled(self.training):
+                out = self._call(node, args, kwargs)
+            env[node] = out
+            costs = self._cost(node, args, kwargs, out)
+            params, buffers, shared, param_bytes, buffer_bytes = self._state(node, seen_state)
+            g.add_node(
+                node.name,
+                fwd=costs.fwd,
+                bwd=costs.bwd,
+                bwd_w=max(costs.bwd - costs.bwd_input, 0.0),
+                params=param_bytes,
+                buffers=buffer_bytes,
+                out_bytes=_tensor_bytes(out),
+                flops=costs.flops,
+                module=node.meta.get("smp_module", ""),
+                op=_op_name(node, self.gm),
+                index=index,
+                param_names=params,
+                buffer_names=buffers,
+                shared_params=shared,
+                fx_nodes=(node.name,),
+            )
+            index += 1
+            for producer in node.all_input_nodes:
+                if producer in owner and owner[producer] is not node:
+                    g.add_edge(owner[producer].name, node.name)
+            if progress is not None:
+                progress(index, len(ops))
+        return OpGraph(g)
+
+    # -------------------------------------------------------------- running one op
+
+    def _args(self, node: fx.Node, env: Mapping[fx.Node, Any]) -> tuple[tuple, dict]:
+        args = fx.node.map_arg(node.args, lambda n: env[n])
+        kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
+        return args, kwargs
+
+    def _call(self, node: fx.Node, args: tuple, kwargs: dict) -> Any:
+        return getattr(self.interpreter, node.op)(node.target, args, kwargs)
+
+    def _state(self, node: fx.Node, seen: dict[int, str]) -> tuple[tuple, tuple, tuple, int, int]:
+        """Parameter/buffer names the node reads, and the bytes it is first to read."""
+        params = tuple(node.meta.get("smp_params", ()))
+        buffers = tuple(node.meta.get("smp_buffers", ()))
+        shared: list[str] = []
+        param_bytes = buffer_bytes = 0
+        for names, is_param in ((params, True), (buffers, False)):
+            for name in names:
+                tensor = self.interpreter.fetch_attr(name)
+                key = id(tensor)
+                if key in seen:
+                    if is_param:
+                        shared.append(name)
+                    continue
+                seen[key] = name
+                if is_param:
+                    param_bytes += tensor.numel() * tensor.element_size()
+                else:
+                    buffer_bytes += tensor.numel() * tensor.element_size()
+        return params, buffers, tuple(shared), param_bytes, buffer_bytes
+
+    def _cost(self, node: fx.Node, args: tuple, kwargs: dict, out: Any) -> _Costs:
+        inplace = _is_inplace(node)
+        grad_inputs = self._grad_inputs(node, args, kwargs)
+        needs_bwd = self.training and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(out))
+        flops_fwd = _count_flops(lambda: self._call(node, *_fresh(args, kwargs, inplace)))
+        if self.timing == "analytic":
+            return self._analytic(node, args, kwargs, out, grad_inputs, needs_bwd, flops_fwd, inplace)
+        fwd = self._time(lambda: self._call(node, *_fresh(args, kwargs, inplace)))
+        bwd = bwd_input = 0.0
+        if needs_bwd:
+            bwd = self._time_backward(node, args, kwargs, inplace, grad_inputs, weights=True)
+            # Without weights the whole backward is the input gradient; timing it twice
+            # would only add noise to the split.
+            bwd_input = (self._time_backward(node, args, kwargs, inplace, grad_inputs, weights=False)
+                         if self._weights(node) else bwd)
+        return _Costs(fwd, bwd, min(bwd_input, bwd), flops_fwd)
+
+    def _grad_inputs(self, node: fx.Node, args: tuple, kwargs: dict) -> list[int]:
+        """Positions (in the flat args) of activations that need an input gradient."""
+        flat = pytree.tree_leaves((args, kwargs))
+        from_state = {id(t) for t in self._node_state_tensors(node)}
+        return [i for i, t in enumerate(flat)
+                if isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in from_state]
+
+    def _node_state_tensors(self, node: fx.Node) -> list[torch.Tensor]:
+        names = tuple(node.meta.get("smp_params", ())) + tuple(node.meta.get("smp_buffers", ()))
+        return [self.interpreter.fetch_attr(n) for n in names]
+
+    def _weights(self, node: fx.Node) -> list[torch.Tensor]:
+        return [t for t in (self.interpreter.fetch_attr(n) for n in node.meta.get("smp_params", ()))
+                if t.requires_grad]
+
+    def _backward_closure(self, node: fx.Node, args: tuple, kwargs: dict, inplace: bool,
+                          grad_inputs: list[int], weights: bool) -> Callable[[], Callable[[], Any]] | None:
+        """A function that runs the op's forward and returns its (timed) backward call."""
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        wrt_weights = self._weights(node) if weights else []
+        if not grad_inputs and not wrt_weights:
+            return None
+
+        def prepare() -> Callable[[], Any]:
+            leaves = list(flat)
+            wrt: list[torch.Tensor] = list(wrt_weights)
+            for i in grad_inputs:
+                leaf = flat[i].detach().requires_grad_(True)
+                wrt.append(leaf)
+                leaves[i] = leaf.clone() if inplace else leaf
+            call_args, call_kwargs = pytree.tree_unflatten(leaves, spec)
+            with torch.enable_grad():
+                out = self._call(node, call_args, call_kwargs)
+            outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+            grads = [torch.randn_like(t) if t.is_floating_point() else torch.ones_like(t) for t in outs]
+            return lambda: torch.autograd.grad(outs, wrt, grads, allow_unused=True)
+
+        return prepare
+
+    def _time_backward(self, node: fx.Node, args: tuple, kwargs: dict, inplace: bool,
+                       grad_inputs: list[int], weights: bool) -> float:
+        prepare = self._backward_closure(node, args, kwargs, inplace, grad_inputs, weights)
+        if prepare is None:
+            return 0.0
+        samples = []
+        for i in range(self.warmup + self.repeats):
+            run = prepare()
+            elapsed = self._timed(run)
+            if i >= self.warmup:
+                samples.append(elapsed)
+        return statistics.median(samples)
+
+    def _time(self, fn: Callable[[], Any]) -> float:
+        for _ in range(self.warmup):
+            fn()
+        return statistics.median(self._timed(fn) for _ in range(self.repeats))
+
+    def _timed(self, fn: Callable[[], Any]) -> float:
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        begin = time.perf_counter()
+        fn()
+        return time.perf_counter() - begin
+
+    # -------------------------------------------------------------- analytic costs
+
+    def _analytic(self, node: fx.Node, args: tuple, kwargs: dict, out: Any, grad_inputs: list[int],
+                  needs_bwd: bool, flops_fwd: int, inplace: bool) -> _Costs:
+        assert self.spec is not None
+        dtype = self.dtype or _dominant_dtype(out, args)
+        state_bytes = sum(_tensor_bytes(t) for t in self._node_state_tensors(node))
+        in_bytes = _tensor_bytes((args, kwargs))
+        out_bytes = _tensor_bytes(out)
+        fwd = self.spec.op_time(flops_fwd, in_bytes + out_bytes, dtype)
+        bwd = bwd_input = 0.0
+        if needs_bwd:
+            full = self._backward_closure(node, args, kwargs, inplace, grad_inputs, weights=True)
+            only_input = self._backward_closure(node, args, kwargs, inplace, grad_inputs, weights=False)
+            if full is not None:
+                run = full()
+                bwd = self.spec.op_time(_count_flops(run), 2 * in_bytes + out_bytes + state_bytes, dtype)
+            if only_input is not None and self._weights(node):
+                run = only_input()
+                bwd_input = self.spec.op_time(_count_flops(run), in_bytes + out_bytes, dtype)
+            elif only_input is not None:
+                bwd_input = bwd
+        return _Costs(fwd, bwd, min(bwd_input, bwd), flops_fwd)
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _count_flops(fn: Callable[[], Any]) -> int:
+    counter = FlopCounterMode(display=False)
+    with counter:
+        fn()
+    return int(counter.get_total_flops())
+
+
+def _fresh(args: tuple, kwargs: dict, inplace: bool) -> tuple[tuple, dict]:
+    """The op's arguments; cloned for in-place ops so repeats don't compound their writes."""
+    if not inplace:
+        return args, kwargs
+    return pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, (args, kwargs))
+
+
+def _is_inplace(node: fx.Node) -> bool:
+    target = node.target
+    if node.op == "call_method":
+        return str(target).endswith("_") and not str(target).endswith("__")
+    if node.op == "call_function":
+        name = getattr(target, "__name__", str(target))
+        if target in (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem):
+            return True
+        schema = getattr(target, "_schema", None)
+        if schema is not None:
+            return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        return name.endswith("_") and not name.endswith("__")
+    return False
+
+
+def _tensor_bytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
+
+
+def _dominant_dtype(out: Any, args: Any) -> str:
+    for value in (out, args):
+        for t in pytree.tree_leaves(value):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                return dtype_key(t.dtype)
+    return "fp32"
+
+
+def _op_name(node: fx.Node, gm: fx.GraphModule) -> str:
+    if node.op == "call_module":
+        return type(gm.get_submodule(str(node.target))).__name__
+    if node.op == "call_method":
+        return f"Tensor.{node.target}"
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    return getattr(target, "__name__", str(target))
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for tensor in model.parameters():
+        return tensor.device
+    for tensor in model.buffers():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, value)
+
+
+def _describe_inputs(args: tuple, kwargs: dict) -> dict[str, Any]:
+    def describe(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", "")}
+        return repr(v)
+    return {"args": [pytree.tree_map(describe, a) for a in args],
+            "kwargs": {k: pytree.tree_map(describe, v) for k, v in kwargs.items()}}

@@ -1,0 +1,173 @@
+"""Profiler: exact parameter and output bytes, plausible measured times, analytic costs on meta."""
+
+import statistics
+import time
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from partitioner import OpGraph, TraceError, flatten_inputs, profile, trace
+from partitioner.profile import op_nodes
+from smp.models import build
+
+ZOO = ["gpt", "bert", "t5", "resnet", "unet", "mlp"]
+
+
+def _unique_param_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", ZOO + ["hf-gpt2", "hf-bert", "hf-t5"])
+def test_params_sum_to_unique_parameter_bytes(name):
+    if name.startswith("hf-"):
+        pytest.importorskip("transformers")
+    bundle = build(name if name.startswith("hf-") else f"{name}:size=tiny")
+    graph = profile(bundle.model, bundle.example_args, bundle.example_kwargs, repeats=1, warmup=0)
+    assert graph.total_params == _unique_param_bytes(bundle.model)
+    for node in graph.nx:
+        data = graph[node]
+        assert data["fwd"] >= 0 and data["bwd"] >= 0 and 0 <= data["bwd_w"] <= data["bwd"] + 1e-12
+        assert set(data) >= {"fwd", "bwd", "params", "out_bytes", "flops", "module", "op"}
+
+
+def test_tied_parameter_is_counted_once_and_marked():
+    bundle = build("gpt:size=tiny")
+    graph = profile(bundle.model, bundle.example_args, repeats=1, warmup=0)
+    shared = [n for n in graph.nx if graph[n]["shared_params"]]
+    assert len(shared) == 1
+    head = graph[shared[0]]
+    assert head["params"] == 0  # its weight was counted on the embedding
+    owner = [n for n in graph.nx if "tok_emb.weight" in graph[n]["param_names"]]
+    assert graph[owner[0]]["params"] == bundle.model.tok_emb.weight.numel() * 4
+
+
+class _Recorder(fx.Interpreter):
+    def __init__(self, gm):
+        super().__init__(gm)
+        self.bytes = {}
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        self.bytes[n.name] = sum(t.numel() * t.element_size() for t in pytree.tree_leaves(out)
+                                 if isinstance(t, torch.Tensor))
+        return out
+
+
+@pytest.mark.parametrize("name", ["gpt", "unet", "t5"])
+def test_out_bytes_are_the_real_output_sizes(name):
+    bundle = build(f"{name}:size=tiny")
+    gm = trace(bundle.model, bundle.example_args, bundle.example_kwargs)
+    graph = profile(bundle.model, bundle.example_args, bundle.example_kwargs, graph_module=gm,
+                    repeats=1, warmup=0)
+    recorder = _Recorder(gm)
+    with torch.no_grad():
+        recorder.run(*flatten_inputs(gm, bundle.example_args, bundle.example_kwargs))
+    ops, _ = op_nodes(gm)
+    assert len(graph) == len(ops)
+    for node in list(graph.nx)[:: max(1, len(graph) // 25)]:
+        assert graph[node]["out_bytes"] == recorder.bytes[node], node
+
+
+def _median_time(fn, repeats=7):
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def test_measured_times_add_up_to_the_whole_model():
+    """Σ fwd within 30% of a timed whole forward; Σ bwd within a factor 2 of a whole backward.
+
+    Timed on one thread: the machine is shared, and a single thread is the least
+    sensitive to other processes. Best of three attempts, since one noisy attempt says
+    nothing about the profiler.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        bundle = build("gpt:layers=2,d_model=256,heads=4,seq_len=128,batch=4,vocab=2048")
+        model, args = bundle.model, bundle.example_args
+        ratios = []
+        for _ in range(3):
+            graph = profile(model, args, repeats=5, warmup=2)
+            whole_fwd = _median_time(lambda: model(*args))
+
+            def fwd_bwd():
+                out = model(*args)
+                start = time.perf_counter()
+                out.backward(torch.ones_like(out))
+                return time.perf_counter() - start
+
+            fwd_bwd()
+            whole_bwd = statistics.median(fwd_bwd() for _ in range(5))
+            ratios.append((graph.total_fwd / whole_fwd, graph.total_bwd / whole_bwd))
+            if abs(ratios[-1][0] - 1) <= 0.3 and 0.5 <= ratios[-1][1] <= 2.0:
+                break
+        fwd_ratio, bwd_ratio = ratios[-1]
+        assert abs(fwd_ratio - 1) <= 0.3, ratios
+        assert 0.5 <= bwd_ratio <= 2.0, ratios
+        assert graph.total_bwd > graph.total_fwd  # backward costs more than forward
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_profile_leaves_model_state_untouched():
+    bundle = build("resnet:size=tiny")
+    bundle.model.train()
+    state = {k: v.clone() for k, v in bundle.model.state_dict().items()}
+    profile(bundle.model, bundle.example_args, repeats=2, warmup=1)
+    assert bundle.model.training
+    for k, v in bundle.model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    assert all(p.grad is None for p in bundle.model.parameters())
+
+
+def test_analytic_timing_plans_a_1b_model_on_meta():
+    bundle = build("gpt:size=1b", meta=True)
+    graph = profile(bundle.model, bundle.example_args, timing="analytic", device_profile="h100-sxm",
+                    dtype="bf16")
+    assert graph.meta["timing"] == "analytic"
+    assert graph.total_params == _unique_param_bytes(bundle.model)
+    # A decoder's forward is about 2 FLOPs per matmul parameter per token, plus attention.
+    cfg = bundle.config
+    tokens = cfg["batch"] * cfg["seq_len"]
+    matmul_params = bundle.num_params() - cfg["seq_len"] * cfg["d_model"]  # all but the position table
+    ratio = graph.total_flops / (2 * matmul_params * tokens)
+    assert 0.9 <= ratio <= 1.6, ratio
+    # Roofline time of the whole forward cannot beat the device at full efficiency.
+    assert graph.total_fwd >= graph.total_flops / 9.894e14
+    assert 1.5 <= graph.total_bwd / graph.total_fwd <= 2.5
+
+
+def test_profiled_graph_json_round_trip(tmp_path):
+    bundle = build("unet:size=tiny")
+    graph = profile(bundle.model, bundle.example_args, repeats=1, warmup=0)
+    graph.to_json(tmp_path / "graph.json")
+    again = OpGraph.from_json(tmp_path / "graph.json")
+    assert again == graph
+    assert again.total_fwd == graph.total_fwd and again.meta == graph.meta
+
+
+def test_profile_errors():
+    bundle = build("mlp:size=tiny")
+    with pytest.raises(TraceError, match="do not match"):
+        profile(bundle.model, (bundle.example_args[0], 3, 4))
+    meta = build("mlp:size=tiny", meta=True)
+    with pytest.raises(ValueError, match="analytic"):
+        profile(meta.model, meta.example_args)
+    with pytest.raises(ValueError, match="timing"):
+        profile(bundle.model, bundle.example_args, timing="guess")
+    with pytest.raises(FileNotFoundError, match="built-in names"):
+        profile(bundle.model, bundle.example_args, timing="analytic", device_profile="tpu-v9")
+
+
+def test_progress_callback_reports_every_op():
+    bundle = build("mlp:size=tiny")
+    seen = []
+    graph = profile(bundle.model, bundle.example_args, repeats=1, warmup=0,
+                    progress=lambda done, total: seen.append((done, total)))
+    assert seen[-1] == (len(graph), len(graph))
