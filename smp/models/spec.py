@@ -1,0 +1,621 @@
+"""Model spec strings (``gpt:layers=24``, ``path/to/file.py:factory``), the zoo registry, and ``build``."""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib.util
+import inspect
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+__all__ = [
+    "SpecError",
+    "Option",
+    "ModelInfo",
+    "ModelBundle",
+    "BuildContext",
+    "Built",
+    "register_model",
+    "parse_spec",
+    "list_models",
+    "get_model_info",
+    "build",
+]
+
+
+class SpecError(ValueError):
+    """A model spec that cannot be parsed or built; the message names the cause and the fix."""
+
+
+# --------------------------------------------------------------------------- data types
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option a zoo model accepts: its name, default, type and a one-line help."""
+
+    name: str
+    default: Any
+    type: type
+    help: str = ""
+    choices: tuple[Any, ...] | None = None
+    # Ints must be >= this bound (None: no bound). Most sizes must be positive.
+    min: int | float | None = None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What ``smp models`` prints: a zoo entry's name, description, options and presets."""
+
+    name: str
+    description: str
+    options: tuple[Option, ...]
+    presets: Mapping[str, Mapping[str, Any]]
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return {o.name: o.default for o in self.options}
+
+    def option(self, name: str) -> Option | None:
+        for o in self.options:
+            if o.name == name:
+                return o
+        return None
+
+
+def _loss_from_output(output: Any) -> torch.Tensor:
+    """The logits tensor inside a model's output (a tensor, a tuple/list, or a dict)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping):
+        if "logits" in output:
+            return output["logits"]
+        return next(iter(output.values()))
+    if isinstance(output, (tuple, list)):
+        return output[0]
+    # transformers ModelOutput is a Mapping subclass in practice; attribute is the fallback.
+    logits = getattr(output, "logits", None)
+    if logits is None:
+        raise TypeError(f"cannot find the logits in a model output of type {type(output).__name__}")
+    return logits
+
+
+@dataclass
+class ModelBundle:
+    """A model, a sample batch for it, a target and a loss: everything ``smp`` needs to plan and check it.
+
+    ``loss_fn(model(*example_args, **example_kwargs), target)`` is a scalar tensor.
+    """
+
+    name: str
+    spec: str
+    model: nn.Module
+    example_args: tuple[Any, ...]
+    example_kwargs: dict[str, Any] = field(default_factory=dict)
+    target: Any = None
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def num_params(self) -> int:
+        """Unique parameters: a tied weight (GPT's LM head) is counted once."""
+        seen: set[int] = set()
+        total = 0
+        for p in self.model.parameters():  # parameters() already de-duplicates; the set is belt and braces
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel()
+        return total
+
+    def param_bytes(self) -> int:
+        """Bytes of the unique parameters at their current dtype."""
+        seen: set[int] = set()
+        total = 0
+        for p in self.model.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel() * p.element_size()
+        return total
+
+    def loss(self, output: Any | None = None) -> torch.Tensor:
+        """The loss on the sample batch (runs the model when ``output`` is not given)."""
+        if output is None:
+            output = self.model(*self.example_args, **self.example_kwargs)
+        if self.loss_fn is None:
+            raise SpecError(f"model {self.name!r} has no loss_fn")
+        return self.loss_fn(output, self.target)
+
+
+@dataclass
+class BuildContext:
+    """What a zoo builder gets besides its options: where to put tensors and how to draw sample inputs."""
+
+    meta: bool
+    generator: torch.Generator
+
+    @property
+    def input_device(self) -> torch.device:
+        return torch.device("meta") if self.meta else torch.device("cpu")
+
+    def randint(self, high: int, shape: Sequence[int], low: int = 0) -> torch.Tensor:
+        if self.meta:
+            return torch.empty(tuple(shape), dtype=torch.long, device="meta")
+        return torch.randint(low, high, tuple(shape), generator=self.generator)
+
+    def randn(self, shape: Sequence[int]) -> torch.Tensor:
+        if self.meta:
+            return torch.empty(tuple(shape), device="meta")
+        return torch.randn(tuple(shape), generator=self.generator)
+
+    def rand(self, shape: Sequence[int]) -> torch.Tensor:
+        if self.meta:
+            return torch.empty(tuple(shape), device="meta")
+        return torch.rand(tuple(shape), generator=self.generator)
+
+
+@dataclass
+class Built:
+    """What a zoo builder returns; ``build`` wraps it into a ModelBundle."""
+
+    model: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    target: Any
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+
+
+Builder = Callable[[dict[str, Any], BuildContext], Built]
+
+
+@dataclass(frozen=True)
+class _Entry:
+    info: ModelInfo
+    builder: Builder
+    # Optional check of the resolved options (raises SpecError); e.g. d_model % heads.
+    validate: Callable[[dict[str, Any]], None] | None
+
+
+_REGISTRY: dict[str, _Entry] = {}
+_ALIASES: dict[str, tuple[str, dict[str, Any]]] = {}
+
+
+def register_model(
+    name: str,
+    description: str,
+    options: Sequence[Option],
+    presets: Mapping[str, Mapping[str, Any]] | None = None,
+    validate: Callable[[dict[str, Any]], None] | None = None,
+) -> Callable[[Builder], Builder]:
+    """Decorator: add a builder to the zoo under ``name``.
+
+    Every preset also becomes an alias ``name-preset`` (``gpt-1b`` == ``gpt:size=1b``).
+    The ``size`` option is added automatically when presets exist; the option defaults
+    are what ``size`` does not override.
+    """
+    presets = dict(presets or {})
+    opts = list(options)
+    if presets and not any(o.name == "size" for o in opts):
+        # Listed right after `batch` (the sample options), before tuning knobs like dropout.
+        names = [o.name for o in opts]
+        at = names.index("batch") + 1 if "batch" in names else len(opts)
+        opts.insert(at, Option("size", None, str, "named preset: " + "|".join(presets), choices=tuple(presets)))
+
+    def deco(fn: Builder) -> Builder:
+        aliases = tuple(f"{name}-{p}" for p in presets)
+        info = ModelInfo(name, description, tuple(opts), presets, aliases)
+        _REGISTRY[name] = _Entry(info, fn, validate)
+        for p, alias in zip(presets, aliases):
+            _ALIASES[alias] = (name, {"size": p})
+        return fn
+
+    return deco
+
+
+def _ensure_zoo_loaded() -> None:
+    # The zoo modules register themselves on import; importing the package imports them.
+    import smp.models  # noqa: F401
+
+
+def list_models() -> list[ModelInfo]:
+    """Every zoo entry, in registration order."""
+    _ensure_zoo_loaded()
+    return [e.info for e in _REGISTRY.values()]
+
+
+def get_model_info(name: str) -> ModelInfo:
+    """The zoo entry called ``name`` (or an alias such as ``gpt-1b``); SpecError listing the known names if none."""
+    _ensure_zoo_loaded()
+    return _lookup(name)[0].info
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _is_file_spec(spec: str) -> bool:
+    head = spec.split(":", 1)[0]
+    return head.endswith(".py") or "/" in head or os.sep in head
+
+
+def _split_options(text: str, where: str) -> dict[str, str]:
+    options: dict[str, str] = {}
+    if not text.strip():
+        return options
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if "=" not in item:
+            raise SpecError(f"bad option {item!r} in {where}: expected name=value (e.g. layers=4)")
+        key, value = item.split("=", 1)
+        key, value = key.strip(), value.strip()
+        if not key:
+            raise SpecError(f"bad option {item!r} in {where}: empty option name")
+        if key in options:
+            raise SpecError(f"option {key!r} given twice in {where}")
+        options[key] = value
+    return options
+
+
+def _guess_value(text: str) -> Any:
+    """A raw option value as the literal it looks like: bool, int, float, else the string."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    try:
+        return int(text.replace("_", ""))
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _split_spec(spec: str) -> tuple[str, dict[str, str], str | None]:
+    """(model name or file path, raw option strings, factory name or None for zoo specs)."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise SpecError("empty model spec: give a zoo name such as 'gpt:layers=4' or 'path/to/file.py:factory'")
+    spec = spec.strip()
+    if _is_file_spec(spec):
+        parts = spec.split(":", 2)
+        path = parts[0]
+        factory = parts[1].strip() if len(parts) > 1 and parts[1].strip() else None
+        if factory is None:
+            raise SpecError(
+                f"file spec {spec!r} names no factory: write 'path/to/file.py:factory' "
+                "where factory() returns the model and its sample inputs"
+            )
+        raw = _split_options(parts[2], f"spec {spec!r}") if len(parts) > 2 else {}
+        return path, raw, factory
+    name, _, rest = spec.partition(":")
+    name = name.strip()
+    if not name:
+        raise SpecError(f"model spec {spec!r} has no model name before ':'")
+    return name, _split_options(rest, f"spec {spec!r}"), None
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """Split a spec into ``(name, options)``; values become bool/int/float/str by how they look.
+
+    ``gpt:layers=24,d_model=1024`` -> ``("gpt", {"layers": 24, "d_model": 1024})``.
+    A file spec ``path/file.py:factory[:k=v,...]`` -> ``("path/file.py", {"factory": "factory", ...})``.
+    No check against the zoo is made here; ``build`` does that.
+    """
+    name, raw, factory = _split_spec(spec)
+    options: dict[str, Any] = {k: _guess_value(v) for k, v in raw.items()}
+    if factory is not None:
+        options = {"factory": factory, **options}
+    return name, options
+
+
+# --------------------------------------------------------------------------- resolution
+
+
+def _suggest(word: str, candidates: Sequence[str]) -> str:
+    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _lookup(name: str) -> tuple[_Entry, dict[str, Any]]:
+    if name in _REGISTRY:
+        return _REGISTRY[name], {}
+    if name in _ALIASES:
+        real, preset = _ALIASES[name]
+        return _REGISTRY[real], dict(preset)
+    known = list(_REGISTRY)
+    raise SpecError(
+        f"unknown model {name!r}; known models: {', '.join(known)}"
+        f"{_suggest(name, known + list(_ALIASES))}. "
+        "For your own model use 'path/to/file.py:factory'."
+    )
+
+
+def _accepted(info: ModelInfo) -> str:
+    return ", ".join(o.name for o in info.options)
+
+
+def _coerce(info: ModelInfo, opt: Option, value: Any) -> Any:
+    """``value`` (a raw string from a spec, or a Python value from a preset/keyword) as ``opt.type``."""
+
+    def bad(why: str) -> SpecError:
+        extra = f"; choices: {', '.join(map(str, opt.choices))}" if opt.choices else ""
+        return SpecError(f"bad value {value!r} for option {opt.name!r} of model {info.name!r}: {why}{extra}")
+
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+        if opt.default is None:
+            return None
+        raise bad(f"expected {opt.type.__name__}, got none")
+    t = opt.type
+    if t is bool:
+        if isinstance(value, bool):
+            out: Any = value
+        elif isinstance(value, str) and value.lower() in ("true", "yes", "on", "1"):
+            out = True
+        elif isinstance(value, str) and value.lower() in ("false", "no", "off", "0"):
+            out = False
+        elif isinstance(value, int) and value in (0, 1):
+            out = bool(value)
+        else:
+            raise bad("expected true or false")
+    elif t is int:
+        if isinstance(value, bool):
+            raise bad("expected an integer")
+        if isinstance(value, int):
+            out = value
+        elif isinstance(value, float) and value.is_integer():
+            out = int(value)
+        else:
+            try:
+                out = int(str(value).replace("_", ""))
+            except ValueError:
+                raise bad("expected an integer") from None
+    elif t is float:
+        if isinstance(value, bool):
+            raise bad("expected a number")
+        try:
+            out = float(value)
+        except (TypeError, ValueError):
+            raise bad("expected a number") from None
+    else:
+        out = str(value)
+    if opt.choices is not None and out not in opt.choices:
+        raise bad("not one of the accepted values")
+    if opt.min is not None and isinstance(out, (int, float)) and not isinstance(out, bool) and out < opt.min:
+        raise bad(f"must be >= {opt.min}")
+    return out
+
+
+def _resolve(entry: _Entry, raw: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Defaults, then the preset named by ``size``, then the spec's own options, then keyword overrides."""
+    info = entry.info
+    names = {o.name for o in info.options}
+    for key in list(raw) + list(overrides):
+        if key not in names:
+            raise SpecError(
+                f"unknown option {key!r} for model {info.name!r}; accepted: {_accepted(info)}"
+                f"{_suggest(key, sorted(names))}"
+            )
+    config = dict(info.defaults)
+    size_opt = info.option("size")
+    size_raw = overrides.get("size", raw.get("size"))
+    if size_opt is not None and size_raw is not None:
+        size = _coerce(info, size_opt, size_raw)
+        config.update(info.presets[size])
+        config["size"] = size
+    for key, value in raw.items():
+        if key != "size":
+            config[key] = _coerce(info, info.option(key), value)  # type: ignore[arg-type]
+    for key, value in overrides.items():
+        if key != "size":
+            config[key] = _coerce(info, info.option(key), value)  # type: ignore[arg-type]
+    if entry.validate is not None:
+        entry.validate(config)
+    return config
+
+
+# --------------------------------------------------------------------------- building
+
+
+def _to_device(obj: Any, device: torch.device | None, dtype: torch.dtype | None) -> Any:
+    """Move tensors in (nested) args to ``device``; cast floating tensors to ``dtype``."""
+    if isinstance(obj, torch.Tensor):
+        if dtype is not None and obj.is_floating_point():
+            obj = obj.to(dtype)
+        return obj.to(device) if device is not None else obj
+    if isinstance(obj, tuple):
+        return tuple(_to_device(x, device, dtype) for x in obj)
+    if isinstance(obj, list):
+        return [_to_device(x, device, dtype) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device, dtype) for k, v in obj.items()}
+    return obj
+
+
+def build(
+    spec: str,
+    *,
+    device: str | torch.device | None = None,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    dtype: torch.dtype | None = None,
+    meta: bool = False,
+    seed: int = 0,
+) -> ModelBundle:
+    """Build a model and its sample batch from a spec string.
+
+    ``spec`` is a zoo name with options (``gpt:layers=24,d_model=1024``, ``gpt:size=1b``,
+    ``gpt-1b``) or ``path/to/file.py:factory[:k=v,...]``. ``batch_size``/``seq_len`` win
+    over the spec's ``batch``/``seq_len``. ``meta=True`` puts model and inputs on the meta
+    device (no memory; for analytic planning). ``seed`` makes weights and inputs repeatable.
+    """
+    name, raw, factory = _split_spec(spec)
+    if factory is not None:
+        bundle = _build_from_file(spec, name, factory, raw, meta=meta, seed=seed)
+    else:
+        _ensure_zoo_loaded()
+        entry, alias_opts = _lookup(name)
+        overrides: dict[str, Any] = {}
+        if batch_size is not None:
+            if entry.info.option("batch") is None:
+                raise SpecError(f"model {entry.info.name!r} has no batch option; accepted: {_accepted(entry.info)}")
+            overrides["batch"] = batch_size
+        if seq_len is not None:
+            if entry.info.option("seq_len") is None:
+                raise SpecError(
+                    f"model {entry.info.name!r} takes no sequence length (seq_len); accepted: {_accepted(entry.info)}"
+                )
+            overrides["seq_len"] = seq_len
+        config = _resolve(entry, {**alias_opts, **raw}, overrides)
+        ctx = BuildContext(meta=meta, generator=torch.Generator().manual_seed(seed + 1))
+        # fork_rng keeps the caller's global RNG untouched: building a model has no side effects.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            if meta:
+                with torch.device("meta"):
+                    built = entry.builder(dict(config), ctx)
+            else:
+                built = entry.builder(dict(config), ctx)
+        bundle = ModelBundle(
+            name=entry.info.name,
+            spec=spec,
+            model=built.model,
+            example_args=tuple(built.args),
+            example_kwargs=dict(built.kwargs),
+            target=built.target,
+            loss_fn=built.loss_fn,
+            config=config,
+        )
+    dev = torch.device(device) if device is not None else None
+    if meta:
+        dev = torch.device("meta")
+    if dtype is not None:
+        bundle.model.to(dtype)
+    if dev is not None:
+        bundle.model.to(dev)
+    if dev is not None or dtype is not None:
+        bundle.example_args = _to_device(bundle.example_args, dev, dtype)
+        bundle.example_kwargs = _to_device(bundle.example_kwargs, dev, dtype)
+        bundle.target = _to_device(bundle.target, dev, dtype)
+    return bundle
+
+
+# --------------------------------------------------------------------------- file specs
+
+
+def _load_module(path: Path, spec: str) -> Any:
+    # A name derived from the path, stable across processes (str hash is salted per process).
+    module_name = "_smp_user_model_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
+    mod_spec = importlib.util.spec_from_file_location(module_name, path)
+    if mod_spec is None or mod_spec.loader is None:
+        raise SpecError(f"cannot import {str(path)!r} from spec {spec!r}: not a Python file")
+    module = importlib.util.module_from_spec(mod_spec)
+    # Registered so pickling (multiprocess runtime) and dataclasses inside the file work.
+    sys.modules[module_name] = module
+    try:
+        mod_spec.loader.exec_module(module)
+    except Exception as exc:
+        sys.modules.pop(module_name, None)
+        raise SpecError(f"importing {str(path)!r} (from spec {spec!r}) failed: {type(exc).__name__}: {exc}") from exc
+    return module
+
+
+def _bundle_from_factory_result(result: Any, spec: str, path: str, factory: str, config: dict[str, Any]) -> ModelBundle:
+    where = f"factory {factory!r} in {path!r}"
+    expected = (
+        "expected (model, args), (model, args, kwargs), a dict with 'model' and 'args' "
+        "(optional 'kwargs', 'target', 'loss_fn'), or a smp.models.ModelBundle"
+    )
+    if isinstance(result, ModelBundle):
+        result.spec = spec
+        return result
+    target: Any = None
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+    if isinstance(result, Mapping):
+        unknown = set(result) - {"model", "args", "kwargs", "target", "loss_fn", "name"}
+        if "model" not in result or unknown:
+            raise SpecError(f"{where} returned a dict with keys {sorted(result)}; {expected}")
+        model = result["model"]
+        args = result.get("args", ())
+        kwargs = result.get("kwargs") or {}
+        target = result.get("target")
+        loss_fn = result.get("loss_fn")
+    elif isinstance(result, tuple) and len(result) in (2, 3):
+        model, args = result[0], result[1]
+        kwargs = result[2] if len(result) == 3 else {}
+    else:
+        raise SpecError(f"{where} returned {type(result).__name__}; {expected}")
+    if not isinstance(model, nn.Module):
+        raise SpecError(f"{where} returned a model of type {type(model).__name__}, not a torch.nn.Module; {expected}")
+    if isinstance(args, torch.Tensor):
+        args = (args,)  # a lone tensor is the common case: accept it as a 1-tuple
+    if isinstance(args, list):
+        args = tuple(args)
+    if not isinstance(args, tuple):
+        raise SpecError(f"{where} returned args of type {type(args).__name__}; expected a tuple of inputs")
+    if not isinstance(kwargs, Mapping):
+        raise SpecError(f"{where} returned kwargs of type {type(kwargs).__name__}; expected a dict")
+    if loss_fn is None:
+        loss_fn = _default_loss
+    return ModelBundle(
+        name=f"{Path(path).stem}:{factory}",
+        spec=spec,
+        model=model,
+        example_args=args,
+        example_kwargs=dict(kwargs),
+        target=target,
+        loss_fn=loss_fn,
+        config=config,
+    )
+
+
+def _default_loss(output: Any, target: Any) -> torch.Tensor:
+    """Loss for user models that bring none: MSE to ``target`` if given, else the mean of the output."""
+    out = _loss_from_output(output)
+    if target is None:
+        return out.float().mean()
+    return nn.functional.mse_loss(out.float(), target.float())
+
+
+def _build_from_file(
+    spec: str, path_text: str, factory: str, raw: Mapping[str, str], *, meta: bool, seed: int
+) -> ModelBundle:
+    path = Path(path_text).expanduser()
+    if not path.is_file():
+        raise SpecError(f"model file {path_text!r} not found (from spec {spec!r}); cwd is {os.getcwd()!r}")
+    module = _load_module(path, spec)
+    fn = getattr(module, factory, None)
+    if fn is None or not callable(fn):
+        available = [
+            n for n, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__ and not n.startswith("_")
+        ]
+        what = "is not callable" if fn is not None else "not found"
+        raise SpecError(
+            f"factory {factory!r} {what} in {path_text!r}; functions there: {', '.join(available) or '(none)'}"
+            f"{_suggest(factory, available)}"
+        )
+    kwargs = {k: _guess_value(v) for k, v in raw.items()}
+    try:
+        inspect.signature(fn).bind(**kwargs)
+    except TypeError as exc:
+        raise SpecError(f"factory {factory!r} in {path_text!r} does not accept options {sorted(kwargs)}: {exc}") from None
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if meta:
+            with torch.device("meta"):
+                result = fn(**kwargs)
+        else:
+            result = fn(**kwargs)
+    return _bundle_from_factory_result(result, spec, path_text, factory, kwargs)
+
+
+# Public name for the zoo modules' loss functions.
+output_logits = _loss_from_output
