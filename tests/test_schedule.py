@@ -1,0 +1,357 @@
+"""Tests for the schedule IR, the generators and the validator."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter, namedtuple
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from partitioner.schedule import (
+    SCHEDULES,
+    Action,
+    ActionKind,
+    Edge,
+    Schedule,
+    ScheduleError,
+    StageGraph,
+    format_program,
+    format_table,
+    gpipe,
+    interleaved_1f1b,
+    make_schedule,
+    one_f_one_b,
+    stage_graph_from_transfers,
+    validate,
+    zb_h1,
+)
+
+K = ActionKind
+
+
+def skip_graph() -> StageGraph:
+    """4 stages: a chain plus skips 0->2, 0->3, 1->3, two tensors on 1->2."""
+    return StageGraph(4, (
+        Edge(0, 1, "h0", 100), Edge(1, 2, "h1", 100), Edge(1, 2, "h1b", 10), Edge(2, 3, "h2", 100),
+        Edge(0, 2, "skip02", 50), Edge(0, 3, "emb", 50), Edge(1, 3, "skip13", 50),
+    ))
+
+
+def no_neighbour_graph() -> StageGraph:
+    """A DAG cut without some neighbour edges: 1 gets nothing from 0, 3 only from 0 and 1."""
+    return StageGraph(4, (Edge(0, 2, "a", 1), Edge(1, 2, "b", 1), Edge(0, 3, "c", 1), Edge(1, 3, "d", 1)))
+
+
+def random_graph(S: int, seed: int) -> StageGraph:
+    rng = random.Random(seed)
+    es = []
+    for a in range(S):
+        for b in range(a + 1, S):
+            if rng.random() < (0.7 if b == a + 1 else 0.3):
+                for k in range(rng.choice([1, 1, 2])):
+                    es.append(Edge(a, b, f"t{a}_{b}_{k}", 8))
+    return StageGraph(S, tuple(es))
+
+
+def all_schedules(g: StageGraph, m: int) -> list[Schedule]:
+    out = [gpipe(g, m), one_f_one_b(g, m), zb_h1(g, m), gpipe(g, m, split_backward=True),
+           one_f_one_b(g, m, split_backward=True)]
+    for p in range(1, g.num_stages + 1):
+        if g.num_stages % p == 0:
+            out.append(interleaved_1f1b(g, m, p))
+            out.append(interleaved_1f1b(g, m, p, split_backward=True))
+    return out
+
+
+# ----------------------------------------------------------------------------- actions
+
+
+def test_action_string_roundtrip_and_json() -> None:
+    acts = [
+        Action(K.F, 3, 2), Action(K.B, 0, 11), Action(K.W, 7, 0),
+        Action(K.SEND_F, 3, 2, 5, "add_7"), Action(K.RECV_F, 5, 2, 3, "add_7"),
+        Action(K.SEND_B, 5, 2, 3, "add_7"), Action(K.RECV_B, 3, 2, 5, "add_7"),
+    ]
+    assert [str(a) for a in acts[:4]] == ["F3.2", "B0.11", "W7.0", "SEND_F[3->5 t=add_7 mb=2]"]
+    assert str(acts[5]) == "SEND_B[5->3 t=add_7 mb=2]"
+    assert str(acts[6]) == "RECV_B[5->3 t=add_7 mb=2]"
+    for a in acts:
+        assert Action.parse(str(a)) == a
+        assert Action.from_dict(json.loads(json.dumps(a.to_dict()))) == a
+        assert hash(a) == hash(Action.parse(str(a)))
+    assert acts[3].matching() == acts[4] and acts[4].matching() == acts[3]
+    assert acts[5].matching() == acts[6]
+    assert all(a.edge == (3, 5, "add_7") for a in acts[3:])
+    with pytest.raises(AttributeError):
+        acts[0].mb = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("text", ["X1.2", "F1", "SEND_F[3->5 mb=2]", "SEND_F[5->3 t=x mb=2]", "F-1.2"])
+def test_action_parse_rejects_garbage(text: str) -> None:
+    with pytest.raises(ValueError):
+        Action.parse(text)
+
+
+def test_action_rejects_bad_fields() -> None:
+    with pytest.raises(ValueError, match="peer"):
+        Action(K.SEND_F, 1, 0)
+    with pytest.raises(ValueError, match="whitespace"):
+        Action(K.SEND_F, 1, 0, 2, "a b")
+    with pytest.raises(ValueError, match="no peer"):
+        Action(K.F, 1, 0, 2, "x")
+
+
+# ----------------------------------------------------------------------------- graphs
+
+
+def test_stage_graph_checks_and_converter() -> None:
+    with pytest.raises(ValueError, match="src < dst"):
+        StageGraph(3, (Edge(2, 1, "x"),))
+    with pytest.raises(ValueError, match="duplicate"):
+        StageGraph(3, (Edge(0, 1, "x"), Edge(0, 1, "x")))
+    Transfer = namedtuple("Transfer", "src_stage dst_stage node bytes seconds")
+    Node = namedtuple("Node", "name")
+    g = stage_graph_from_transfers(3, [
+        Transfer(0, 1, "relu", 64, 1e-3), Transfer(0, 2, Node("relu"), 64, 1e-3),
+        Transfer(1, 2, "fc", 32, 1e-4), Transfer(1, 2, "fc", 32, 1e-4),
+    ])
+    assert [e.key for e in g.edges] == [(0, 1, "relu"), (0, 2, "relu"), (1, 2, "fc")]
+    assert g.in_edges(2)[0].bytes == 64
+    one_f_one_b(g, 4)
+
+
+# ----------------------------------------------------------------------------- generators
+
+
+@pytest.mark.parametrize("graph", [StageGraph.chain(4, 10), skip_graph(), no_neighbour_graph()],
+                         ids=["chain", "skips", "no-neighbours"])
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_every_generator_validates(graph: StageGraph, m: int) -> None:
+    for sch in all_schedules(graph, m):
+        validate(sch)
+        kinds = Counter((a.kind, a.stage) for prog in sch.actions for a in prog if a.is_compute)
+        for s in range(graph.num_stages):
+            assert kinds[(K.F, s)] == m and kinds[(K.B, s)] == m
+            assert kinds[(K.W, s)] == (m if sch.split_backward else 0)
+        # one SEND and one RECV per cross-rank edge, direction and microbatch
+        comm = Counter(a.kind for prog in sch.actions for a in prog if not a.is_compute)
+        cross = sum(1 for e in graph.edges if sch.stage_to_rank[e.src] != sch.stage_to_rank[e.dst])
+        for kind in (K.SEND_F, K.RECV_F, K.SEND_B, K.RECV_B):
+            assert comm[kind] == cross * m
+
+
+@settings(max_examples=25, deadline=None)
+@given(S=st.integers(1, 6), m=st.integers(1, 7), seed=st.integers(0, 10_000))
+def test_generators_on_random_dag_cuts(S: int, m: int, seed: int) -> None:
+    for sch in all_schedules(random_graph(S, seed), m):
+        validate(sch)
+
+
+def test_sends_follow_their_producer() -> None:
+    sch = one_f_one_b(skip_graph(), 4)
+    for prog in sch.actions:
+        last_compute = None
+        for a in prog:
+            if a.is_compute:
+                last_compute = a
+            elif a.kind is K.SEND_F:
+                assert last_compute == Action(K.F, a.stage, a.mb)
+            elif a.kind is K.SEND_B:
+                assert last_compute == Action(K.B, a.stage, a.mb)
+
+
+def test_one_f_one_b_order_and_inflight() -> None:
+    p, m = 4, 8
+    sch = one_f_one_b(p, m)
+    assert [str(a) for a in sch.compute_actions(3)][:4] == ["F3.0", "B3.0", "F3.1", "B3.1"]
+    assert [str(a) for a in sch.compute_actions(0)][:5] == ["F0.0", "F0.1", "F0.2", "F0.3", "B0.0"]
+    for i in range(p):
+        inflight = peak = 0
+        for a in sch.compute_actions(i):
+            inflight += 1 if a.kind is K.F else -1
+            peak = max(peak, inflight)
+        assert peak == min(m, p - i)
+
+
+def test_gpipe_runs_all_forwards_first() -> None:
+    sch = gpipe(3, 5)
+    for r in range(3):
+        kinds = [a.kind for a in sch.compute_actions(r)]
+        assert kinds == [K.F] * 5 + [K.B] * 5
+
+
+def test_interleaved_layout_and_local_handoff() -> None:
+    sch = interleaved_1f1b(8, 8, 4)
+    assert sch.stage_to_rank == (0, 1, 2, 3, 0, 1, 2, 3)
+    assert sch.stages_of(1) == [1, 5]
+    assert sch.meta["virtual_stages"] == 2
+    assert sch.local_edges() == []
+    single = interleaved_1f1b(3, 4, 1)  # p = 1: every edge is a local hand-off
+    assert single.num_ranks == 1
+    assert all(a.is_compute for a in single.actions[0])
+    assert len(single.local_edges(0)) == 2
+    with pytest.raises(ValueError, match="multiple"):
+        interleaved_1f1b(6, 4, 4)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+@pytest.mark.parametrize("v", [1, 2, 3])
+def test_interleaved_any_microbatch_count(p: int, v: int) -> None:
+    for m in (1, p - 1, p, p + 1, 2 * p + 1, 3 * p):
+        if m >= 1:
+            validate(interleaved_1f1b(p * v, m, p, split_backward=(m % 2 == 0)))
+
+
+def test_zb_h1_defers_w_by_rank() -> None:
+    p, m = 4, 8
+    sch = zb_h1(p, m)
+    assert sch.split_backward
+    for i in range(p):
+        acts = sch.compute_actions(i)
+        # W(k - i) follows B(k) once k >= i; the last i + 1 actions are W's
+        assert all(a.kind is K.W for a in acts[-(i + 1):])
+        assert acts[-(i + 2)].kind is K.B
+        inflight = peak = 0
+        for a in acts:
+            inflight += 1 if a.kind is K.F else (-1 if a.kind is K.W else 0)
+            peak = max(peak, inflight)
+        assert peak == p
+
+
+def test_json_roundtrip_of_schedule() -> None:
+    for sch in all_schedules(skip_graph(), 3):
+        d = json.loads(json.dumps(sch.to_dict()))
+        back = Schedule.from_dict(d)
+        assert back.actions == sch.actions
+        assert back.stage_to_rank == sch.stage_to_rank and back.graph == sch.graph
+        assert back.split_backward == sch.split_backward and back.name == sch.name
+        validate(back)
+
+
+def test_make_schedule_by_name() -> None:
+    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved_1f1b", "zb_h1"}
+    assert make_schedule("interleaved_1f1b", 4, 4, num_ranks=2).num_ranks == 2
+    with pytest.raises(ValueError, match="unknown schedule"):
+        make_schedule("pipedream", 4, 4)
+    with pytest.raises(ValueError, match="microbatch"):
+        gpipe(2, 0)
+
+
+# ----------------------------------------------------------------------------- printing
+
+
+def test_format_table_1f1b() -> None:
+    text = format_table(one_f_one_b(4, 8))
+    lines = text.splitlines()
+    assert len(lines) == 5
+    assert lines[4].split()[2:6] == [".", ".", ".", "F0"]
+    assert lines[4].split()[5:9] == ["F0", "B0", "F1", "B1"]
+    assert "B7" in lines[1]
+    wide = format_table(one_f_one_b(2, 2), durations=(1, 2, 1))
+    assert "-" in wide
+    inter = format_table(interleaved_1f1b(4, 2, 2))
+    assert "F2.0" in inter  # stage.mb labels with virtual stages
+    prog = format_program(one_f_one_b(2, 1))
+    assert "SEND_F[0->1 t=s0_out mb=0]" in prog and "RECV_B[1->0 t=s0_out mb=0]" in prog
+    assert str(one_f_one_b(2, 2)) == format_table(one_f_one_b(2, 2))
+
+
+# ----------------------------------------------------------------------------- validator errors
+
+
+def edit(sch: Schedule, rank: int, new: list[Action]) -> Schedule:
+    actions = list(sch.actions)
+    actions[rank] = tuple(new)
+    return Schedule(sch.name, sch.graph, sch.num_microbatches, sch.stage_to_rank, tuple(actions),
+                    sch.split_backward)
+
+
+def P(*texts: str) -> list[Action]:
+    return [Action.parse(t) for t in texts]
+
+
+def test_error_missing_action() -> None:
+    sch = one_f_one_b(3, 4)
+    prog = [a for a in sch.actions[1] if a != Action(K.B, 1, 2)]
+    with pytest.raises(ScheduleError, match=r"missing B1\.2") as ei:
+        validate(edit(sch, 1, prog))
+    assert ei.value.rank == 1 and ei.value.action == Action(K.B, 1, 2)
+
+
+def test_error_duplicate() -> None:
+    sch = gpipe(2, 2)
+    prog = list(sch.actions[0]) + [Action(K.F, 0, 1)]
+    with pytest.raises(ScheduleError, match=r"duplicate.*rank 0 step") as ei:
+        validate(edit(sch, 0, prog))
+    assert ei.value.index == len(prog) - 1 and str(ei.value).startswith("rank 0 step")
+
+
+def test_error_send_without_receive() -> None:
+    sch = one_f_one_b(2, 2)
+    gone = Action.parse("RECV_F[0->1 t=s0_out mb=1]")
+    prog = [a for a in sch.actions[1] if a != gone]
+    with pytest.raises(ScheduleError, match="send without a matching receive") as ei:
+        validate(edit(sch, 1, prog))
+    assert ei.value.action == Action.parse("SEND_F[0->1 t=s0_out mb=1]") and ei.value.rank == 0
+
+
+def test_error_receive_without_send() -> None:
+    sch = one_f_one_b(2, 1)
+    gone = Action.parse("SEND_B[1->0 t=s0_out mb=0]")
+    prog = [a for a in sch.actions[1] if a != gone]
+    with pytest.raises(ScheduleError, match="receive without a matching send"):
+        validate(edit(sch, 1, prog))
+
+
+def test_error_deadlock_classic_1f1b_blocking_sends() -> None:
+    # Rank 0 sends F1 while rank 1 sends B0: with rendezvous sends both wait forever.
+    g = StageGraph.chain(2)
+    rank0 = P("F0.0", "SEND_F[0->1 t=s0_out mb=0]", "F0.1", "SEND_F[0->1 t=s0_out mb=1]",
+              "RECV_B[1->0 t=s0_out mb=0]", "B0.0", "RECV_B[1->0 t=s0_out mb=1]", "B0.1")
+    rank1 = P("RECV_F[0->1 t=s0_out mb=0]", "F1.0", "B1.0", "SEND_B[1->0 t=s0_out mb=0]",
+              "RECV_F[0->1 t=s0_out mb=1]", "F1.1", "B1.1", "SEND_B[1->0 t=s0_out mb=1]")
+    sch = Schedule("bad", g, 2, (0, 1), (tuple(rank0), tuple(rank1)))
+    with pytest.raises(ScheduleError, match="deadlock") as ei:
+        validate(sch)
+    assert ei.value.rank == 0 and ei.value.action == Action.parse("SEND_F[0->1 t=s0_out mb=1]")
+    assert "rank 1 at SEND_B[1->0 t=s0_out mb=0]" in str(ei.value)
+    # the fix: receive the gradient before sending the next activation
+    fixed = P("F0.0", "SEND_F[0->1 t=s0_out mb=0]", "F0.1", "RECV_B[1->0 t=s0_out mb=0]",
+              "SEND_F[0->1 t=s0_out mb=1]", "B0.0", "RECV_B[1->0 t=s0_out mb=1]", "B0.1")
+    validate(Schedule("ok", g, 2, (0, 1), (tuple(fixed), tuple(rank1))))
+
+
+def test_error_dependency_before_receive() -> None:
+    g = StageGraph.chain(2)
+    rank0 = P("F0.0", "SEND_F[0->1 t=s0_out mb=0]", "RECV_B[1->0 t=s0_out mb=0]", "B0.0")
+    rank1 = P("F1.0", "RECV_F[0->1 t=s0_out mb=0]", "B1.0", "SEND_B[1->0 t=s0_out mb=0]")
+    with pytest.raises(ScheduleError, match="before it is available") as ei:
+        validate(Schedule("bad", g, 1, (0, 1), (tuple(rank0), tuple(rank1))))
+    assert (ei.value.rank, ei.value.index) == (1, 0)
+
+
+def test_error_backward_before_forward_local() -> None:
+    g = StageGraph.chain(2)
+    sch = Schedule("bad", g, 1, (0, 0), (tuple(P("B1.0", "F0.0", "F1.0", "B0.0")),))
+    with pytest.raises(ScheduleError, match=r"F1\.0 before it is available"):
+        validate(sch)
+
+
+def test_error_structural() -> None:
+    g = StageGraph.chain(2)
+    with pytest.raises(ScheduleError, match="lives on rank 1"):
+        validate(Schedule("x", g, 1, (0, 1), (tuple(P("F1.0")), ())))
+    with pytest.raises(ScheduleError, match="not split"):
+        validate(Schedule("x", g, 1, (0, 1), (tuple(P("W0.0")), ())))
+    with pytest.raises(ScheduleError, match="no such cut edge"):
+        validate(Schedule("x", g, 1, (0, 1), (tuple(P("SEND_F[0->1 t=nope mb=0]")), ())))
+    with pytest.raises(ScheduleError, match="local hand-off"):
+        validate(Schedule("x", g, 1, (0, 0), (tuple(P("SEND_F[0->1 t=s0_out mb=0]")),)))
+    with pytest.raises(ScheduleError, match="microbatch out of range"):
+        validate(Schedule("x", g, 1, (0, 1), (tuple(P("F0.3")), ())))
+    with pytest.raises(ScheduleError, match="never sent"):
+        # compute complete, but the cross-rank edge is never moved
+        validate(Schedule("x", g, 1, (0, 1), (tuple(P("F0.0", "B0.0")), tuple(P("F1.0", "B1.0")))))
