@@ -19,31 +19,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from partitioner.devices import DeviceSpec, dtype_key
 from partitioner.graph import OpGraph
-from partitioner.trace import TraceError, flatten_inputs, trace
+from partitioner.trace import TraceError, flatten_inputs, op_nodes, trace
 
 __all__ = ["profile", "op_nodes", "TIMINGS"]
 
 TIMINGS = ("measured", "analytic")
 ProgressFn = Callable[[int, int], None]
-
-
-def op_nodes(gm: fx.GraphModule) -> tuple[list[fx.Node], dict[fx.Node, fx.Node]]:
-    """The fx nodes that become OpGraph nodes, and the op each fx node belongs to.
-
-    Every call node is an op except ``getitem``, which belongs to the op whose output it
-    picks from (a cut never falls between a tuple and its elements).
-    """
-    ops: list[fx.Node] = []
-    owner: dict[fx.Node, fx.Node] = {}
-    for node in gm.graph.nodes:
-        if node.op not in ("call_module", "call_function", "call_method"):
-            continue
-        if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and node.args[0] in owner:
-            owner[node] = owner[node.args[0]]
-            continue
-        owner[node] = node
-        ops.append(node)
-    return ops, owner
 
 
 def profile(

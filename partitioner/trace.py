@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import inspect
 import io
 import linecache
@@ -27,6 +28,8 @@ __all__ = [
     "flatten_inputs",
     "node_module",
     "node_state_names",
+    "op_nodes",
+    "fingerprint",
     "FRONTENDS",
 ]
 
@@ -441,6 +444,37 @@ def _resolve_attr(gm: fx.GraphModule, target: str) -> Any:
     return obj
 
 
-def is_plumbing(node: fx.Node) -> bool:
-    """True for fx nodes that only pick an element out of a producer's output."""
-    return node.op == "call_function" and node.target is operator.getitem
+def op_nodes(gm: fx.GraphModule) -> tuple[list[fx.Node], dict[fx.Node, fx.Node]]:
+    """The fx nodes that become ops (OpGraph nodes), and the op each call node belongs to.
+
+    Every call node is an op except ``getitem``, which belongs to the op whose output it
+    picks from: a cut never falls between a tuple and its elements.
+    """
+    ops: list[fx.Node] = []
+    owner: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op not in ("call_module", "call_function", "call_method"):
+            continue
+        if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and node.args[0] in owner:
+            owner[node] = owner[node.args[0]]
+            continue
+        owner[node] = node
+        ops.append(node)
+    return ops, owner
+
+
+def fingerprint(gm: fx.GraphModule, model: nn.Module) -> str:
+    """A hash of the traced program's ops and edges and of the model's parameter shapes.
+
+    Two processes that trace the same model on same-shaped inputs get the same value; a
+    plan records it so that the runtime can refuse a plan made for another model.
+    """
+    ops, owner = op_nodes(gm)
+    lines = []
+    for node in ops:
+        target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+        inputs = sorted({owner[p].name for p in node.all_input_nodes if p in owner and owner[p] is not node})
+        lines.append(f"{node.name}|{node.op}|{target}|{node.meta.get('smp_module', '')}|{','.join(inputs)}")
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        lines.append(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}")
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]

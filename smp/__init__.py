@@ -1,0 +1,8 @@
+"""smp: an automatic model-partitioning compiler for PyTorch pipeline parallelism."""
+
+__version__ = "0.1.0"
+
+from smp import models  # noqa: E402
+from smp.plan import Plan, PlanError, plan  # noqa: E402
+
+__all__ = ["Plan", "PlanError", "__version__", "models", "plan"]
