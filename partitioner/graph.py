@@ -207,75 +207,62 @@ class OpGraph:
     ) -> OpGraph:
         """A smaller graph whose nodes are groups of this graph's nodes; costs add up.
 
-        ``depth``: merge ops whose module paths share the same first ``depth`` components
-        (``layers.3.attn.q`` at depth 2 -> ``layers.3``), when merging keeps the graph
-        acyclic. ``fold_free``: fold nodes with no compute and no parameters (views,
-        getattr, reshapes) into their single producer, or single consumer. ``fold_chains``:
-        also fold a node into its producer when it is that producer's only consumer and
-        its only input. The new node keeps the first member's name; ``fx_nodes`` lists all
-        members, so every fx node still maps to exactly one coarse node.
+        Groups are runs of consecutive nodes in program order (a topological order), and
+        such a run is always convex: any path between two of its nodes stays inside it, so
+        the coarse graph is acyclic by construction and coarsening is linear in the graph.
+        A node joins the run before it when:
+
+        - ``depth``: both come from modules with the same first ``depth`` path components
+          (``layers.3.attn.q`` at depth 2 is ``layers.3``);
+        - ``fold_free``: it costs nothing (no time above ``free_threshold``, no
+          parameters: views, reshapes, getattr) and reads only from that run; a free
+          node that starts the graph joins the run after it instead;
+        - ``fold_chains``: its only input is the previous node, which feeds nothing else.
+
+        The new node keeps the first member's name; ``fx_nodes`` lists all members, so
+        every fx node still maps to exactly one coarse node.
         """
-        groups: dict[str, str] = {n: n for n in self.nx.nodes}  # node -> representative
-
-        def find(n: str) -> str:
-            while groups[n] != n:
-                groups[n] = groups[groups[n]]
-                n = groups[n]
-            return n
-
-        def quotient() -> nx.DiGraph:
-            q = nx.DiGraph()
-            q.add_nodes_from({find(n) for n in self.nx.nodes})
-            q.add_edges_from((find(u), find(v)) for u, v in self.nx.edges if find(u) != find(v))
-            return q
-
-        def try_merge(a: str, b: str) -> bool:
-            ra, rb = find(a), find(b)
-            if ra == rb:
-                return False
-            # Merging two groups keeps the quotient acyclic iff no path between them
-            # passes through a third group.
-            q = quotient()
-            q_no_direct = q.copy()
-            q_no_direct.remove_edges_from([(ra, rb), (rb, ra)])
-            if nx.has_path(q_no_direct, ra, rb) or nx.has_path(q_no_direct, rb, ra):
-                return False
-            keep, drop = sorted((ra, rb), key=lambda n: self.nx.nodes[n]["index"])
-            groups[drop] = keep
-            return True
-
         order = self.topological_order()
-        if depth is not None:
-            by_prefix: dict[str, list[str]] = {}
-            for n in order:
-                module = self.nx.nodes[n]["module"]
-                if not module:
-                    continue
-                prefix = ".".join(module.split(".")[:depth])
-                by_prefix.setdefault(prefix, []).append(n)
-            for members in by_prefix.values():
-                # Merge in program order into a growing group; a member whose merge
-                # would close a cycle starts a new group instead.
-                head = members[0]
-                for m in members[1:]:
-                    if not try_merge(head, m):
-                        head = m
-        if fold_free or fold_chains:
-            for n in order:
-                d = self.nx.nodes[n]
-                is_free = d["fwd"] + d["bwd"] <= free_threshold and d["params"] == 0 and d["buffers"] == 0
+        position = {n: i for i, n in enumerate(order)}
+        run_of: list[int] = []  # run id of each node, by position
+
+        def prefix(n: str) -> str | None:
+            module = self.nx.nodes[n]["module"]
+            return ".".join(module.split(".")[:depth]) if (depth is not None and module) else None
+
+        def is_free(n: str) -> bool:
+            d = self.nx.nodes[n]
+            return d["fwd"] + d["bwd"] <= free_threshold and d["params"] == 0 and d["buffers"] == 0
+
+        run_prefix: list[str | None] = []
+        for i, n in enumerate(order):
+            joins = False
+            if i > 0:
+                prev = run_of[i - 1]
                 preds = list(self.nx.predecessors(n))
-                succs = list(self.nx.successors(n))
-                if fold_free and is_free:
-                    if len({find(p) for p in preds}) == 1:
-                        try_merge(preds[0], n)
-                        continue
-                    if not preds and len({find(s) for s in succs}) == 1:
-                        try_merge(n, succs[0])
-                        continue
-                if fold_chains and len(preds) == 1 and len(list(self.nx.successors(preds[0]))) == 1:
-                    try_merge(preds[0], n)
-        return self._contract(find)
+                p = prefix(n)
+                if p is not None and p == run_prefix[prev]:
+                    joins = True
+                elif fold_free and is_free(n) and preds and all(run_of[position[q]] == prev for q in preds):
+                    joins = True
+                elif (fold_chains and len(preds) == 1 and position[preds[0]] == i - 1
+                      and self.nx.out_degree(preds[0]) == 1):
+                    joins = True
+            if joins:
+                run_of.append(run_of[i - 1])
+                if run_prefix[run_of[i]] is None:
+                    run_prefix[run_of[i]] = prefix(n)
+            else:
+                run_of.append(len(run_prefix))
+                run_prefix.append(prefix(n))
+        if fold_free:
+            # Free nodes with no inputs (constants, arange, ...) join the run after them.
+            for i in range(len(order) - 2, -1, -1):
+                n = order[i]
+                if (run_of[i] != run_of[i + 1] and not any(True for _ in self.nx.predecessors(n))
+                        and is_free(n) and (i == 0 or run_of[i - 1] != run_of[i])):
+                    run_of[i] = run_of[i + 1]
+        return self._contract(lambda n: str(run_of[position[n]]))
 
     def contract(self, group_of: Mapping[str, str] | Callable[[str], str]) -> OpGraph:
         """Merge nodes that map to the same group; raises if the result has a cycle."""

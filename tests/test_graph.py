@@ -91,3 +91,35 @@ def test_contract_rejects_non_convex_groups():
     graph = OpGraph(g)
     with pytest.raises(ValueError, match="convex"):
         graph.contract({"a": "g", "b": "g", "x": "x"})
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@st.composite
+def _random_dags(draw):
+    n = draw(st.integers(2, 14))
+    g = nx.DiGraph()
+    for i in range(n):
+        g.add_node(f"n{i}", fwd=draw(st.sampled_from([0.0, 1.0, 2.5])), bwd=draw(st.sampled_from([0.0, 1.0])),
+                   params=draw(st.sampled_from([0, 8])), out_bytes=draw(st.integers(0, 64)),
+                   module=draw(st.sampled_from(["", "a.0", "a.0.x", "a.1", "b"])), index=i)
+    for j in range(1, n):
+        for i in draw(st.sets(st.integers(0, j - 1), max_size=3)):
+            g.add_edge(f"n{i}", f"n{j}")
+    return OpGraph(g)
+
+
+@settings(max_examples=80, deadline=None)
+@given(_random_dags(), st.sampled_from([None, 1, 2]), st.booleans(), st.booleans())
+def test_coarsen_property(graph, depth, fold_free, fold_chains):
+    coarse = graph.coarsen(depth=depth, fold_free=fold_free, fold_chains=fold_chains)
+    assert nx.is_directed_acyclic_graph(coarse.nx)
+    assert coarse.total_fwd == pytest.approx(graph.total_fwd)
+    assert coarse.total_params == graph.total_params
+    members = sorted(f for n in coarse.nx for f in coarse[n]["fx_nodes"])
+    assert members == sorted(graph.nx.nodes)
+    group = {f: n for n in coarse.nx for f in coarse[n]["fx_nodes"]}
+    for u, v in graph.nx.edges:  # every dependency survives, between or inside groups
+        assert group[u] == group[v] or coarse.nx.has_edge(group[u], group[v])

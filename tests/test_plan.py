@@ -1,0 +1,121 @@
+"""smp.plan and the Plan artifact: end to end, JSON round-trip, re-timing, clear errors."""
+
+import json
+
+import pytest
+import torch
+
+import smp
+from partitioner import trace
+from partitioner.microbatch import MicrobatchError, split_microbatches
+from partitioner.schedule import validate
+from partitioner.trace import fingerprint
+from smp.models import build
+from smp.plan import PlanError
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return build("gpt:size=tiny,batch=4")
+
+
+def _plan(bundle, **kw):
+    kw.setdefault("stages", 2)
+    kw.setdefault("microbatches", 2)
+    return smp.plan(bundle.model, bundle.example_args, bundle.example_kwargs, timing="analytic",
+                    device_profile="cpu", **kw)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1"])
+def test_plan_end_to_end(gpt, schedule):
+    plan = _plan(gpt, schedule=schedule, name="gpt-tiny")
+    v = 2 if schedule == "interleaved" else 1
+    assert plan.num_ranks == 2 and plan.num_stages == 2 * v
+    assert plan.schedule.num_ranks == 2
+    validate(plan.schedule)
+    gm = trace(gpt.model, gpt.example_args)
+    calls = {n.name for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")}
+    assert set(plan.fx_stage_of) == calls  # every op of the program has a stage
+    assert set(plan.fx_stage_of.values()) == set(range(plan.num_stages))
+    assert plan.model["fingerprint"] == fingerprint(gm, gpt.model)
+    assert plan.step_time > 0 and 0 <= plan.bubble < 1
+    # the simulator's step can't beat the bottleneck stage doing every microbatch
+    assert plan.step_time >= plan.microbatches * max(s.fwd + s.bwd for s in plan.partition.stages) * (1 - 1e-9)
+    assert plan.speedup > 0
+    text = plan.summary()
+    assert "predicted step" in text and "lower bound" in text and "stage" in text
+
+
+def test_plan_json_round_trip(gpt, tmp_path):
+    plan = _plan(gpt, schedule="1f1b")
+    path = plan.save(tmp_path / "plan.json")
+    data = json.loads(path.read_text())
+    assert data["kind"] == "smp.Plan" and data["schema"] == 1 and data["smp_version"] == smp.__version__
+    again = smp.Plan.load(path)
+    assert again.to_dict() == plan.to_dict()
+    assert again.timeline().step_time == pytest.approx(plan.step_time)
+
+
+def test_plan_load_errors(gpt, tmp_path):
+    plan = _plan(gpt)
+    with pytest.raises(PlanError, match="no plan file"):
+        smp.Plan.load(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"kind": "smp.Plan", "schema": 1, ')
+    with pytest.raises(PlanError, match="not a valid plan file"):
+        smp.Plan.load(bad)
+    newer = plan.to_dict() | {"schema": 99}
+    bad.write_text(json.dumps(newer))
+    with pytest.raises(PlanError, match="newer|schema 99"):
+        smp.Plan.load(bad)
+    damaged = plan.to_dict()
+    del damaged["fx_stage_of"]
+    bad.write_text(json.dumps(damaged))
+    with pytest.raises(PlanError, match="damaged"):
+        smp.Plan.load(bad)
+    bad.write_text(json.dumps({"kind": "smp.OpGraph"}))
+    with pytest.raises(PlanError, match="not an smp plan"):
+        smp.Plan.load(bad)
+
+
+def test_resimulate_under_other_schedule_and_microbatches(gpt):
+    plan = _plan(gpt, schedule="gpipe", microbatches=2)
+    again = plan.resimulate(schedule="1f1b", microbatches=4)
+    assert again.schedule_name == "1f1b" and again.microbatches == 4
+    assert again.partition.stage_of == plan.partition.stage_of
+    # twice the microbatches of half the size: each op costs half as much
+    assert again.graph.total_fwd == pytest.approx(plan.graph.total_fwd / 2)
+    validate(again.schedule)
+    with pytest.raises(PlanError, match="interleav"):
+        plan.resimulate(schedule="interleaved")
+
+
+def test_plan_errors(gpt):
+    with pytest.raises(PlanError, match="unknown schedule"):
+        _plan(gpt, schedule="2f2b")
+    with pytest.raises(PlanError, match="fewer than the"):
+        _plan(gpt, stages=500)
+    with pytest.raises(MicrobatchError, match="does not divide"):
+        _plan(gpt, microbatches=3)
+
+
+def test_split_microbatches_slices_only_batched_tensors():
+    x = torch.arange(12).reshape(6, 2)
+    mask = torch.ones(3)  # not batched: shared by every microbatch
+    pieces = split_microbatches((x,), {"mask": mask, "flag": True}, 3)
+    assert len(pieces) == 3
+    for i, (args, kwargs) in enumerate(pieces):
+        assert torch.equal(args[0], x[2 * i: 2 * i + 2])
+        assert kwargs["mask"] is mask and kwargs["flag"] is True
+    with pytest.raises(MicrobatchError, match="does not divide"):
+        split_microbatches((x,), {}, 4)
+    with pytest.raises(MicrobatchError, match="no tensor input"):
+        split_microbatches((3,), {}, 2)
+
+
+def test_fingerprint_is_stable_and_tells_models_apart(gpt):
+    a = fingerprint(trace(gpt.model, gpt.example_args), gpt.model)
+    again = build("gpt:size=tiny,batch=4")
+    assert fingerprint(trace(again.model, again.example_args), again.model) == a
+    other = build("gpt:size=tiny,batch=4,layers=3")
+    assert fingerprint(trace(other.model, other.example_args), other.model) != a
