@@ -1,18 +1,16 @@
 """Profiler: exact parameter and output bytes, plausible measured times, analytic costs on meta."""
 
-import statistics
-import time
-
 import pytest
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from partitioner import OpGraph, TraceError, flatten_inputs, profile, trace
-from partitioner.profile import op_nodes
+from partitioner.profile import op_nodes, time_whole_model
 from smp.models import build
 
 ZOO = ["gpt", "bert", "t5", "resnet", "unet", "mlp"]
+ACCURACY_SPEC = "gpt:layers=2,d_model=256,heads=4,seq_len=128,batch=4,vocab=2048"
 
 
 def _unique_param_bytes(model: torch.nn.Module) -> int:
@@ -70,40 +68,21 @@ def test_out_bytes_are_the_real_output_sizes(name):
         assert graph[node]["out_bytes"] == recorder.bytes[node], node
 
 
-def _median_time(fn, repeats=7):
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
 def test_measured_times_add_up_to_the_whole_model():
     """Σ fwd within 30% of a timed whole forward; Σ bwd within a factor 2 of a whole backward.
 
     Timed on one thread: the machine is shared, and a single thread is the least
     sensitive to other processes. Best of three attempts, since one noisy attempt says
-    nothing about the profiler.
+    nothing about the profiler. benchmarks/profile_accuracy.py prints the same figures.
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        bundle = build("gpt:layers=2,d_model=256,heads=4,seq_len=128,batch=4,vocab=2048")
-        model, args = bundle.model, bundle.example_args
+        bundle = build(ACCURACY_SPEC)
         ratios = []
         for _ in range(3):
-            graph = profile(model, args, repeats=5, warmup=2)
-            whole_fwd = _median_time(lambda: model(*args))
-
-            def fwd_bwd():
-                out = model(*args)
-                start = time.perf_counter()
-                out.backward(torch.ones_like(out))
-                return time.perf_counter() - start
-
-            fwd_bwd()
-            whole_bwd = statistics.median(fwd_bwd() for _ in range(5))
+            graph = profile(bundle.model, bundle.example_args, repeats=5, warmup=2)
+            whole_fwd, whole_bwd = time_whole_model(bundle.model, bundle.example_args)
             ratios.append((graph.total_fwd / whole_fwd, graph.total_bwd / whole_bwd))
             if abs(ratios[-1][0] - 1) <= 0.3 and 0.5 <= ratios[-1][1] <= 2.0:
                 break
