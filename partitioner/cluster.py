@@ -1,0 +1,220 @@
+"""Cluster: the devices pipeline stages run on (stage j on device j) and the links between them."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from partitioner.errors import ClusterError, ProfileError, StageCountError
+
+__all__ = ["Device", "Link", "Cluster", "PROFILES_DIR"]
+
+#: Where bare profile names (``Cluster.load("h100-sxm")``) are looked up.
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+
+
+def _num_or_none(x: float | None) -> float | None:
+    """JSON has no infinity: an infinite bandwidth or memory is written as null."""
+    return None if x is None or math.isinf(x) else x
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator: relative ``speed`` (graph times are divided by it) and ``memory`` in bytes."""
+
+    name: str = "device"
+    speed: float = 1.0
+    memory: float | None = None
+    node: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "speed": self.speed, "memory": _num_or_none(self.memory),
+                "node": self.node}
+
+
+@dataclass(frozen=True)
+class Link:
+    """A point-to-point link: ``bandwidth`` in bytes/s (inf = free), ``latency`` in seconds."""
+
+    name: str = "link"
+    bandwidth: float = math.inf
+    latency: float = 0.0
+
+    def seconds(self, nbytes: float) -> float:
+        """Time to move one tensor of ``nbytes`` over this link (0 bytes costs nothing)."""
+        if nbytes <= 0:
+            return 0.0
+        return nbytes / self.bandwidth + self.latency
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "bandwidth": _num_or_none(self.bandwidth), "latency": self.latency}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Link:
+        bw = d.get("bandwidth")
+        return cls(str(d.get("name", "link")), math.inf if bw is None else float(bw),
+                   float(d.get("latency", 0.0)))
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Devices in pipeline order and the links between consecutive devices.
+
+    ``links[j]`` joins device ``j`` and ``j + 1``. A tensor sent from stage ``a`` to a
+    later stage ``b`` goes point to point; its cost uses :meth:`link` ``(a, b)``, the
+    slowest consecutive link between them (lowest bandwidth, highest latency). For a
+    node-major topology this is exactly the intra-node link when both devices share a
+    node and the inter-node link otherwise.
+    """
+
+    devices: tuple[Device, ...]
+    links: tuple[Link, ...]
+    name: str = "cluster"
+    meta: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.devices:
+            raise ClusterError("a cluster needs at least one device; pass devices >= 1")
+        if len(self.links) != len(self.devices) - 1:
+            raise ClusterError(
+                f"a cluster of {len(self.devices)} devices needs {len(self.devices) - 1} links "
+                f"(one between each consecutive pair), got {len(self.links)}")
+        for d in self.devices:
+            if not d.speed > 0:
+                raise ClusterError(f"device {d.name!r} has speed {d.speed}; speeds must be > 0")
+            if d.memory is not None and not d.memory > 0:
+                raise ClusterError(f"device {d.name!r} has memory {d.memory}; give bytes > 0 or None")
+        for lk in self.links:
+            if not lk.bandwidth > 0 or lk.latency < 0:
+                raise ClusterError(f"link {lk.name!r} has bandwidth {lk.bandwidth} and latency "
+                                   f"{lk.latency}; need bandwidth > 0 bytes/s and latency >= 0 s")
+
+    # ------------------------------------------------------------------ constructors
+
+    @classmethod
+    def uniform(cls, devices: int, *, bandwidth: float, latency: float = 0.0,
+                memory: float | None = None, speed: float = 1.0, name: str | None = None) -> Cluster:
+        """``devices`` identical devices in a line, every link the same."""
+        if devices < 1:
+            raise ClusterError(f"Cluster.uniform needs devices >= 1, got {devices}")
+        devs = tuple(Device(f"dev{i}", float(speed), memory, 0) for i in range(devices))
+        links = tuple(Link("link", float(bandwidth), float(latency)) for _ in range(devices - 1))
+        return cls(devs, links, name or f"uniform-{devices}")
+
+    @classmethod
+    def free(cls, devices: int) -> Cluster:
+        """Identical devices with free communication and no memory limit (the default when none given)."""
+        return cls.uniform(devices, bandwidth=math.inf, name=f"ideal-{devices}")
+
+    @classmethod
+    def heterogeneous(cls, speeds: Sequence[float], *, bandwidths: Sequence[float],
+                      latencies: Sequence[float] | None = None,
+                      memories: Sequence[float | None] | None = None) -> Cluster:
+        """Devices with their own speeds and memories, links with their own bandwidths."""
+        n = len(speeds)
+        lat = list(latencies) if latencies is not None else [0.0] * (n - 1)
+        mem = list(memories) if memories is not None else [None] * n
+        devs = tuple(Device(f"dev{i}", float(s), mem[i], i) for i, s in enumerate(speeds))
+        links = tuple(Link(f"link{i}", float(b), float(lat[i])) for i, b in enumerate(bandwidths))
+        return cls(devs, links, "heterogeneous")
+
+    @classmethod
+    def load(cls, path: str | Path, *, devices: int | None = None) -> Cluster:
+        """A cluster from an ``smp.profile`` JSON file, or a bare name looked up in ``profiles/``.
+
+        Devices fill nodes in order (``devices_per_node`` per node); the link between
+        device j and j+1 is the intra-node link when both are on one node, else the
+        inter-node link. Profile devices have speed 1.0: graph times are taken to be
+        measured (or estimated) for that device type already.
+        """
+        p = Path(path)
+        if not p.exists():
+            candidates = [PROFILES_DIR / f"{path}.json", PROFILES_DIR / str(path)]
+            candidates += sorted(PROFILES_DIR.glob(f"{path}*.json")) if PROFILES_DIR.is_dir() else []
+            found = next((c for c in candidates if c.is_file()), None)
+            if found is None:
+                known = sorted(x.stem for x in PROFILES_DIR.glob("*.json")) if PROFILES_DIR.is_dir() else []
+                raise ProfileError(f"no device profile {str(path)!r}: not a file and not in {PROFILES_DIR} "
+                                   f"(known: {', '.join(known) or 'none'}); pass a path to a profile JSON")
+            p = found
+        try:
+            data = json.loads(p.read_text())
+        except json.JSONDecodeError as err:
+            raise ProfileError(f"profile {p} is not valid JSON ({err}); fix or regenerate it") from None
+        return cls.from_profile(data, devices=devices, source=str(p))
+
+    @classmethod
+    def from_profile(cls, data: Mapping[str, Any], *, devices: int | None = None,
+                     source: str = "<dict>") -> Cluster:
+        """A cluster from a parsed ``smp.profile`` document (see :meth:`load`)."""
+        if data.get("kind") != "smp.profile":
+            raise ProfileError(f"{source} is not an smp device profile (no \"kind\": \"smp.profile\")")
+        try:
+            dev = data["device"]
+            topo = data.get("topology", {})
+            per_node = int(topo.get("devices_per_node", 1))
+            nodes = int(topo.get("nodes", 1))
+            links = data.get("links", {})
+            intra = Link.from_dict(links.get("intra_node", links.get("inter_node", {})))
+            inter = Link.from_dict(links.get("inter_node", links.get("intra_node", {})))
+        except (KeyError, TypeError, ValueError) as err:
+            raise ProfileError(f"profile {source} is missing or mangles a field ({err!r}); "
+                               "see profiles/README or docs/cost-model.md for the format") from None
+        count = devices if devices is not None else nodes * per_node
+        if count < 1 or per_node < 1:
+            raise ProfileError(f"profile {source} describes {count} devices; need at least one")
+        memory = dev.get("memory_bytes")
+        devs = tuple(Device(f"{dev.get('name', 'device')}#{i}", 1.0,
+                            float(memory) if memory else None, i // per_node) for i in range(count))
+        lks = tuple(intra if devs[j].node == devs[j + 1].node else inter for j in range(count - 1))
+        return cls(devs, lks, str(data.get("name", Path(source).stem)), {"profile": dict(data)})
+
+    # ------------------------------------------------------------------ queries
+
+    def __len__(self) -> int:
+        return len(self.devices)
+
+    @property
+    def speeds(self) -> list[float]:
+        return [d.speed for d in self.devices]
+
+    def link(self, a: int, b: int) -> Link:
+        """The link a tensor from device ``a`` to device ``b`` (a < b) uses: the slowest in between."""
+        if not 0 <= a < b < len(self.devices):
+            raise IndexError(f"no link from device {a} to device {b} in a cluster of {len(self)}")
+        if b == a + 1:
+            return self.links[a]
+        span = self.links[a:b]
+        bw = min(lk.bandwidth for lk in span)
+        lat = max(lk.latency for lk in span)
+        name = next(lk.name for lk in span if lk.bandwidth == bw)
+        return Link(name, bw, lat)
+
+    def for_stages(self, stages: int) -> Cluster:
+        """The first ``stages`` devices (stage j runs on device j)."""
+        if stages > len(self.devices):
+            raise StageCountError(
+                f"{stages} stages need {stages} devices but the cluster {self.name!r} has "
+                f"{len(self.devices)}; use fewer stages or a larger cluster (Cluster.load(..., devices=N))")
+        if stages == len(self.devices):
+            return self
+        return Cluster(self.devices[:stages], self.links[:stages - 1], self.name, self.meta)
+
+    # ------------------------------------------------------------------ (de)serialisation
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "smp.cluster", "name": self.name,
+                "devices": [d.to_dict() for d in self.devices],
+                "links": [lk.to_dict() for lk in self.links]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Cluster:
+        devs = tuple(Device(x.get("name", "device"), float(x.get("speed", 1.0)),
+                            None if x.get("memory") is None else float(x["memory"]), int(x.get("node", 0)))
+                     for x in d["devices"])
+        links = tuple(Link.from_dict(x) for x in d["links"])
+        return cls(devs, links, d.get("name", "cluster"))

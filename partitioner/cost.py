@@ -1,0 +1,487 @@
+"""The cost model: what any op -> stage assignment costs, per stage and overall (see docs/cost-model.md)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import networkx as nx
+import numpy as np
+
+from partitioner.cluster import Cluster
+from partitioner.errors import InvalidAssignmentError, PlanningError, StageCountError
+from partitioner.graph import OpGraph
+
+__all__ = [
+    "Transfer", "StageStats", "Partition", "Problem", "evaluate", "graph_order",
+    "canonical_schedule", "in_flight", "SCHEDULES", "DEFAULT_STATE_FACTOR", "format_bytes",
+]
+
+#: Bytes kept per parameter byte when training: the weights, their gradients and Adam's
+#: two moments, all in the parameters' dtype (fp32 training, or the fp32 part of mixed
+#: precision counted at the stored dtype) -> 1 + 1 + 2.
+DEFAULT_STATE_FACTOR = 4.0
+
+#: Schedule names the memory model knows, and their aliases.
+SCHEDULES: dict[str, str] = {
+    "gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved",
+    "interleaved_1f1b": "interleaved", "interleaved-1f1b": "interleaved",
+    "zb-h1": "zb-h1", "zb_h1": "zb-h1", "zbh1": "zb-h1",
+}
+
+
+def canonical_schedule(schedule: str) -> str:
+    try:
+        return SCHEDULES[schedule.lower()]
+    except KeyError:
+        raise PlanningError(f"unknown schedule {schedule!r}; use one of "
+                            f"{', '.join(sorted(set(SCHEDULES.values())))}") from None
+
+
+def in_flight(schedule: str, stage: int, stages: int, microbatches: int, training: bool) -> int:
+    """Microbatches whose activations a stage holds at its peak.
+
+    GPipe runs every forward before any backward: all ``m``. 1F1B (and ZB-H1, and
+    interleaved 1F1B, which we count like plain 1F1B) starts ``p - stage`` forwards before
+    its first backward, so at most ``min(m, p - stage)``. Inference keeps one.
+    """
+    if not training:
+        return 1
+    if canonical_schedule(schedule) == "gpipe":
+        return microbatches
+    return max(1, min(microbatches, stages - stage))
+
+
+def format_bytes(n: float | None) -> str:
+    if n is None:
+        return "unlimited"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+# ---------------------------------------------------------------------- results
+
+
+@dataclass
+class Transfer:
+    """One cut tensor: ``node``'s output sent from ``src_stage`` to ``dst_stage`` once per microbatch.
+
+    ``seconds`` is one direction (bytes / bandwidth + latency); when training the gradient
+    of the same size flows back over the same link.
+    """
+
+    src_stage: int
+    dst_stage: int
+    node: str
+    bytes: float
+    seconds: float
+
+
+@dataclass
+class StageStats:
+    """Per-microbatch cost of one stage and its peak memory estimate."""
+
+    index: int
+    device: int
+    ops: list[str]
+    modules: str
+    fwd: float
+    bwd: float
+    bwd_w: float
+    compute: float
+    comm_in_bytes: float
+    comm_out_bytes: float
+    comm_in_time: float
+    comm_out_time: float
+    time: float
+    params: float
+    buffers: float
+    activations: float
+    in_flight: int
+    memory: float
+    memory_limit: float | None
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_limit is None or self.memory <= self.memory_limit * (1 + 1e-12)
+
+
+@dataclass
+class Partition:
+    """An assignment of ops to stages with its cost (from :func:`evaluate`) and solver report."""
+
+    stage_of: dict[Any, int]
+    stages: list[StageStats]
+    transfers: list[Transfer]
+    bottleneck: float
+    bottleneck_stage: int
+    lower_bound: float
+    optimal: bool
+    gap: float
+    method: str
+    solve_seconds: float
+    cluster: dict[str, Any]
+    microbatches: int
+    schedule: str
+    training: bool
+    memory_limit: float | None
+    state_factor: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def memory_ok(self) -> bool:
+        return all(s.fits for s in self.stages)
+
+    @property
+    def step_time(self) -> float:
+        """Textbook GPipe/1F1B step time, (m + p - 1) x bottleneck; the simulator is the real figure."""
+        return (self.microbatches + self.num_stages - 1) * self.bottleneck
+
+    @property
+    def ratio(self) -> float:
+        """bottleneck / lower_bound (1.0 = proven optimal by the bound)."""
+        return self.bottleneck / self.lower_bound if self.lower_bound > 0 else math.inf
+
+    def with_report(self, *, lower_bound: float | None = None, optimal: bool | None = None,
+                    method: str | None = None, solve_seconds: float | None = None,
+                    notes: Iterable[str] = ()) -> Partition:
+        """Set the solver's part of the report (bound, optimality, method, time) in place."""
+        if lower_bound is not None:
+            # A bound above the achieved value can only come from float rounding.
+            self.lower_bound = min(max(self.lower_bound, lower_bound), self.bottleneck)
+        if optimal is not None:
+            self.optimal = optimal
+        if self.bottleneck > 0 and self.lower_bound >= self.bottleneck * (1 - 1e-12):
+            self.optimal = True
+        self.gap = 0.0 if self.optimal or self.bottleneck <= 0 else max(
+            0.0, (self.bottleneck - self.lower_bound) / self.bottleneck)
+        if method is not None:
+            self.method = method
+        if solve_seconds is not None:
+            self.solve_seconds = solve_seconds
+        self.notes.extend(notes)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["stage_of"] = {str(k): v for k, v in self.stage_of.items()}
+        d["kind"] = "smp.Partition"
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Partition:
+        d = dict(d)
+        d.pop("kind", None)
+        d["stages"] = [StageStats(**s) for s in d["stages"]]
+        d["transfers"] = [Transfer(**t) for t in d["transfers"]]
+        d["stage_of"] = {str(k): int(v) for k, v in d["stage_of"].items()}
+        d["notes"] = list(d.get("notes", []))
+        return cls(**d)
+
+    def table(self) -> str:
+        """A plain-text table of the stages, for logs and the CLI."""
+        rows = [f"{'stage':>5} {'ops':>5} {'modules':<24} {'compute ms':>11} {'comm ms':>9} "
+                f"{'time ms':>9} {'memory':>11} {'limit':>11}"]
+        for s in self.stages:
+            mark = "*" if s.index == self.bottleneck_stage else " "
+            rows.append(f"{s.index:>4}{mark} {len(s.ops):>5} {s.modules[:24]:<24} {s.compute * 1e3:>11.3f} "
+                        f"{(s.comm_in_time + s.comm_out_time) * 1e3:>9.3f} {s.time * 1e3:>9.3f} "
+                        f"{format_bytes(s.memory):>11} {format_bytes(s.memory_limit):>11}")
+        rows.append(f"bottleneck {self.bottleneck * 1e3:.3f} ms, lower bound {self.lower_bound * 1e3:.3f} ms, "
+                    f"gap {self.gap:.2%}{' (optimal)' if self.optimal else ''}, {self.method}, "
+                    f"{self.solve_seconds:.2f} s")
+        return "\n".join(rows)
+
+
+# ---------------------------------------------------------------------- the problem, in arrays
+
+
+def graph_order(graph: OpGraph | nx.DiGraph) -> tuple[nx.DiGraph, list[Hashable]]:
+    """The networkx graph and a deterministic topological order of its nodes.
+
+    An OpGraph's program order (``index``); for a plain DiGraph, ``index`` when every node
+    has one and it is topological, else networkx's lexicographic topological sort by name.
+    """
+    if isinstance(graph, OpGraph):
+        return graph.nx, graph.topological_order()
+    if not isinstance(graph, nx.DiGraph):
+        raise PlanningError(f"expected an OpGraph or a networkx.DiGraph, got {type(graph).__name__}")
+    if not nx.is_directed_acyclic_graph(graph):
+        raise PlanningError(f"the op graph has a cycle {nx.find_cycle(graph)}; a pipeline needs a DAG")
+    g = graph
+    if g.number_of_nodes() and all("index" in d for _, d in g.nodes(data=True)):
+        order = sorted(g.nodes, key=lambda n: (g.nodes[n]["index"], str(n)))
+        pos = {n: i for i, n in enumerate(order)}
+        if all(pos[u] < pos[v] for u, v in g.edges):
+            return g, order
+    return g, list(nx.lexicographical_topological_sort(g, key=str))
+
+
+class Problem:
+    """A graph, a stage count and the cost options, flattened into arrays over a topological order.
+
+    Every solver and :func:`evaluate` read costs from here, so there is one cost model.
+    Position ``i`` is the i-th node of ``order``; ``succ[i]`` are consumer positions.
+    """
+
+    def __init__(self, graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None = None,
+                 microbatches: int = 1, schedule: str = "1f1b", training: bool = True,
+                 memory_limit: float | None = None, state_factor: float = DEFAULT_STATE_FACTOR,
+                 order: Sequence[Hashable] | None = None):
+        g, default_order = graph_order(graph)
+        self.graph = graph
+        self.g = g
+        self.order: list[Hashable] = list(order) if order is not None else default_order
+        n = len(self.order)
+        if n == 0:
+            raise PlanningError("the op graph is empty; trace a model with at least one op")
+        if order is not None:
+            if set(self.order) != set(g.nodes) or len(set(self.order)) != n:
+                raise PlanningError("the given order must list every node of the graph exactly once")
+        self.pos: dict[Hashable, int] = {v: i for i, v in enumerate(self.order)}
+        if order is not None and any(self.pos[u] >= self.pos[v] for u, v in g.edges):
+            raise PlanningError("the given order is not topological (some edge points backward)")
+        if not isinstance(stages, int) or stages < 1:
+            raise StageCountError(f"stages must be a positive integer, got {stages!r}")
+        if stages > n:
+            raise StageCountError(f"{stages} stages but the graph has only {n} ops: every stage needs "
+                                  f"at least one op; use at most {n} stages or a finer graph")
+        if microbatches < 1:
+            raise PlanningError(f"microbatches must be >= 1, got {microbatches}")
+        if state_factor < 1:
+            raise PlanningError(f"state_factor must be >= 1 (parameters themselves), got {state_factor}")
+        self.n, self.p = n, stages
+        self.cluster = (cluster or Cluster.free(stages)).for_stages(stages)
+        self.microbatches, self.training = microbatches, training
+        self.schedule = canonical_schedule(schedule)
+        self.state_factor = float(state_factor)
+        self.memory_limit_arg = memory_limit
+
+        def attr(key: str, default: float = 0.0) -> np.ndarray:
+            return np.array([float(g.nodes[v].get(key, default) or 0.0) for v in self.order])
+
+        self.fwd, self.bwd, self.bwd_w = attr("fwd"), attr("bwd"), attr("bwd_w")
+        self.params, self.buffers, self.out_bytes = attr("params"), attr("buffers"), attr("out_bytes")
+        for name, arr in (("fwd", self.fwd), ("bwd", self.bwd), ("params", self.params),
+                          ("out_bytes", self.out_bytes), ("buffers", self.buffers), ("bwd_w", self.bwd_w)):
+            if (arr < 0).any() or not np.isfinite(arr).all():
+                bad = self.order[int(np.argmax((arr < 0) | ~np.isfinite(arr)))]
+                raise PlanningError(f"node {bad!r} has {name}={g.nodes[bad].get(name)}; costs must be "
+                                    "finite and >= 0 (re-profile the model)")
+        self.modules = [str(g.nodes[v].get("module", "") or "") for v in self.order]
+        self.work = self.fwd + (self.bwd if training else 0.0)
+        self.succ: list[list[int]] = [sorted(self.pos[w] for w in g.successors(v)) for v in self.order]
+        self.pred: list[list[int]] = [sorted(self.pos[w] for w in g.predecessors(v)) for v in self.order]
+        self.speed = np.array(self.cluster.speeds, dtype=float)
+        # Activation and gradient both cross a cut when training.
+        self.directions = 2 if training else 1
+        self.bw = np.full((stages, stages), math.inf)
+        self.lat = np.zeros((stages, stages))
+        for a in range(stages):
+            for t in range(a + 1, stages):
+                lk = self.cluster.link(a, t)
+                self.bw[a, t], self.lat[a, t] = lk.bandwidth, lk.latency
+        self.in_flight = [in_flight(self.schedule, s, stages, microbatches, training) for s in range(stages)]
+        factor = self.state_factor if training else 1.0
+        self.fixed_mem = self.params * factor + self.buffers  # per node, independent of the stage
+        if memory_limit is not None:
+            if not memory_limit > 0:
+                raise PlanningError(f"memory_limit must be > 0 bytes, got {memory_limit}")
+            self.mem_limit: list[float | None] = [float(memory_limit)] * stages
+        else:
+            self.mem_limit = [d.memory for d in self.cluster.devices]
+
+    # ---------------------------------------------------------------- pieces
+
+    def transfer_seconds(self, a: int, t: int, nbytes: float) -> float:
+        """One direction of one tensor from stage a to stage t."""
+        if nbytes <= 0 or a == t:
+            return 0.0
+        return nbytes / self.bw[a, t] + self.lat[a, t]
+
+    def node_memory(self, i: int, s: int) -> float:
+        return self.fixed_mem[i] + self.in_flight[s] * self.out_bytes[i]
+
+    def is_unique_order(self) -> bool:
+        """True when the graph has one topological order, so contiguous cuts are all valid assignments."""
+        return all(i + 1 in self.succ[i] for i in range(self.n - 1))
+
+    # ---------------------------------------------------------------- fast costs
+
+    def stage_costs(self, assign: Sequence[int]) -> tuple[list[float], list[float]]:
+        """Per-stage time and memory of ``assign`` (stage per position); no validity checks."""
+        p = self.p
+        comp = [0.0] * p
+        mem = [0.0] * p
+        work, fixed, ob, infl = self.work, self.fixed_mem, self.out_bytes, self.in_flight
+        for i, s in enumerate(assign):
+            comp[s] += work[i]
+            mem[s] += fixed[i] + infl[s] * ob[i]
+        t = [comp[s] / self.speed[s] for s in range(p)]
+        k = self.directions
+        for u, succ in enumerate(self.succ):
+            b = ob[u]
+            if b <= 0 or not succ:
+                continue
+            a = assign[u]
+            for dst in {assign[v] for v in succ}:
+                if dst != a:
+                    c = k * (b / self.bw[a, dst] + self.lat[a, dst])
+                    t[a] += c
+                    t[dst] += c
+        return t, mem
+
+    def bottleneck(self, assign: Sequence[int]) -> float:
+        return max(self.stage_costs(assign)[0])
+
+    def fits(self, mem: Sequence[float]) -> bool:
+        return all(lim is None or m <= lim * (1 + 1e-12) for m, lim in zip(mem, self.mem_limit))
+
+    def check(self, assign: Sequence[int]) -> list[str]:
+        """Why ``assign`` is not a valid pipeline assignment (empty list when it is)."""
+        problems = []
+        used = set(assign)
+        empty = [s for s in range(self.p) if s not in used]
+        if empty:
+            problems.append(f"stages {empty} have no ops")
+        bad = [(self.order[u], self.order[v]) for u in range(self.n) for v in self.succ[u]
+               if assign[u] > assign[v]]
+        if bad:
+            u, v = bad[0]
+            problems.append(f"{len(bad)} edges flow backward, e.g. {u!r} (stage {assign[self.pos[u]]}) -> "
+                            f"{v!r} (stage {assign[self.pos[v]]})")
+        return problems
+
+    # ---------------------------------------------------------------- the full report
+
+    def partition(self, assign: Sequence[int], *, method: str = "manual",
+                  solve_seconds: float = 0.0) -> Partition:
+        from partitioner.solve.bounds import trivial_lower_bound  # solve imports cost
+
+        p, k = self.p, self.directions
+        speed = self.speed
+        ops: list[list[int]] = [[] for _ in range(p)]
+        for i, s in enumerate(assign):
+            ops[s].append(i)
+        transfers: list[Transfer] = []
+        cin_b, cout_b = [0.0] * p, [0.0] * p
+        cin_t, cout_t = [0.0] * p, [0.0] * p
+        for u, succ in enumerate(self.succ):
+            b = float(self.out_bytes[u])
+            if b <= 0 or not succ:
+                continue
+            a = assign[u]
+            for dst in sorted({assign[v] for v in succ} - {a}):
+                sec = self.transfer_seconds(a, dst, b)
+                transfers.append(Transfer(a, dst, str(self.order[u]), b, sec))
+                cout_b[a] += b
+                cin_b[dst] += b
+                cout_t[a] += k * sec
+                cin_t[dst] += k * sec
+        stats = []
+        for s in range(p):
+            idx = ops[s]
+            fwd = float(self.fwd[idx].sum()) / speed[s]
+            bwd = float(self.bwd[idx].sum()) / speed[s] if self.training else 0.0
+            bwd_w = float(self.bwd_w[idx].sum()) / speed[s] if self.training else 0.0
+            compute = float(self.work[idx].sum()) / speed[s]
+            params = float(self.params[idx].sum())
+            buffers = float(self.buffers[idx].sum())
+            acts = float(self.out_bytes[idx].sum())
+            memory = float(self.fixed_mem[idx].sum()) + self.in_flight[s] * acts
+            stats.append(StageStats(
+                index=s, device=s, ops=[str(self.order[i]) for i in idx],
+                modules=module_range([self.modules[i] for i in idx]),
+                fwd=fwd, bwd=bwd, bwd_w=bwd_w, compute=compute,
+                comm_in_bytes=cin_b[s], comm_out_bytes=cout_b[s],
+                comm_in_time=cin_t[s], comm_out_time=cout_t[s],
+                time=compute + cin_t[s] + cout_t[s], params=params, buffers=buffers,
+                activations=acts, in_flight=self.in_flight[s], memory=memory,
+                memory_limit=self.mem_limit[s]))
+        times = [st.time for st in stats]
+        worst = int(np.argmax(times))
+        part = Partition(
+            stage_of={self.order[i]: int(s) for i, s in enumerate(assign)},
+            stages=stats, transfers=transfers, bottleneck=times[worst], bottleneck_stage=worst,
+            lower_bound=0.0, optimal=False, gap=1.0, method=method, solve_seconds=solve_seconds,
+            cluster=self.cluster.to_dict(), microbatches=self.microbatches, schedule=self.schedule,
+            training=self.training, memory_limit=self.memory_limit_arg, state_factor=self.state_factor)
+        part.with_report(lower_bound=trivial_lower_bound(self))
+        over = [st.index for st in stats if not st.fits]
+        if over:
+            part.notes.append(f"stages {over} exceed their memory limit")
+        return part
+
+    def assignment(self, stage_of: Mapping[Hashable, int]) -> list[int]:
+        """Positions -> stage from a node -> stage mapping (keys may be names as strings)."""
+        missing = [v for v in self.order if v not in stage_of and str(v) not in stage_of]
+        if missing:
+            raise InvalidAssignmentError(f"{len(missing)} ops have no stage, e.g. {missing[:3]}; "
+                                         "stage_of must map every node of the graph")
+        assign = []
+        for v in self.order:
+            s = stage_of[v] if v in stage_of else stage_of[str(v)]
+            if not isinstance(s, (int, np.integer)) or not 0 <= s < self.p:
+                raise InvalidAssignmentError(f"op {v!r} has stage {s!r}; stages are integers 0..{self.p - 1}")
+            assign.append(int(s))
+        return assign
+
+
+def module_range(modules: Sequence[str]) -> str:
+    """A short human label for a list of module paths, e.g. "embed, layers.0–5" (best effort)."""
+    groups: dict[str, list[int]] = {}
+    for m in modules:
+        if not m:
+            continue
+        parts = m.split(".")
+        k = next((j for j, x in enumerate(parts) if x.isdigit()), None)
+        if k is None:
+            groups.setdefault(parts[0], [])
+        else:
+            groups.setdefault(".".join(parts[:k]), []).append(int(parts[k]))
+    labels = []
+    for prefix, nums in groups.items():
+        if not nums:
+            labels.append(prefix)
+        else:
+            lo, hi = min(nums), max(nums)
+            head = f"{prefix}." if prefix else ""
+            labels.append(f"{head}{lo}" if lo == hi else f"{head}{lo}–{hi}")
+    if len(labels) > 3:
+        labels = labels[:3] + ["…"]
+    return ", ".join(labels)
+
+
+def evaluate(graph: OpGraph | nx.DiGraph, stage_of: Mapping[Hashable, int], *,
+             cluster: Cluster | None = None, microbatches: int = 1, schedule: str = "1f1b",
+             training: bool = True, memory_limit: float | None = None,
+             state_factor: float = DEFAULT_STATE_FACTOR, stages: int | None = None,
+             method: str = "manual") -> Partition:
+    """The cost of any assignment ``stage_of`` (node -> stage index), per stage and overall.
+
+    ``stages`` defaults to the largest stage index + 1. Raises
+    :class:`~partitioner.errors.InvalidAssignmentError` when the assignment is not a
+    pipeline (an op without a stage, an empty stage, an edge flowing to an earlier
+    stage). Memory over the limit is reported (``Partition.memory_ok``, ``notes``), not
+    raised: this function measures, solvers enforce.
+    """
+    if stages is None:
+        if not stage_of:
+            raise InvalidAssignmentError("stage_of is empty; map every node to a stage")
+        stages = int(max(stage_of.values())) + 1
+    prob = Problem(graph, stages, cluster=cluster, microbatches=microbatches, schedule=schedule,
+                   training=training, memory_limit=memory_limit, state_factor=state_factor)
+    assign = prob.assignment(stage_of)
+    problems = prob.check(assign)
+    if problems:
+        raise InvalidAssignmentError("not a valid pipeline assignment: " + "; ".join(problems)
+                                     + ". Every stage needs an op and data may only flow to the same or a later stage.")
+    return prob.partition(assign, method=method)

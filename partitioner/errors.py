@@ -1,0 +1,45 @@
+"""User-facing planning errors: each message names the cause and the fix."""
+
+from __future__ import annotations
+
+__all__ = [
+    "PlanningError",
+    "InvalidAssignmentError",
+    "StageCountError",
+    "MemoryLimitError",
+    "ColocationError",
+    "ClusterError",
+    "ProfileError",
+]
+
+
+class PlanningError(ValueError):
+    """Base class: the planner cannot do what was asked; the message says why and what to change."""
+
+
+class InvalidAssignmentError(PlanningError):
+    """An op -> stage assignment is not a pipeline (missing ops, empty stage, data flowing backward)."""
+
+
+class StageCountError(PlanningError):
+    """The number of stages does not fit the graph or the cluster."""
+
+
+class MemoryLimitError(PlanningError):
+    """No assignment fits the per-device memory limit; ``needed`` is a bound on the least that works."""
+
+    def __init__(self, message: str, *, needed: float | None = None):
+        super().__init__(message)
+        self.needed = needed
+
+
+class ColocationError(PlanningError):
+    """A colocation group names unknown ops or leaves too few movable units for the stages."""
+
+
+class ClusterError(PlanningError):
+    """A cluster description is inconsistent (no devices, non-positive bandwidth or speed, ...)."""
+
+
+class ProfileError(ClusterError):
+    """A device profile file is missing or malformed."""

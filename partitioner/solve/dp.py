@@ -1,0 +1,297 @@
+"""Exact minimum-bottleneck contiguous cuts of one topological order (banded DP + branch and bound).
+
+Chain-on-chain partitioning is the classic problem behind this module (Bokhari 1988;
+Iqbal & Bokhari 1995; Pinar & Aykanat 2004); PipeDream (Narayanan et al., SOSP 2019)
+and Alpa (Zheng et al., OSDI 2022) use the same min-max DP over layer prefixes.
+
+Our cost model makes a stage's time depend on more than its own segment: a tensor is
+sent once per *consuming stage*, and a tensor skipping stages uses the slowest link in
+between, so the exact cost of a segment depends on the other cuts. We therefore solve
+in two steps:
+
+1. **Lower DP.** ``best[s][j] = min_i max(best[s-1][i], lo_s(i, j))`` where ``lo_s`` is a
+   per-segment *lower bound* on the stage time: exact compute and exact set of received
+   tensors, each priced on the cheapest link it could have used (the one into this
+   device), and each tensor with a consumer beyond the segment sent at least once over
+   the link out of this device. Its optimum is a lower bound on the order's optimum, and
+   equals it whenever no tensor is consumed by two later stages and links are uniform
+   (always the case on chains). Segments whose compute alone exceeds a limit ``L`` are
+   never better than ``L``, so the DP only scans a band of start positions (O(n·w·p)
+   numpy work, w = ops per band); ``L`` grows until the optimum lies below it.
+2. **Branch and bound.** If the exact cost of the DP's cuts (via the one cost model)
+   is above the lower DP value, a depth-first search over cut positions, pruned by
+   exact partial costs plus "at least one more copy" for tensors whose consumers are
+   not yet placed, closes the gap (within a node and time budget; the order lower bound
+   is reported when the budget runs out).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from partitioner.cost import Problem
+from partitioner.errors import ColocationError, StageCountError
+
+__all__ = ["DPResult", "allowed_cuts", "dp_solve", "cuts_to_assign"]
+
+_REL = 1e-12
+
+
+@dataclass
+class DPResult:
+    """Best cuts of one order: ``assign`` (stage per position), exact ``value``, order bound."""
+
+    assign: list[int]
+    value: float
+    order_lower_bound: float
+    order_optimal: bool
+    nodes: int
+
+
+def allowed_cuts(prob: Problem, colocate: Iterable[Iterable[Hashable]] = ()) -> np.ndarray:
+    """``allowed[c]``: may a stage boundary fall just before position c (1 <= c < n)?
+
+    A colocation group spanning positions lo..hi of the order forbids every cut inside.
+    """
+    allowed = np.ones(prob.n + 1, dtype=bool)
+    allowed[0] = allowed[prob.n] = False
+    for group in colocate:
+        members = list(group)
+        unknown = [m for m in members if m not in prob.pos]
+        if unknown:
+            raise ColocationError(f"colocation group names ops not in the graph: {unknown[:5]}; "
+                                  "use node names of the op graph")
+        if len(members) < 2:
+            continue
+        ps = [prob.pos[m] for m in members]
+        allowed[min(ps) + 1:max(ps) + 1] = False
+    if int(allowed.sum()) < prob.p - 1:
+        raise ColocationError(
+            f"the colocation groups leave {int(allowed.sum()) + 1} movable blocks in the program order, "
+            f"fewer than the {prob.p} stages asked for; use at most {int(allowed.sum()) + 1} stages "
+            "or colocate fewer ops")
+    return allowed
+
+
+def cuts_to_assign(cuts: Sequence[int], n: int) -> list[int]:
+    """Stage per position from the p-1 boundaries (position where each later stage starts)."""
+    assign = [0] * n
+    bounds = [0, *cuts, n]
+    for s in range(len(bounds) - 1):
+        for i in range(bounds[s], bounds[s + 1]):
+            assign[i] = s
+    return assign
+
+
+def _lower_dp(prob: Problem, allowed: np.ndarray, limit: float) -> tuple[float, list[int] | None]:
+    """Min over cuts of max segment lower cost, scanning only segments with compute <= limit."""
+    n, p = prob.n, prob.p
+    k = prob.directions
+    cw = np.concatenate([[0.0], np.cumsum(prob.work)])
+    cf = np.concatenate([[0.0], np.cumsum(prob.fixed_mem)])
+    ca = np.concatenate([[0.0], np.cumsum(prob.out_bytes)])
+    fastest = float(prob.speed.max())
+    lo = np.searchsorted(cw, cw - limit * fastest * (1 + 1e-9), side="left")
+    lo = np.maximum.accumulate(lo)
+    b = prob.out_bytes
+    nz = (b > 0).astype(float)
+    mc = np.array([s[-1] if s else -1 for s in prob.succ])
+    # Per-stage prices of a byte and of a tensor on the way in (from s-1) and out (to s+1).
+    inv_speed = 1.0 / prob.speed
+    in_b = np.zeros(p)
+    in_l = np.zeros(p)
+    out_b = np.zeros(p)
+    out_l = np.zeros(p)
+    for s in range(1, p):
+        in_b[s] = k / prob.bw[s - 1, s]
+        in_l[s] = k * prob.lat[s - 1, s]
+    for s in range(p - 1):
+        out_b[s] = k / prob.bw[s, s + 1]
+        out_l[s] = k * prob.lat[s, s + 1]
+    infl = np.array(prob.in_flight, dtype=float)
+    lim = np.array([math.inf if x is None else x * (1 + 1e-12) for x in prob.mem_limit])
+    has_limit = bool(np.isfinite(lim).any())
+    # incoming[v]: (first start position, bytes) of each tensor first consumed at v from
+    # a segment starting at or after that position (see R(i, j) in the module doc).
+    incoming: list[list[tuple[int, float]]] = [[] for _ in range(n)]
+    for u, succ in enumerate(prob.succ):
+        if b[u] <= 0:
+            continue
+        prev = u
+        for v in succ:
+            incoming[v].append((prev + 1, float(b[u])))
+            prev = v
+    rb = np.zeros(n + 1)
+    rc = np.zeros(n + 1)
+    best = np.full((p, n + 1), math.inf)
+    arg = np.zeros((p, n + 1), dtype=np.int64)
+    for j in range(1, n + 1):
+        v = j - 1
+        lj = int(lo[j])
+        for start, bu in incoming[v]:
+            a = max(start, lj)
+            if a <= v:
+                rb[a:v + 1] += bu
+                rc[a:v + 1] += 1.0
+        if lj >= j:
+            continue
+        ii = np.arange(lj, j)
+        live = mc[lj:j] >= j
+        sb = np.cumsum((b[lj:j] * live)[::-1])[::-1]
+        sc = np.cumsum((nz[lj:j] * live)[::-1])[::-1]
+        comp = cw[j] - cw[lj:j]
+        cost = (np.outer(inv_speed, comp) + np.outer(in_b, rb[lj:j]) + np.outer(in_l, rc[lj:j])
+                + np.outer(out_b, sb) + np.outer(out_l, sc))
+        if has_limit:
+            mem = (cf[j] - cf[lj:j])[None, :] + np.outer(infl, ca[j] - ca[lj:j])
+            cost[mem > lim[:, None]] = math.inf
+        if lj == 0:
+            best[0, j] = cost[0, 0]
+        if p > 1:
+            cand = np.maximum(best[:p - 1, lj:j], cost[1:, :])
+            pick = np.argmin(cand, axis=1)
+            best[1:, j] = cand[np.arange(p - 1), pick]
+            arg[1:, j] = ii[pick]
+        if j < n and not allowed[j]:
+            best[:, j] = math.inf
+    value = float(best[p - 1, n])
+    if not math.isfinite(value):
+        return value, None
+    cuts = []
+    j = n
+    for s in range(p - 1, 0, -1):
+        j = int(arg[s, j])
+        cuts.append(j)
+    return value, cuts[::-1]
+
+
+def _branch_and_bound(prob: Problem, allowed: np.ndarray, assign0: list[int], value0: float,
+                      lower: float, deadline: float, max_nodes: int) -> tuple[list[int], float, bool, int]:
+    """Exact search over cut positions; returns (assign, value, finished, nodes visited)."""
+    n, p, k = prob.n, prob.p, prob.directions
+    work, speed = prob.work, prob.speed
+    ob = prob.out_bytes
+    mc = [s[-1] if s else -1 for s in prob.succ]
+    cw = np.concatenate([[0.0], np.cumsum(work)]).tolist()
+    cf = np.concatenate([[0.0], np.cumsum(prob.fixed_mem)]).tolist()
+    ca = np.concatenate([[0.0], np.cumsum(ob)]).tolist()
+    lim = [math.inf if x is None else x * (1 + 1e-12) for x in prob.mem_limit]
+    bw, lat = prob.bw, prob.lat
+    best_assign, best_val = list(assign0), value0
+    assign = [0] * n
+    exact = [0.0] * p
+    sent: set[tuple[int, int]] = set()
+    nodes = 0
+    finished = True
+
+    def seg_memory(s: int, i: int, j: int) -> float:
+        return cf[j] - cf[i] + prob.in_flight[s] * (ca[j] - ca[i])
+
+    def place(s: int, i: int, j: int) -> list[tuple[int, int, float]]:
+        """Put positions [i, j) on stage s; return the transfers added (for undo)."""
+        added = []
+        exact[s] += (cw[j] - cw[i]) / speed[s]
+        for v in range(i, j):
+            assign[v] = s
+            for u in prob.pred[v]:
+                a = assign[u]
+                if a < s and ob[u] > 0 and (u, s) not in sent:
+                    c = k * (ob[u] / bw[a, s] + lat[a, s])
+                    sent.add((u, s))
+                    exact[a] += c
+                    exact[s] += c
+                    added.append((u, a, c))
+        return added
+
+    def unplace(s: int, i: int, j: int, added: list[tuple[int, int, float]]) -> None:
+        exact[s] -= (cw[j] - cw[i]) / speed[s]
+        for u, a, c in added:
+            sent.discard((u, s))
+            exact[a] -= c
+            exact[s] -= c
+
+    def bound(s_next: int, frontier: int) -> float:
+        """Max over placed stages of exact cost + one more copy of each still-needed tensor."""
+        extra = [0.0] * s_next
+        for u in range(frontier):
+            if mc[u] >= frontier and ob[u] > 0:
+                a = assign[u]
+                extra[a] += k * (ob[u] / bw[a, s_next] + lat[a, s_next])
+        return max(exact[a] + extra[a] for a in range(s_next))
+
+    def search(s: int, i: int) -> None:
+        nonlocal best_val, best_assign, nodes, finished
+        if best_val <= lower * (1 + _REL):
+            return
+        nodes += 1
+        if nodes > max_nodes or (nodes & 255 == 0 and time.perf_counter() > deadline):
+            finished = False
+            return
+        if s == p - 1:
+            if seg_memory(s, i, n) > lim[s]:
+                return
+            for v in range(i, n):
+                assign[v] = s
+            val = max(prob.stage_costs(assign)[0])
+            if val < best_val * (1 - _REL):
+                best_val, best_assign = val, list(assign)
+            return
+        for j in range(i + 1, n - (p - 1 - s) + 1):
+            if (cw[j] - cw[i]) / speed[s] >= best_val * (1 - _REL):
+                break  # compute only grows with j
+            if not allowed[j] or seg_memory(s, i, j) > lim[s]:
+                continue
+            added = place(s, i, j)
+            if bound(s + 1, j) < best_val * (1 - _REL):
+                search(s + 1, j)
+            unplace(s, i, j, added)
+            if not finished:
+                return
+
+    search(0, 0)
+    return best_assign, best_val, finished, nodes
+
+
+def dp_solve(prob: Problem, colocate: Iterable[Iterable[Hashable]] = (), *,
+             time_limit: float | None = None, max_nodes: int = 200_000) -> DPResult | None:
+    """Best contiguous cuts of ``prob.order``; None when no cuts fit the memory limits."""
+    from partitioner.solve.bounds import trivial_lower_bound
+
+    if prob.p > prob.n:
+        raise StageCountError(f"{prob.p} stages but only {prob.n} ops")
+    allowed = allowed_cuts(prob, colocate)
+    limit = max(trivial_lower_bound(prob), 1e-300) * 1.25
+    total = float(prob.work.sum()) / float(prob.speed.min())
+    while True:
+        value, cuts = _lower_dp(prob, allowed, limit)
+        if cuts is not None and value <= limit:
+            break  # segments outside the band cost more than the optimum found
+        if limit > total:
+            break  # the band already covered every segment
+        limit = value if cuts is not None else limit * 4
+    if cuts is None:
+        return None
+    assign = cuts_to_assign(cuts, prob.n)
+    exact = max(prob.stage_costs(assign)[0])
+    if exact <= value * (1 + 1e-9):
+        return DPResult(assign, exact, value, True, 0)
+    # The lower model undercounts tensors sent to several stages; seed the search with the
+    # best of it and the comm-blind balanced cuts, whichever really costs least.
+    from partitioner.solve.baselines import BASELINES, baseline_assign
+
+    for name in BASELINES:
+        cand = baseline_assign(prob, name, allowed)
+        if len(set(cand)) != prob.p:
+            continue
+        t, mem = prob.stage_costs(cand)
+        if prob.fits(mem) and max(t) < exact * (1 - _REL):
+            assign, exact = cand, max(t)
+    deadline = time.perf_counter() + (time_limit if time_limit is not None else 5.0)
+    assign, exact, finished, nodes = _branch_and_bound(prob, allowed, assign, exact, value,
+                                                       deadline, max_nodes)
+    return DPResult(assign, exact, exact if finished else value, finished, nodes)

@@ -1,0 +1,106 @@
+"""The cost model, checked by hand on small graphs."""
+
+import json
+
+import networkx as nx
+import pytest
+
+from partitioner.cluster import Cluster
+from partitioner.cost import Partition, evaluate, module_range
+from partitioner.errors import InvalidAssignmentError, PlanningError
+from partitioner.graph import OpGraph
+
+
+def diamond() -> nx.DiGraph:
+    """a -> b -> d, a -> c -> d; a's output is read by b and c."""
+    g = nx.DiGraph()
+    g.add_node("a", fwd=1.0, bwd=2.0, params=100, out_bytes=1000, module="layers.0")
+    g.add_node("b", fwd=2.0, bwd=4.0, params=0, out_bytes=500, module="layers.1")
+    g.add_node("c", fwd=3.0, bwd=6.0, params=10, out_bytes=500, buffers=7, module="layers.2")
+    g.add_node("d", fwd=1.0, bwd=1.0, params=0, out_bytes=8, module="head")
+    g.add_edges_from([("a", "b"), ("a", "c"), ("b", "d"), ("c", "d")])
+    return g
+
+
+def test_stage_times_and_transfers_training():
+    c = Cluster.uniform(3, bandwidth=1000.0, latency=0.5)
+    part = evaluate(diamond(), {"a": 0, "b": 1, "c": 2, "d": 2}, cluster=c, microbatches=4)
+    s0, s1, s2 = part.stages
+    # a's output goes once to stage 1 and once to stage 2: 1000 B / 1000 B/s + 0.5 s = 1.5 s each
+    # way, and its gradient comes back the same way (x2 when training).
+    assert [(t.src_stage, t.dst_stage, t.node, t.bytes) for t in part.transfers] == [
+        (0, 1, "a", 1000.0), (0, 2, "a", 1000.0), (1, 2, "b", 500.0)]
+    assert part.transfers[0].seconds == pytest.approx(1.5)
+    assert s0.compute == 3.0 and s0.comm_out_time == pytest.approx(2 * 1.5 * 2)
+    assert s0.comm_in_time == 0 and s0.comm_out_bytes == 2000
+    assert s1.compute == 6.0 and s1.comm_in_time == pytest.approx(3.0)
+    assert s1.comm_out_time == pytest.approx(2 * (0.5 + 0.5))
+    assert s2.compute == 11.0 and s2.comm_in_bytes == 1500
+    assert s2.comm_in_time == pytest.approx(3.0 + 2.0)
+    assert s2.time == pytest.approx(16.0)
+    assert part.bottleneck == pytest.approx(16.0) and part.bottleneck_stage == 2
+    # 1F1B: stage s holds min(m, p - s) microbatches; params x 4 (weights, grads, Adam).
+    assert [s.in_flight for s in part.stages] == [3, 2, 1]
+    assert s0.memory == 100 * 4 + 3 * 1000
+    assert s2.memory == 10 * 4 + 7 + 1 * (500 + 8)
+    assert s1.ops == ["b"] and s2.ops == ["c", "d"]
+    assert part.lower_bound <= part.bottleneck
+
+
+def test_inference_gpipe_speed_and_memory():
+    c = Cluster.heterogeneous([1.0, 2.0], bandwidths=[1000.0])
+    g = diamond()
+    p = evaluate(g, {"a": 0, "b": 0, "c": 1, "d": 1}, cluster=c, training=False)
+    assert p.stages[1].compute == pytest.approx((3.0 + 1.0) / 2.0)
+    assert p.stages[0].comm_out_time == pytest.approx(1.0 + 0.5)  # a and b, no gradient
+    assert p.stages[1].memory == 10 + 7 + 508  # inference: no optimiser state, one microbatch
+    gp = evaluate(g, {"a": 0, "b": 0, "c": 1, "d": 1}, cluster=c, microbatches=8, schedule="gpipe")
+    assert [s.in_flight for s in gp.stages] == [8, 8]
+    zb = evaluate(g, {"a": 0, "b": 0, "c": 1, "d": 1}, cluster=c, microbatches=8, schedule="zb_h1")
+    assert zb.schedule == "zb-h1" and [s.in_flight for s in zb.stages] == [2, 1]
+    with pytest.raises(PlanningError, match="unknown schedule"):
+        evaluate(g, {"a": 0, "b": 0, "c": 1, "d": 1}, schedule="pipedream")
+
+
+def test_memory_limit_reported():
+    p = evaluate(diamond(), {"a": 0, "b": 0, "c": 1, "d": 1}, memory_limit=1000)
+    assert not p.memory_ok and p.stages[0].memory_limit == 1000 and p.notes
+    ok = evaluate(diamond(), {"a": 0, "b": 0, "c": 1, "d": 1}, memory_limit=1e9)
+    assert ok.memory_ok
+
+
+def test_invalid_assignments():
+    g = diamond()
+    with pytest.raises(InvalidAssignmentError, match="flow backward"):
+        evaluate(g, {"a": 1, "b": 0, "c": 1, "d": 1})
+    with pytest.raises(InvalidAssignmentError, match="no ops"):
+        evaluate(g, {"a": 0, "b": 0, "c": 2, "d": 2})
+    with pytest.raises(InvalidAssignmentError, match="no stage"):
+        evaluate(g, {"a": 0, "b": 0})
+    with pytest.raises(PlanningError, match="cycle"):
+        cyc = nx.DiGraph([("x", "y"), ("y", "x")])
+        evaluate(cyc, {"x": 0, "y": 0})
+
+
+def test_round_trip_json_and_opgraph():
+    og = OpGraph(diamond())
+    p = evaluate(og, {"a": 0, "b": 1, "c": 1, "d": 1}, cluster=Cluster.uniform(2, bandwidth=1e3))
+    d = json.loads(json.dumps(p.to_dict()))
+    q = Partition.from_dict(d)
+    assert q.to_dict() == p.to_dict()
+    assert q.stages[1].modules == "layers.1–2, head"
+    assert "bottleneck" in p.table()
+
+
+def test_free_cluster_and_bounds():
+    p = evaluate(diamond(), {"a": 0, "b": 0, "c": 1, "d": 1})
+    assert p.transfers[0].seconds == 0.0
+    assert p.bottleneck == pytest.approx(max(9.0, 11.0))
+    # total 20 over 2 stages = 10; pigeonhole of the 3 largest ops (9, 6, 3): 6 + 3 = 9
+    assert p.lower_bound == pytest.approx(10.0)
+
+
+def test_module_range():
+    assert module_range(["embed", "layers.0.attn", "layers.5.mlp"]) == "embed, layers.0–5"
+    assert module_range(["", "layers.3"]) == "layers.3"
+    assert module_range([]) == ""
