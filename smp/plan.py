@@ -23,7 +23,7 @@ from partitioner.solve import solve
 from partitioner.timeline import Timeline
 from partitioner.trace import fingerprint, trace
 
-__all__ = ["Plan", "PlanError", "plan", "canonical_schedule", "PLAN_SCHEMA_VERSION", "SCHEDULE_NAMES"]
+__all__ = ["Plan", "PlanError", "plan", "plan_from_graph", "canonical_schedule", "PLAN_SCHEMA_VERSION", "SCHEDULE_NAMES"]
 
 PLAN_SCHEMA_VERSION = 1
 
@@ -329,19 +329,6 @@ def plan(
         graph = profile(model, micro_args, micro_kwargs, timing=timing, device=device, repeats=repeats,
                         device_profile=device_profile, dtype=dtype, training=model.training,
                         frontend=frontend, leaf_modules=leaf_modules, progress=progress)
-    if len(graph) < num_stages:
-        raise PlanError(f"the model has {len(graph)} ops, fewer than the {num_stages} stages asked for; "
-                        "use fewer stages (or fewer virtual stages)")
-    stage_cluster = _virtual_cluster(base_cluster, stages, v) if base_cluster is not None else None
-    limit = memory_limit / v if (memory_limit is not None and v > 1) else memory_limit
-    colocate = _tied_groups(graph) if colocate_tied else ()
-    part = solve(graph, num_stages, cluster=stage_cluster, microbatches=microbatches,
-                 schedule=_memory_schedule(sched_name), training=model.training, memory_limit=limit,
-                 colocate=colocate, method=method, time_limit=time_limit)
-    sched = _make_schedule(sched_name, part, microbatches, stages)
-    sim = simulate(sched, stage_costs_from(part.stages, part.transfers,
-                                           act_bytes=[s.activations for s in part.stages]))
-    fx_stage_of = {fx_name: part.stage_of[node] for node in graph.nx for fx_name in graph[node]["fx_nodes"]}
     info = gm.meta["smp_trace"]
     model_info = {
         "name": name or type(model).__name__,
@@ -357,7 +344,74 @@ def plan(
         "timing": graph.meta.get("timing"),
         "profiled_on": graph.meta.get("device"),
     }
-    return Plan(model=model_info, graph=graph, partition=part, schedule=sched, microbatches=microbatches,
+    return plan_from_graph(graph, stages=stages, microbatches=microbatches, schedule=schedule, cluster=base_cluster,
+                           memory_limit=memory_limit, method=method, time_limit=time_limit,
+                           virtual_stages=virtual_stages, colocate_tied=colocate_tied, training=model.training,
+                           model_info=model_info)
+
+
+def plan_from_graph(
+    graph: OpGraph,
+    *,
+    stages: int,
+    microbatches: int = 1,
+    schedule: str = "1f1b",
+    cluster: Cluster | str | Path | None = None,
+    memory_limit: float | None = None,
+    method: str = "auto",
+    time_limit: float | None = None,
+    virtual_stages: int = 2,
+    colocate_tied: bool = False,
+    training: bool | None = None,
+    model_info: Mapping[str, Any] | None = None,
+    name: str | None = None,
+) -> Plan:
+    """Solve, schedule and simulate an already-profiled graph (e.g. ``smp profile -o graph.json``).
+
+    The graph's costs are per microbatch. Without ``model_info`` the plan's model section
+    comes from ``graph.meta`` (its ``fingerprint`` is ``"unknown"`` when the graph has none).
+    """
+    if stages < 1:
+        raise PlanError(f"stages must be >= 1, got {stages}")
+    sched_name = canonical_schedule(schedule)
+    v = virtual_stages if sched_name == "interleaved_1f1b" else 1
+    if v < 1:
+        raise PlanError("virtual_stages must be >= 1")
+    num_stages = stages * v
+    if training is None:
+        training = bool(graph.meta.get("training", True))
+    base_cluster = _resolve_cluster(cluster, stages)
+    if len(graph) < num_stages:
+        raise PlanError(f"the model has {len(graph)} ops, fewer than the {num_stages} stages asked for; "
+                        "use fewer stages (or fewer virtual stages)")
+    stage_cluster = _virtual_cluster(base_cluster, stages, v) if base_cluster is not None else None
+    limit = memory_limit / v if (memory_limit is not None and v > 1) else memory_limit
+    colocate = _tied_groups(graph) if colocate_tied else ()
+    part = solve(graph, num_stages, cluster=stage_cluster, microbatches=microbatches,
+                 schedule=_memory_schedule(sched_name), training=training, memory_limit=limit,
+                 colocate=colocate, method=method, time_limit=time_limit)
+    sched = _make_schedule(sched_name, part, microbatches, stages)
+    sim = simulate(sched, stage_costs_from(part.stages, part.transfers,
+                                           act_bytes=[s.activations for s in part.stages]))
+    fx_stage_of = {fx_name: part.stage_of[node] for node in graph.nx for fx_name in graph[node]["fx_nodes"]}
+    if model_info is None:
+        meta = graph.meta
+        model_info = {
+            "name": name or meta.get("name") or meta.get("model") or "model",
+            "class": meta.get("class"),
+            "fingerprint": meta.get("fingerprint") or "unknown",
+            "frontend": meta.get("frontend"),
+            "leaf_modules": meta.get("leaf_modules", []),
+            # The graph is costed per microbatch: a step's batch is that times the microbatches.
+            "batch_size": meta["batch_size"] * microbatches if isinstance(meta.get("batch_size"), int) else None,
+            "inputs": meta.get("inputs"),
+            "num_params": meta.get("num_params"),
+            "param_bytes": meta.get("param_bytes", graph.total_params),
+            "training": training,
+            "timing": meta.get("timing"),
+            "profiled_on": meta.get("device"),
+        }
+    return Plan(model=dict(model_info), graph=graph, partition=part, schedule=sched, microbatches=microbatches,
                 num_ranks=stages, fx_stage_of=fx_stage_of, simulated=sim.to_dict())
 
 

@@ -1,0 +1,99 @@
+"""Refine a partition by simulated step time: move boundary ops between neighbouring stages.
+
+The bottleneck (largest stage time) is what the solvers minimise and prove bounds on;
+the step time of a real schedule also depends on how fast the pipeline fills and drains,
+on where communication sits on the critical path, and (zero-bubble) on each stage's
+split between input and weight gradients. This module ranks candidates by the
+simulator instead, starting from a solver's answer: a first-improvement hill climb over
+single-op moves across stage boundaries, each candidate priced by ``evaluate`` and
+timed by ``simulate`` on the schedule it will run under.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+
+from partitioner.cost import Partition, Problem
+from partitioner.schedule import make_schedule, stage_graph_from_transfers
+from partitioner.simulate import simulate, stage_costs_from
+
+__all__ = ["simulated_step_time", "refine_step_time", "generator_name"]
+
+_GENERATORS = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved_1f1b",
+               "interleaved_1f1b": "interleaved_1f1b", "zb-h1": "zb_h1", "zb_h1": "zb_h1"}
+
+
+def generator_name(schedule: str) -> str:
+    """The schedule generator for a cost-model schedule name ('zb-h1' -> 'zb_h1')."""
+    try:
+        return _GENERATORS[schedule.lower()]
+    except KeyError:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted(_GENERATORS)}") from None
+
+
+def simulated_step_time(part: Partition, schedule: str | None = None, *, ranks: int | None = None) -> float:
+    """Simulated step time of ``part`` under ``schedule`` (default: the one it was priced for)."""
+    name = generator_name(schedule or part.schedule)
+    graph = stage_graph_from_transfers(part.num_stages, part.transfers)
+    extra = {"num_ranks": ranks or part.num_stages} if name == "interleaved_1f1b" else {}
+    sched = make_schedule(name, graph, part.microbatches, **extra)
+    return simulate(sched, stage_costs_from(part.stages, part.transfers), timeline=False).step_time
+
+
+def refine_step_time(prob: Problem, assign: Sequence[int], *, ranks: int | None = None,
+                     frozen: Iterable[int] = (), time_limit: float = 2.0,
+                     slack: float = 0.10) -> tuple[list[int], float, float]:
+    """Hill-climb ``assign`` (a stage per position of ``prob.order``) on simulated step time.
+
+    A move takes one op from stage s to s - 1 or s + 1 when every producer (or consumer)
+    already lies on the far side, so the assignment stays a valid pipeline; stages never
+    empty, memory limits hold, and ops in ``frozen`` (colocation groups) stay put.
+    Candidates whose bottleneck exceeds the current one by more than ``slack`` are not
+    simulated. Returns (assignment, step time before, step time after).
+    """
+    deadline = time.perf_counter() + time_limit
+    frozen = set(frozen)
+    current = list(assign)
+    sizes = [0] * prob.p
+    for s in current:
+        sizes[s] += 1
+
+    def step_of(candidate: list[int]) -> float | None:
+        part = prob.partition(candidate)
+        if not part.memory_ok:
+            return None
+        return simulated_step_time(part, ranks=ranks)
+
+    start_step = step_of(current)
+    if start_step is None:
+        return current, float("nan"), float("nan")
+    best = start_step
+    improved = True
+    while improved and time.perf_counter() < deadline:
+        improved = False
+        bottleneck = prob.bottleneck(current)
+        for i in range(prob.n):
+            if i in frozen or sizes[current[i]] == 1:
+                continue
+            s = current[i]
+            for target in (s + 1, s - 1):
+                if not 0 <= target < prob.p:
+                    continue
+                if target > s and any(current[j] < target for j in prob.succ[i]):
+                    continue
+                if target < s and any(current[j] > target for j in prob.pred[i]):
+                    continue
+                candidate = current.copy()
+                candidate[i] = target
+                if prob.bottleneck(candidate) > bottleneck * (1 + slack):
+                    continue
+                step = step_of(candidate)
+                if step is not None and step < best * (1 - 1e-9):
+                    sizes[s] -= 1
+                    sizes[target] += 1
+                    current, best, improved = candidate, step, True
+                    break
+            if improved or time.perf_counter() >= deadline:
+                break
+    return current, start_step, best

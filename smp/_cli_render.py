@@ -1,0 +1,318 @@
+"""What the ``smp`` CLI shows: the per-stage table, the report dict behind ``--json``, warnings, pictures.
+
+Kept apart from smp/cli.py so that the command functions stay about options and flow.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich import box
+from rich.table import Table
+
+from smp.plan import Plan
+from smp.units import format_bytes, format_time
+
+__all__ = [
+    "REPORT_SCHEMA", "report", "stage_table", "headline", "cut_tensors", "warnings_for", "render_stage_graph",
+    "IMBALANCE_SHARE", "MEMORY_WARN_FRACTION", "GAP_WARN",
+]
+
+#: Version of the JSON that ``smp plan/inspect/simulate --json`` print (see docs/cli.md).
+REPORT_SCHEMA = 1
+#: A stage whose time is below this share of the bottleneck is reported as under-loaded.
+IMBALANCE_SHARE = 0.70
+#: Memory above this fraction of the limit is reported as close to the limit.
+MEMORY_WARN_FRACTION = 0.90
+#: A gap to the lower bound above this, not proven optimal, is reported.
+GAP_WARN = 0.05
+
+
+# ------------------------------------------------------------------ data
+
+
+def cut_tensors(plan: Plan) -> list[dict[str, Any]]:
+    """One entry per tensor that crosses stages: producer op, its stage, the consuming stages, bytes.
+
+    ``bytes`` is one microbatch's tensor; it crosses once per consuming stage (forward),
+    and its gradient crosses back when training.
+    """
+    by_node: dict[str, dict[str, Any]] = {}
+    for t in plan.partition.transfers:
+        entry = by_node.get(t.node)
+        if entry is None:
+            data = plan.graph[t.node] if t.node in plan.graph else {}
+            entry = by_node[t.node] = {
+                "producer": t.node,
+                "op": data.get("op", ""),
+                "module": data.get("module", ""),
+                "src_stage": int(t.src_stage),
+                "dst_stages": [],
+                "bytes": float(t.bytes),
+                "seconds": [],
+            }
+        entry["dst_stages"].append(int(t.dst_stage))
+        entry["seconds"].append(float(t.seconds))
+    out = []
+    for entry in by_node.values():
+        order = sorted(range(len(entry["dst_stages"])), key=lambda i: entry["dst_stages"][i])
+        entry["dst_stages"] = [entry["dst_stages"][i] for i in order]
+        entry["seconds"] = [entry["seconds"][i] for i in order]
+        out.append(entry)
+    out.sort(key=lambda e: (e["src_stage"], plan.graph[e["producer"]]["index"] if e["producer"] in plan.graph else 0))
+    return out
+
+
+def warnings_for(plan: Plan) -> list[dict[str, Any]]:
+    """Things worth a second look: under-loaded stages, memory near or over the limit, a large unproven gap."""
+    part = plan.partition
+    out: list[dict[str, Any]] = []
+    for row in plan.stage_rows():
+        if part.bottleneck > 0 and row["share"] < IMBALANCE_SHARE:
+            out.append({"kind": "imbalance", "stage": row["stage"],
+                        "message": f"stage {row['stage']} is busy {row['share']:.0%} of the bottleneck stage's time "
+                                   f"(below {IMBALANCE_SHARE:.0%}): the pipeline is unbalanced; more ops or a finer "
+                                   "graph would even it out"})
+        limit = row["memory_limit"]
+        if limit is not None and not math.isinf(limit) and limit > 0:
+            frac = row["memory"] / limit
+            if frac > 1 + 1e-12:
+                out.append({"kind": "memory", "stage": row["stage"],
+                            "message": f"stage {row['stage']} needs {format_bytes(row['memory'])}, over its "
+                                       f"{format_bytes(limit)} limit ({frac:.0%})"})
+            elif frac > MEMORY_WARN_FRACTION:
+                out.append({"kind": "memory", "stage": row["stage"],
+                            "message": f"stage {row['stage']} uses {frac:.0%} of its {format_bytes(limit)} memory "
+                                       f"limit (above {MEMORY_WARN_FRACTION:.0%}): little headroom for allocator "
+                                       "fragmentation and workspace"})
+    if not part.optimal and part.gap > GAP_WARN:
+        out.append({"kind": "gap", "stage": None,
+                    "message": f"the plan is {part.gap:.1%} above the lower bound and not proven optimal: "
+                               "give the solver more time (--time-limit) or try --method cpsat"})
+    return out
+
+
+def report(plan: Plan, *, plan_file: str | Path | None = None, files: dict[str, str | None] | None = None,
+           extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The machine-readable view of a plan (the ``--json`` output of plan, inspect and simulate).
+
+    Times are seconds, sizes bytes; ``memory_limit`` is null when unlimited.
+    """
+    part = plan.partition
+    stages = []
+    for r in plan.stage_rows():
+        stages.append({
+            "stage": r["stage"], "rank": r["rank"], "modules": r["modules"], "ops": r["ops"],
+            "params_bytes": _num(r["params"]), "activation_bytes": _num(r["activations"]),
+            "fwd_s": _num(r["fwd"]), "bwd_s": _num(r["bwd"]),
+            "comm_in_s": _num(r["comm_in"]), "comm_out_s": _num(r["comm_out"]),
+            "comm_in_bytes": _num(r["comm_in_bytes"]), "comm_out_bytes": _num(r["comm_out_bytes"]),
+            "time_s": _num(r["time"]), "memory_bytes": _num(r["memory"]),
+            "memory_limit_bytes": _num(r["memory_limit"]), "share": _num(r["share"]),
+        })
+    out: dict[str, Any] = {
+        "kind": "smp.report",
+        "schema": REPORT_SCHEMA,
+        "plan_file": str(plan_file) if plan_file is not None else None,
+        "model": {k: plan.model.get(k) for k in ("name", "fingerprint", "num_params", "param_bytes", "batch_size",
+                                                  "timing", "profiled_on")},
+        "ops": len(plan.graph),
+        "schedule": plan.schedule_name,
+        "microbatches": plan.microbatches,
+        "num_ranks": plan.num_ranks,
+        "num_stages": plan.num_stages,
+        "cluster": part.cluster.get("name"),
+        "memory_limit_bytes": _num(part.memory_limit),
+        "stages": stages,
+        "step_time_s": _num(plan.step_time),
+        "bubble_fraction": _num(plan.bubble),
+        "single_device_time_s": _num(plan.single_device_time),
+        "speedup": _num(plan.speedup),
+        "bottleneck_s": _num(part.bottleneck),
+        "bottleneck_stage": part.bottleneck_stage,
+        "lower_bound_s": _num(part.lower_bound),
+        "gap": _num(part.gap),
+        "optimal": bool(part.optimal),
+        "method": part.method,
+        "solve_seconds": _num(part.solve_seconds),
+        "cut_tensors": cut_tensors(plan),
+        "warnings": warnings_for(plan),
+        "notes": list(part.notes),
+    }
+    if files:
+        out["files"] = {k: v for k, v in files.items() if v is not None}
+    if extra:
+        out.update(extra)
+    return out
+
+
+def _num(x: Any) -> Any:
+    """JSON-safe number: None for None/inf/nan, plain int/float otherwise."""
+    if x is None:
+        return None
+    x = float(x)
+    if math.isinf(x) or math.isnan(x):
+        return None
+    return int(x) if x.is_integer() and abs(x) < 2**53 and not isinstance(x, bool) else x
+
+
+# ------------------------------------------------------------------ rich tables
+
+
+def stage_table(plan: Plan, *, title: str | None = None) -> Table:
+    """The per-stage table: modules, ops, parameter and activation bytes, times, comm, memory vs limit, share."""
+    part = plan.partition
+    t = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+              padding=(0, 1), collapse_padding=True)
+    num = {"justify": "right", "no_wrap": True}
+    for name, kw in (("stage", num), ("rank", num),
+                     ("modules", {"no_wrap": True, "overflow": "ellipsis", "max_width": 26}),
+                     ("ops", num), ("params", num), ("act/mb", num), ("fwd", num), ("bwd", num),
+                     ("comm in", num), ("comm out", num), ("memory / limit", num), ("share", num)):
+        t.add_column(name, **kw)
+    for r in plan.stage_rows():
+        limit = r["memory_limit"]
+        if limit is None or math.isinf(limit):
+            mem = _b(r["memory"])
+        else:
+            mem = f"{_b(r['memory'])} / {_b(limit)} {r['memory'] / limit:.0%}"
+        mark = " ◀" if r["stage"] == part.bottleneck_stage else ""
+        t.add_row(str(r["stage"]), str(r["rank"]), r["modules"] or "-", str(r["ops"]),
+                  _b(r["params"]), _b(r["activations"]),
+                  format_time(r["fwd"]), format_time(r["bwd"]),
+                  _comm(r["comm_in"], r["comm_in_bytes"]), _comm(r["comm_out"], r["comm_out_bytes"]),
+                  mem, f"{r['share']:.0%}{mark}")
+    return t
+
+
+def _comm(seconds: float, nbytes: float) -> str:
+    if not nbytes:
+        return "-"
+    return f"{_b(nbytes)} {format_time(seconds)}"
+
+
+def _b(n: float | None) -> str:
+    """Bytes with three significant figures (the table is wide): 913 MiB, 14.4 GiB, 80.0 KiB."""
+    text = format_bytes(n)
+    num, _, unit = text.partition(" ")
+    try:
+        value = float(num)
+    except ValueError:
+        return text
+    return text if unit == "B" else f"{value:.3g} {unit}"
+
+
+def headline(plan: Plan, *, solved: Plan | None = None) -> list[str]:
+    """The figures under the table: step time, bubble, speed-up, bottleneck vs lower bound, optimality.
+
+    ``solved``: for a re-timed plan, the plan whose solve produced the assignment.
+    """
+    part = plan.partition
+    src = (solved or plan).partition
+    proven = "proven optimal" if src.optimal else f"not proven optimal (gap {src.gap:.1%} to the lower bound)"
+    if solved is not None:
+        proven = f"solved for {solved.schedule_name}, m={solved.microbatches} ({proven} there), re-timed"
+    limit = "no memory limit" if part.memory_limit is None and not any(
+        s.memory_limit for s in part.stages) else (
+        "fits the memory limit" if part.memory_ok else "DOES NOT fit the memory limit")
+    return [
+        f"predicted step time  {format_time(plan.step_time)}  ({plan.schedule_name}, {plan.microbatches} "
+        f"microbatches, {plan.num_ranks} ranks)",
+        f"bubble               {plan.bubble:.1%}",
+        f"speed-up             {plan.speedup:.2f}x over one device ({format_time(plan.single_device_time)} per step, "
+        "no communication)",
+        f"bottleneck           {format_time(part.bottleneck)} per microbatch (stage {part.bottleneck_stage}); lower bound "
+        f"{format_time(part.lower_bound)}, gap {part.gap:.1%}",
+        f"solver               {part.method}, {format_time(part.solve_seconds)}: {proven}; {limit}",
+    ]
+
+
+def cut_table(plan: Plan) -> Table:
+    t = Table(header_style="bold", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for name, kw in (("producer op", {}), ("module", {"overflow": "fold", "max_width": 30}), ("from", {"justify": "right"}),
+                     ("to stages", {}), ("bytes/mb", {"justify": "right"}), ("time", {"justify": "right"})):
+        t.add_column(name, **kw)
+    for c in cut_tensors(plan):
+        kind = "skip" if any(d > c["src_stage"] + 1 for d in c["dst_stages"]) else ""
+        t.add_row(f"{c['producer']} ({c['op']})" if c["op"] else c["producer"], c["module"] or "-",
+                  str(c["src_stage"]), ", ".join(map(str, c["dst_stages"])) + (f"  [{kind}]" if kind else ""),
+                  format_bytes(c["bytes"]), format_time(max(c["seconds"]) if c["seconds"] else 0.0))
+    return t
+
+
+# ------------------------------------------------------------------ the stage-graph picture
+
+
+def render_stage_graph(plan: Plan, path: str | Path, *, title: str | None = None) -> Path:
+    """Stages as boxes left to right (modules, ops, time), cut tensors as labelled arrows.
+
+    Tensors between neighbouring stages are straight arrows; tensors that skip stages
+    are arcs above the boxes. Several tensors between the same two stages are drawn as
+    one arrow labelled with their total bytes and count. Writes .svg or .png by suffix.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+
+    path = Path(path)
+    if path.suffix.lower() not in (".svg", ".png", ".pdf"):
+        raise ValueError(f"the stage graph is written as .svg, .png or .pdf, not {path.name!r}")
+    rows = plan.stage_rows()
+    S = len(rows)
+    pairs: dict[tuple[int, int], list[float]] = {}
+    for tr in plan.partition.transfers:
+        pairs.setdefault((int(tr.src_stage), int(tr.dst_stage)), []).append(float(tr.bytes))
+    box_w, box_h, gap = 2.6, 1.7, 1.5
+    step = box_w + gap
+    max_span = max((b - a for a, b in pairs), default=1)
+    fig_w = max(6.0, S * step * 0.95 + 0.5)
+    fig_h = 3.2 + 0.55 * max(0, max_span - 1)
+    fig, ax = plt.subplots(figsize=(fig_w, fig_h))
+    palette = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
+    bottleneck = plan.partition.bottleneck_stage
+    for r in rows:
+        x = r["stage"] * step
+        color = palette[r["rank"] % len(palette)]
+        box = FancyBboxPatch((x, 0), box_w, box_h, boxstyle="round,pad=0.05,rounding_size=0.12",
+                             facecolor=color, alpha=0.18, edgecolor=color,
+                             linewidth=2.4 if r["stage"] == bottleneck else 1.2)
+        ax.add_patch(box)
+        modules = r["modules"] or "-"
+        if len(modules) > 26:
+            modules = modules[:25] + "…"
+        label = (f"stage {r['stage']} · rank {r['rank']}\n{modules}\n{r['ops']} ops, {format_bytes(r['params'])}\n"
+                 f"F+B {format_time(r['fwd'] + r['bwd'])}" + ("  (bottleneck)" if r["stage"] == bottleneck else ""))
+        ax.text(x + box_w / 2, box_h / 2, label, ha="center", va="center", fontsize=8)
+    for (a, b), sizes in sorted(pairs.items()):
+        total = sum(sizes)
+        text = format_bytes(total) + (f" ({len(sizes)} tensors)" if len(sizes) > 1 else "")
+        if b == a + 1:
+            x0, x1 = a * step + box_w + 0.05, b * step - 0.05
+            ax.add_patch(FancyArrowPatch((x0, box_h / 2), (x1, box_h / 2), arrowstyle="-|>", mutation_scale=14,
+                                         color="#333333", linewidth=1.2))
+            ax.text((x0 + x1) / 2, box_h / 2 + 0.12, text, ha="center", va="bottom", fontsize=7)
+        else:
+            x0, x1 = a * step + box_w * 0.75, b * step + box_w * 0.25
+            height = 0.5 + 0.55 * (b - a - 1)
+            ax.add_patch(FancyArrowPatch((x0, box_h + 0.08), (x1, box_h + 0.08), arrowstyle="-|>", mutation_scale=12,
+                                         connectionstyle=f"arc3,rad={-min(0.6, 2 * height / max(x1 - x0, 1e-6)):.3f}",
+                                         color="#8B1A1A", linewidth=1.1))
+            ax.text((x0 + x1) / 2, box_h + 0.1 + height * 0.95, text + " (skip)", ha="center", va="bottom",
+                    fontsize=7, color="#8B1A1A")
+    ax.set_xlim(-0.4, (S - 1) * step + box_w + 0.4)
+    ax.set_ylim(-0.4, box_h + 0.9 + 0.55 * max(0, max_span - 1) + 0.3)
+    ax.set_aspect("auto")
+    ax.axis("off")
+    name = plan.model.get("name", "model")
+    ax.set_title(title or f"{name}: {S} stages on {plan.num_ranks} ranks, cut tensors per microbatch", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+

@@ -1,0 +1,162 @@
+"""``smp train``: launch the pipeline runtime through torchrun on this machine with synthetic data.
+
+The parent process checks the request (model spec, saved plan vs model), then runs
+``python -m torch.distributed.run --standalone --nproc_per_node P -m smp._train_worker``.
+Every worker builds the same model (same seed), wraps it with ``smp.partition`` and
+trains on the spec's synthetic batch; the rank that sees the loss prints one JSON line
+per step (``{"event": "step", ...}``) which the parent turns into a progress bar and,
+at the end, the measured vs predicted step time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["run_train", "runtime_available", "check_plan_matches"]
+
+EVENT_PREFIX = "SMP_TRAIN_EVENT "
+
+
+def runtime_available() -> tuple[bool, str]:
+    """(True, "") when ``smp.partition`` can be imported, else (False, why)."""
+    try:
+        import smp
+
+        if callable(getattr(smp, "partition", None)):
+            return True, ""
+        from smp.partition import partition  # noqa: F401
+
+        return True, ""
+    except Exception as err:  # noqa: BLE001 - any import failure means "not available"
+        return False, f"{type(err).__name__}: {err}"
+
+
+def check_plan_matches(plan_file: Path, spec: str, *, batch_size: int | None, seq_len: int | None,
+                       microbatches: int):
+    """Load ``plan_file`` and refuse it when it was made for another model (fingerprints differ)."""
+    from partitioner.trace import fingerprint, trace
+    from smp.cli import _build
+    from smp.plan import Plan, PlanError
+
+    plan = Plan.load(plan_file)
+    bundle = _build(spec, batch_size=batch_size, seq_len=seq_len, meta=False, microbatches=microbatches)
+    gm = trace(bundle.model, bundle.example_args, bundle.example_kwargs)
+    fp = fingerprint(gm, bundle.model)
+    want = plan.model.get("fingerprint")
+    if want != fp:
+        raise PlanError(f"{plan_file} was made for another model ({plan.model.get('name')}, fingerprint {want}); "
+                        f"{spec} has fingerprint {fp}: plan this model with `smp plan {spec} --stages "
+                        f"{plan.num_ranks} -o PLAN.json` or pass the model the plan was made for")
+    return plan
+
+
+def run_train(spec: str, *, stages: int, microbatches: int, schedule: str, steps: int, batch_size: int | None,
+              seq_len: int | None, lr: float, plan_file: Path | None, device: str | None, timeout: float,
+              json_out: bool, console: Any, err_console: Any) -> int:
+    """Check, launch, follow and summarise a training run; returns the exit code."""
+    from smp.cli import CLIUsageError
+    from smp.models import build
+
+    build(spec, meta=True, seq_len=seq_len)  # a bad spec fails here, before any process starts
+    plan = None
+    if plan_file is not None:
+        plan = check_plan_matches(plan_file, spec, batch_size=batch_size, seq_len=seq_len, microbatches=microbatches)
+        if plan.num_ranks != stages:
+            raise CLIUsageError(f"{plan_file} is a plan for {plan.num_ranks} ranks, but --stages is {stages}")
+    ok, why = runtime_available()
+    if not ok:
+        from smp.plan import PlanError
+
+        raise PlanError("`smp train` needs the pipeline runtime (smp.partition), which this installation does not "
+                        f"have yet ({why}); `smp plan` and `smp simulate` predict the step time without it")
+    import torch
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= stages else "cpu"
+    if device == "cuda" and torch.cuda.device_count() < stages:
+        raise CLIUsageError(f"--device cuda needs {stages} GPUs, this machine has {torch.cuda.device_count()}")
+    job = {"spec": spec, "stages": stages, "microbatches": microbatches, "schedule": schedule, "steps": steps,
+           "batch_size": batch_size, "seq_len": seq_len, "lr": lr, "device": device,
+           "plan": str(plan_file) if plan_file is not None else None}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={stages}",
+           "-m", "smp._train_worker", json.dumps(job)]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // stages)))
+    env["PYTHONUNBUFFERED"] = "1"
+    if not json_out:
+        err_console.print(f"[dim]launching: torchrun --standalone --nproc_per_node={stages} -m smp._train_worker "
+                          f"({device}, {'NCCL' if device == 'cuda' else 'gloo'})[/]")
+    t_start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=os.getcwd())
+    events: list[dict[str, Any]] = []
+    summary: dict[str, Any] = {}
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    import threading
+
+    err_lines: list[str] = []
+
+    def pump_stderr() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            err_lines.append(line)
+
+    reader = threading.Thread(target=pump_stderr, daemon=True)
+    reader.start()
+    with Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                  TimeElapsedColumn(), console=err_console, transient=True,
+                  disable=json_out or not err_console.is_terminal) as bar:
+        task = bar.add_task("train", total=steps, info="")
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if time.perf_counter() - t_start > timeout:
+                proc.kill()
+                raise TimeoutError_(f"the training run passed --timeout {timeout:g} s and was stopped")
+            if not line.startswith(EVENT_PREFIX):
+                continue
+            event = json.loads(line[len(EVENT_PREFIX):])
+            if event.get("event") == "step":
+                events.append(event)
+                bar.update(task, completed=event["step"],
+                           info=f"loss {event['loss']:.4f} · {event['samples_per_s']:.1f} samples/s")
+            elif event.get("event") == "summary":
+                summary = event
+        try:
+            code = proc.wait(timeout=max(1.0, timeout - (time.perf_counter() - t_start)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise TimeoutError_(f"the training run passed --timeout {timeout:g} s and was stopped") from None
+    reader.join(timeout=5)
+    if code != 0 or not summary:
+        tail = "".join(err_lines[-15:]).strip()
+        from smp.plan import PlanError
+
+        raise PlanError(f"the training run failed (torchrun exit code {code}); last lines of its output:\n{tail}")
+    if json_out:
+        sys.stdout.write(json.dumps({"kind": "smp.train", "schema": 1, "job": job, "steps": events,
+                                     "summary": summary}, indent=2) + "\n")
+        return 0
+    from smp.units import format_time
+
+    for e in events:
+        console.print(f"step {e['step']:>4}  loss {e['loss']:.4f}  {format_time(e['seconds'])}  "
+                      f"{e['samples_per_s']:.1f} samples/s")
+    measured = summary.get("measured_step_time")
+    predicted = summary.get("predicted_step_time")
+    line = f"measured step time {format_time(measured)} (median after the first step)"
+    if predicted:
+        line += f"; predicted {format_time(predicted)} ({measured / predicted:.2f}x the prediction)"
+    console.print(line)
+    return 0
+
+
+class TimeoutError_(ValueError):
+    """A run that passed --timeout (a user-facing error: exit 1 with one line)."""

@@ -1,0 +1,319 @@
+"""The `smp` command line: every command, its --json output parsed back, and the user errors.
+
+Kept lean for two shared cores: tiny models (the default `mlp`, a 1-layer GPT), one timed
+run per op, one plan and one op graph made once per module and shared.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from smp.cli import app
+
+runner = CliRunner()
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = "mlp"  # 9 ops: plans in well under a second
+GPT = "gpt:layers=1,d_model=32,vocab=64,seq_len=8"
+
+
+def smp(*args: str):
+    result = runner.invoke(app, [str(a) for a in args])
+    return result
+
+
+def ok(*args: str):
+    result = smp(*args)
+    assert result.exit_code == 0, f"smp {' '.join(map(str, args))} failed:\n{result.output}\n{result.exception!r}"
+    return result
+
+
+def as_json(result) -> dict:
+    # --json must print one JSON document on stdout and nothing else.
+    return json.loads(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cli")
+
+
+@pytest.fixture(scope="module")
+def plan_file(work) -> Path:
+    path = work / "plan.json"
+    ok("plan", SMALL, "--stages", 2, "--microbatches", 4, "--repeats", 1, "-o", path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def graph_file(work) -> Path:
+    path = work / "graph.json"
+    ok("profile", GPT, "--repeats", 1, "-o", path)
+    return path
+
+
+# ------------------------------------------------------------------ help
+
+
+def test_help_lists_every_command_and_each_has_an_example():
+    res = ok("--help")
+    for cmd in ("models", "profile", "plan", "inspect", "simulate", "compare", "calibrate", "train"):
+        assert cmd in res.stdout
+        sub = ok(cmd, "--help")
+        assert "Example: smp " + cmd in " ".join(sub.stdout.split())
+
+
+def test_version():
+    assert ok("--version").stdout.startswith("smp ")
+
+
+# ------------------------------------------------------------------ models
+
+
+def test_models_table_and_json():
+    res = ok("models")
+    assert "gpt" in res.stdout and "1b" in res.stdout and "1,112,289,280" in res.stdout
+    data = as_json(ok("models", "--json"))
+    names = [m["name"] for m in data["models"]]
+    assert names[:6] == ["gpt", "bert", "t5", "resnet", "unet", "mlp"]
+    gpt = data["models"][0]
+    assert {p["preset"]: p["params"] for p in gpt["presets"]}["1b"] == 1_112_289_280
+
+
+# ------------------------------------------------------------------ profile
+
+
+def test_profile_prints_totals_and_heaviest_ops(graph_file):
+    from partitioner.graph import OpGraph
+
+    graph = OpGraph.from_json(graph_file)
+    assert len(graph) > 10 and graph.meta["fingerprint"] and graph.meta["name"] == GPT
+    res = ok("profile", SMALL, "--repeats", 1)
+    assert "9 ops" in res.stdout and "heaviest ops" in res.stdout and "totals per batch" in res.stdout
+
+
+def test_profile_json_analytic_on_a_cluster_profile():
+    data = as_json(ok("profile", GPT, "--timing", "analytic", "--cluster", "h100-sxm", "--top", 3, "--json"))
+    assert data["kind"] == "smp.profile_summary" and data["timing"] == "analytic"
+    assert data["ops"] > 10 and len(data["heaviest"]) == 3
+    assert data["heaviest"][0]["fwd_s"] >= data["heaviest"][-1]["fwd_s"]
+    assert data["totals"]["params_bytes"] > 0 and data["totals"]["fwd_s"] > 0
+
+
+# ------------------------------------------------------------------ plan
+
+
+def test_plan_table_headline_and_files(plan_file, work):
+    res = ok("plan", SMALL, "--stages", 2, "--microbatches", 4, "--repeats", 1, "--memory-limit", "40GiB",
+             "--timeline", work / "t.png")
+    out = res.stdout
+    for text in ("stage", "modules", "memory / limit", "predicted step time", "bubble", "speed-up",
+                 "lower bound", "proven optimal", "40.00 GiB", "batch 16 in 4 microbatches"):
+        assert text in out, text
+    assert (work / "t.png").stat().st_size > 1000
+    assert json.loads(plan_file.read_text())["kind"] == "smp.Plan"
+
+
+def test_plan_json_is_the_documented_report(work):
+    out = work / "p2.json"
+    data = as_json(ok("plan", SMALL, "--stages", 2, "-m", 2, "--schedule", "gpipe", "--method", "dp",
+                      "--repeats", 1, "--cluster", "cpu", "-o", out, "--json"))
+    assert data["kind"] == "smp.report" and data["schema"] == 1
+    assert data["schedule"] == "gpipe" and data["microbatches"] == 2 and data["num_stages"] == 2
+    assert len(data["stages"]) == 2 and data["cluster"] == "cpu"
+    for key in ("step_time_s", "bubble_fraction", "speedup", "bottleneck_s", "lower_bound_s", "gap", "optimal",
+                "cut_tensors", "warnings"):
+        assert key in data
+    stage = data["stages"][0]
+    for key in ("modules", "ops", "params_bytes", "activation_bytes", "fwd_s", "bwd_s", "comm_in_s", "comm_out_s",
+                "memory_bytes", "memory_limit_bytes", "share"):
+        assert key in stage
+    assert data["cut_tensors"] and data["cut_tensors"][0]["dst_stages"] == [1]
+    assert data["files"]["plan"] == str(out) and out.exists()
+
+
+def test_plan_from_an_op_graph_keeps_the_fingerprint(graph_file):
+    from partitioner.graph import OpGraph
+
+    data = as_json(ok("plan", graph_file, "--stages", 2, "-m", 4, "--json"))
+    assert data["model"]["fingerprint"] == OpGraph.from_json(graph_file).meta["fingerprint"]
+    assert data["model"]["batch_size"] == 4 * 2  # the graph is one microbatch of the spec's batch (2)
+
+
+def test_plan_big_preset_on_meta_with_a_cluster():
+    data = as_json(ok("plan", "gpt:size=1b", "--meta", "--stages", 4, "-m", 4, "--cluster", "h100-sxm",
+                      "--method", "dp", "--json"))
+    assert data["model"]["num_params"] == 1_112_289_280 and data["model"]["timing"] == "analytic"
+    assert data["stages"][0]["memory_limit_bytes"] > 70 * 2**30
+
+
+# ------------------------------------------------------------------ inspect / simulate
+
+
+def test_inspect_table_cuts_warnings_and_pictures(plan_file, work):
+    res = ok("inspect", plan_file, "--timeline", work / "tl.svg", "--graph", work / "stages.svg")
+    for text in ("cut tensors", "producer op", "predicted step time", "warnings"):
+        assert text in res.stdout
+    assert (work / "tl.svg").read_text().lstrip().startswith("<?xml")
+    assert "<svg" in (work / "stages.svg").read_text()
+    data = as_json(ok("inspect", plan_file, "--json"))
+    assert data["plan_file"] == str(plan_file) and data["num_stages"] == 2 and isinstance(data["warnings"], list)
+
+
+def test_inspect_warns_about_imbalance_and_memory(work):
+    # uniform split of the GPT's ops is unbalanced; a limit just above the peak is "close to the limit".
+    path = work / "uneven.json"
+    data = as_json(ok("plan", GPT, "--stages", 3, "-m", 3, "--method", "uniform", "--timing", "analytic",
+                      "-o", path, "--json"))
+    peak = max(s["memory_bytes"] for s in data["stages"])
+    data = as_json(ok("plan", GPT, "--stages", 3, "-m", 3, "--method", "uniform", "--timing", "analytic",
+                      "--memory-limit", str(int(peak * 1.05)), "-o", path, "--json"))
+    kinds = {w["kind"] for w in data["warnings"]}
+    assert {"imbalance", "memory"} <= kinds
+    assert "!" in ok("inspect", path).stdout
+
+
+def test_simulate_other_schedule_and_microbatches(plan_file, work):
+    data = as_json(ok("simulate", plan_file, "--schedule", "gpipe", "--microbatches", 8, "--json",
+                      "--timeline", work / "sim.png", "-o", work / "sim.json"))
+    assert data["schedule"] == "gpipe" and data["microbatches"] == 8
+    assert data["change"]["before"]["schedule"] == "1f1b" and data["change"]["after"]["microbatches"] == 8
+    assert (work / "sim.png").exists() and json.loads((work / "sim.json").read_text())["microbatches"] == 8
+    res = ok("simulate", plan_file, "--schedule", "zb-h1")
+    assert "re-timed" in res.stdout and "zb_h1" in res.stdout
+
+
+# ------------------------------------------------------------------ compare
+
+
+def test_compare_every_method(graph_file):
+    res = ok("compare", graph_file, "--stages", 2, "-m", 4, "--time-limit", 2)
+    for m in ("auto", "dp", "cpsat", "uniform", "params", "blocks", "vs best"):
+        assert m in res.stdout
+    data = as_json(ok("compare", graph_file, "--stages", 2, "-m", 4, "--methods", "dp,uniform", "--json"))
+    rows = {r["method"]: r for r in data["methods"]}
+    assert set(rows) == {"dp", "uniform"}
+    assert min(r["ratio_to_best"] for r in rows.values()) == pytest.approx(1.0)
+    assert rows["uniform"]["step_time_s"] >= rows["dp"]["step_time_s"] * (1 - 1e-9)
+    for key in ("bottleneck_s", "step_time_s", "memory_peak_bytes", "solve_seconds", "ratio_to_best"):
+        assert key in rows["dp"]
+
+
+# ------------------------------------------------------------------ user errors
+
+
+def _fails(code: int, *args: str, match: str = "") -> str:
+    res = smp(*args)
+    assert res.exit_code == code, f"exit {res.exit_code}, output:\n{res.output}"
+    err = res.stderr
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in res.output
+    assert match.lower() in err.lower(), err
+    return err
+
+
+def test_unknown_model():
+    _fails(2, "plan", "gptt", "--stages", 2, match="did you mean 'gpt'")
+    _fails(2, "profile", "nosuchmodel", match="unknown model")
+
+
+def test_bad_option_values():
+    _fails(2, "plan", SMALL, "--stages", 2, "--memory-limit", "40XB", match="bad size '40XB'")
+    _fails(2, "plan", SMALL, "--stages", 2, "--memory-limit", "40G", match="ambiguous")
+    _fails(2, "plan", SMALL, "--stages", 2, "--schedule", "2f2b", match="--schedule")
+    _fails(2, "plan", SMALL, "--stages", 2, "--method", "magic", match="--method")
+    _fails(2, "plan", SMALL, "--stages", 0, match="--stages")
+    _fails(2, "plan", "mlp:layers=abc", "--stages", 2, match="expected an integer")
+    _fails(2, "plan", SMALL, "--stages", 2, "--meta", "--timing", "measured", match="--meta")
+
+
+def test_infeasible_memory_limit_says_what_would_fit():
+    _fails(1, "plan", SMALL, "--stages", 2, "--repeats", 1, "--memory-limit", "1KiB", match="at least")
+
+
+def test_corrupted_and_missing_plan_files(work, plan_file):
+    bad = work / "bad.json"
+    bad.write_text(plan_file.read_text()[:500])
+    _fails(1, "inspect", bad, match="not a valid plan file")
+    damaged = json.loads(plan_file.read_text())
+    del damaged["partition"]
+    (work / "damaged.json").write_text(json.dumps(damaged))
+    _fails(1, "simulate", work / "damaged.json", match="damaged")
+    (work / "other.json").write_text('{"kind": "something else"}')
+    _fails(1, "inspect", work / "other.json", match="not an smp plan")
+    _fails(1, "inspect", work / "missing.json", match="no plan file")
+    _fails(2, "plan", plan_file, "--stages", 2, match="is a plan, not an op graph")
+
+
+def test_plan_for_another_model_is_refused(plan_file):
+    _fails(1, "train", GPT, "--stages", 2, "--plan", plan_file, match="made for another model")
+
+
+def test_debug_shows_the_traceback(work):
+    from smp.plan import PlanError
+
+    res = runner.invoke(app, ["--debug", "inspect", str(work / "missing.json")])
+    assert res.exit_code != 0 and isinstance(res.exception, PlanError)
+
+
+def test_console_script_exit_code_and_json_only_stdout(plan_file):
+    exe = Path(sys.executable).parent / "smp"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "smp.cli"]
+    proc = subprocess.run(cmd + ["simulate", str(plan_file), "-m", "2", "--json"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["microbatches"] == 2
+    proc = subprocess.run(cmd + ["plan", "nosuch", "--stages", "2"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "" and proc.stderr.startswith("error: unknown model")
+
+
+# ------------------------------------------------------------------ calibrate / train
+
+
+@pytest.mark.slow
+def test_calibrate_quick_writes_a_usable_profile(work):
+    from partitioner.cluster import Cluster
+    from partitioner.devices import DeviceSpec
+
+    out = work / "profiles" / "here.json"
+    data = as_json(ok("calibrate", "-o", out, "--quick", "--json"))
+    assert data["kind"] == "smp.profile" and data["device"]["efficiency"] == 1.0
+    assert {"fp32", "bf16"} <= set(data["device"]["peak_flops"])
+    assert data["links"]["intra_node"]["bandwidth"] > 0 and data["links"]["intra_node"]["latency"] > 0
+    assert "measured by smp calibrate on" in data["sources"]["links.intra_node"]
+    assert len(Cluster.load(out, devices=3)) == 3
+    assert DeviceSpec.from_profile(out).flops_per_second("fp32") > 0
+    res = ok("plan", SMALL, "--stages", 2, "-m", 2, "--repeats", 1, "--cluster", out)
+    assert "cluster here" in res.stdout
+
+
+def test_calibrate_without_link_measurement_is_fast(work):
+    out = work / "nolink.json"
+    ok("calibrate", "-o", out, "--quick", "--no-link")
+    data = json.loads(out.read_text())
+    assert "not measured" in data["sources"]["links.intra_node"]
+
+
+def test_train_without_runtime_or_with_it():
+    from smp._cli_train import runtime_available
+
+    available, _ = runtime_available()
+    if not available:
+        _fails(1, "train", SMALL, "--stages", 2, "--steps", 2, match="needs the pipeline runtime")
+        return
+    pytest.skip("runtime present: covered by test_train_runs_with_torchrun")
+
+
+@pytest.mark.slow
+def test_train_runs_with_torchrun():
+    from smp._cli_train import runtime_available
+
+    if not runtime_available()[0]:
+        pytest.skip("the pipeline runtime (smp.partition) is not in this checkout")
+    data = as_json(ok("train", SMALL, "--stages", 2, "-m", 2, "--steps", 3, "--json", "--timeout", 300))
+    assert len(data["steps"]) == 3 and data["summary"]["measured_step_time"] > 0
