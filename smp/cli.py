@@ -483,7 +483,7 @@ def _print_profile(graph, spec: str, top: int, output: Path | None, seconds: flo
 def _make_plan(model: str, *, stages: int, microbatches: int, schedule: str, cluster: str | None,
                memory_limit: int | None, method: str, time_limit: float | None, batch_size: int | None,
                seq_len: int | None, timing: str | None, device: str | None, meta: bool, dtype: str | None,
-               repeats: int, virtual_stages: int, show_progress: bool):
+               repeats: int, virtual_stages: int, show_progress: bool, objective: str = "bottleneck"):
     """A Plan from a model spec (trace + profile + solve) or from an op graph JSON (solve only)."""
     import smp
     from smp.plan import plan_from_graph
@@ -500,7 +500,7 @@ def _make_plan(model: str, *, stages: int, microbatches: int, schedule: str, clu
         with _status(f"solving ({method})…", show_progress):
             return plan_from_graph(graph, stages=stages, microbatches=microbatches, schedule=schedule,
                                    cluster=cluster, memory_limit=memory_limit, method=method,
-                                   time_limit=time_limit, virtual_stages=virtual_stages)
+                                   time_limit=time_limit, virtual_stages=virtual_stages, objective=objective)
     device = _choice(device, DEVICE_CHOICES, "--device")
     timing_, profile_name = _timing_for(timing, meta, cluster)
     bundle = _build(model, batch_size=batch_size, seq_len=seq_len, meta=meta, microbatches=microbatches)
@@ -514,7 +514,7 @@ def _make_plan(model: str, *, stages: int, microbatches: int, schedule: str, clu
                         microbatches=microbatches, schedule=schedule, cluster=cluster, memory_limit=memory_limit,
                         method=method, time_limit=time_limit, timing=timing_, device=device,
                         device_profile=profile_name, dtype=dtype, virtual_stages=virtual_stages,
-                        repeats=repeats, name=model, progress=progress)
+                        repeats=repeats, name=model, objective=objective, progress=progress)
 
 
 def _plan_args(stages: int, microbatches: int | None, schedule: str, method: str, memory_limit: str | None,
@@ -618,17 +618,21 @@ def plan_cmd(
     dtype: DtypeOpt = None,
     repeats: RepeatsOpt = 3,
     virtual_stages: Annotated[int, typer.Option("--virtual-stages", help="stages per rank for interleaved")] = 2,
+    objective: Annotated[str, typer.Option(
+        "--objective", help="bottleneck (minimise the slowest stage, with a proven bound) or step_time "
+                            "(then refine by simulated step time under --schedule)")] = "bottleneck",
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="save the plan JSON here")] = None,
     timeline: TimelineOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Partition a model into pipeline stages: per-stage table, predicted step time, bubble, lower bound, gap."""
+    objective = _choice(objective.replace("-", "_"), ("bottleneck", "step_time"), "--objective")
     m, sched, meth, limit = _plan_args(stages, microbatches, schedule, method, memory_limit, time_limit, repeats)
     _positive(virtual_stages, "--virtual-stages")
     p = _make_plan(model, stages=stages, microbatches=m, schedule=sched, cluster=cluster, memory_limit=limit,
                    method=meth, time_limit=time_limit, batch_size=batch_size, seq_len=seq_len, timing=timing,
                    device=device, meta=meta, dtype=dtype, repeats=repeats, virtual_stages=virtual_stages,
-                   show_progress=not json_out)
+                   show_progress=not json_out, objective=objective)
     files: dict[str, str | None] = {"plan": None, "timeline": None}
     if output is not None:
         files["plan"] = str(p.save(output))

@@ -300,6 +300,7 @@ def plan(
     repeats: int = 5,
     graph: OpGraph | None = None,
     name: str | None = None,
+    objective: str = "bottleneck",
     progress: Callable[[int, int], None] | None = None,
 ) -> Plan:
     """Trace, profile, solve, schedule and simulate: the whole compiler in one call.
@@ -308,15 +309,12 @@ def plan(
     (``virtual_stages`` stages per rank) or zb-h1. The sample batch is the whole batch a
     training step sees: ops are profiled on one microbatch of it. ``timing`` defaults to
     measured, or analytic on ``device_profile`` for a model on the meta device.
-    ``graph`` skips tracing and profiling (a graph from ``smp profile``).
+    ``graph`` skips profiling (a graph from ``smp profile``). ``objective="step_time"``
+    refines the solver's answer by simulated step time (see partitioner/refine.py).
     """
     if stages < 1:
         raise PlanError(f"stages must be >= 1, got {stages}")
-    sched_name = canonical_schedule(schedule)
-    v = virtual_stages if sched_name == "interleaved_1f1b" else 1
-    if v < 1:
-        raise PlanError("virtual_stages must be >= 1")
-    num_stages = stages * v
+    canonical_schedule(schedule)  # a typo should fail before minutes of profiling
     args = tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,)
     kwargs = dict(example_kwargs or {})
     base_cluster = _resolve_cluster(cluster, stages)
@@ -347,7 +345,7 @@ def plan(
     return plan_from_graph(graph, stages=stages, microbatches=microbatches, schedule=schedule, cluster=base_cluster,
                            memory_limit=memory_limit, method=method, time_limit=time_limit,
                            virtual_stages=virtual_stages, colocate_tied=colocate_tied, training=model.training,
-                           model_info=model_info)
+                           model_info=model_info, objective=objective)
 
 
 def plan_from_graph(
@@ -365,6 +363,7 @@ def plan_from_graph(
     training: bool | None = None,
     model_info: Mapping[str, Any] | None = None,
     name: str | None = None,
+    objective: str = "bottleneck",
 ) -> Plan:
     """Solve, schedule and simulate an already-profiled graph (e.g. ``smp profile -o graph.json``).
 
@@ -389,7 +388,7 @@ def plan_from_graph(
     colocate = _tied_groups(graph) if colocate_tied else ()
     part = solve(graph, num_stages, cluster=stage_cluster, microbatches=microbatches,
                  schedule=_memory_schedule(sched_name), training=training, memory_limit=limit,
-                 colocate=colocate, method=method, time_limit=time_limit)
+                 colocate=colocate, method=method, time_limit=time_limit, objective=objective, ranks=stages)
     sched = _make_schedule(sched_name, part, microbatches, stages)
     sim = simulate(sched, stage_costs_from(part.stages, part.transfers,
                                            act_bytes=[s.activations for s in part.stages]))
