@@ -447,17 +447,27 @@ def module_range(modules: Sequence[str]) -> str:
             groups.setdefault(parts[0], [])
         else:
             groups.setdefault(".".join(parts[:k]), []).append(int(parts[k]))
-    labels = []
+    labels: list[str] = []
+    numbered: list[bool] = []
     for prefix, nums in groups.items():
+        numbered.append(bool(nums))
         if not nums:
             labels.append(prefix)
         else:
             lo, hi = min(nums), max(nums)
             head = f"{prefix}." if prefix else ""
             labels.append(f"{head}{lo}" if lo == hi else f"{head}{lo}–{hi}")
-    if len(labels) > 3:
-        labels = labels[:3] + ["…"]
-    return ", ".join(labels)
+    if len(labels) <= 3:
+        return ", ".join(labels)
+    # Layer ranges say most about a stage: keep them all, plus the first and last label,
+    # and mark what was left out between them.
+    keep = [i for i in range(len(labels)) if numbered[i] or i in (0, len(labels) - 1)]
+    parts: list[str] = []
+    for a, i in enumerate(keep):
+        if a and i != keep[a - 1] + 1:
+            parts.append("…")
+        parts.append(labels[i])
+    return ", ".join(parts)
 
 
 def evaluate(graph: OpGraph | nx.DiGraph, stage_of: Mapping[Hashable, int], *,

@@ -140,8 +140,15 @@ class Plan:
         part = evaluate(graph, self.partition.stage_of, cluster=cluster or Cluster.from_dict(self.partition.cluster),
                         microbatches=m,
                         schedule=_memory_schedule(name), training=self.partition.training)
-        part.with_report(lower_bound=self.partition.lower_bound * (graph.total_fwd / max(self.graph.total_fwd, 1e-30)),
-                         method=self.partition.method, solve_seconds=self.partition.solve_seconds)
+        # The same microbatches under another schedule keep the stage times, so a proven
+        # optimum stays one unless a memory limit (which depends on the schedule) was in
+        # play. Other microbatch sizes scale compute but not link latency: no longer proven.
+        scale = graph.total_fwd / max(self.graph.total_fwd, 1e-30)
+        still_optimal = (self.partition.optimal and part.memory_ok and m == self.microbatches
+                         and (self.partition.memory_limit is None or name == self.schedule_name))
+        part.with_report(lower_bound=self.partition.lower_bound * scale, optimal=still_optimal,
+                         method=self.partition.method, solve_seconds=self.partition.solve_seconds,
+                         notes=[f"re-timed from {self.schedule_name}, m={self.microbatches}"])
         part.memory_limit = self.partition.memory_limit
         sched = _make_schedule(name, part, m, ranks)
         sim = simulate(sched, stage_costs_from(part.stages, part.transfers,

@@ -104,3 +104,6 @@ def test_module_range():
     assert module_range(["embed", "layers.0.attn", "layers.5.mlp"]) == "embed, layers.0–5"
     assert module_range(["", "layers.3"]) == "layers.3"
     assert module_range([]) == ""
+    # long lists keep every layer range, the first and last label, and mark the gap
+    assert module_range(["tok_emb", "pos_emb", "drop", "blocks.0.ln1", "blocks.1.attn"]) == "tok_emb, …, blocks.0–1"
+    assert module_range(["blocks.6.x", "blocks.7", "ln_f", "lm_head"]) == "blocks.6–7, ln_f, lm_head"
