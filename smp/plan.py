@@ -138,8 +138,8 @@ class Plan:
                 "interleaving changes the number of stages per rank, so the assignment must be solved again: "
                 f"run `smp plan` with --schedule {schedule}")
         part = evaluate(graph, self.partition.stage_of, cluster=cluster or Cluster.from_dict(self.partition.cluster),
-                        microbatches=m,
-                        schedule=_memory_schedule(name), training=self.partition.training)
+                        microbatches=m, schedule=_memory_schedule(name), training=self.partition.training,
+                        memory_limit=self.partition.memory_limit, state_factor=self.partition.state_factor)
         # The same microbatches under another schedule keep the stage times, so a proven
         # optimum stays one unless a memory limit (which depends on the schedule) was in
         # play. Other microbatch sizes scale compute but not link latency: no longer proven.
@@ -149,7 +149,6 @@ class Plan:
         part.with_report(lower_bound=self.partition.lower_bound * scale, optimal=still_optimal,
                          method=self.partition.method, solve_seconds=self.partition.solve_seconds,
                          notes=[f"re-timed from {self.schedule_name}, m={self.microbatches}"])
-        part.memory_limit = self.partition.memory_limit
         sched = _make_schedule(name, part, m, ranks)
         sim = simulate(sched, stage_costs_from(part.stages, part.transfers,
                                                act_bytes=[s.activations for s in part.stages]))
