@@ -1,4 +1,5 @@
-# Two entry points: `make demo` (plan a built-in model and show the plan) and
+# Two entry points: `make demo` (plan GPT-base for 4 H100s, priced analytically on the
+# meta device, and show the plan with its timeline picture) and
 # `make test`. Each builds .venv first when it is missing or older than the
 # files that define it.
 PYTHON ?= python3
@@ -20,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/smp plan gpt:layers=8,d_model=256 --stages 4 --microbatches 8 -o demo-plan.json
+	$(BIN)/smp plan gpt:size=base --meta --cluster h100-sxm --dtype bf16 --stages 4 --microbatches 8 -o demo-plan.json
 	$(BIN)/smp inspect demo-plan.json --timeline demo-timeline.png
 
 test: $(STAMP)

@@ -291,7 +291,12 @@ class Problem:
                 self.bw[a, t], self.lat[a, t] = lk.bandwidth, lk.latency
         self.in_flight = [in_flight(self.schedule, s, stages, microbatches, training) for s in range(stages)]
         factor = self.state_factor if training else 1.0
-        self.fixed_mem = self.params * factor + self.buffers  # per node, independent of the stage
+        # A parameter read on several stages (a tied embedding and LM head) is held, with
+        # its gradient and optimizer state, by every stage that reads it; ``params`` counts
+        # it once on its first reader, ``shared_bytes`` on each later one. Two readers on
+        # one stage are counted twice: conservative, and it keeps memory per node.
+        self.held = self.params + attr("shared_bytes")
+        self.fixed_mem = self.held * factor + self.buffers  # per node, independent of the stage
         if memory_limit is not None:
             if not memory_limit > 0:
                 raise PlanningError(f"memory_limit must be > 0 bytes, got {memory_limit}")
@@ -393,7 +398,7 @@ class Problem:
             bwd = float(self.bwd[idx].sum()) / speed[s] if self.training else 0.0
             bwd_w = float(self.bwd_w[idx].sum()) / speed[s] if self.training else 0.0
             compute = float(self.work[idx].sum()) / speed[s]
-            params = float(self.params[idx].sum())
+            params = float(self.held[idx].sum())
             buffers = float(self.buffers[idx].sum())
             acts = float(self.out_bytes[idx].sum())
             memory = float(self.fixed_mem[idx].sum()) + self.in_flight[s] * acts

@@ -29,6 +29,7 @@ NODE_FIELDS: dict[str, str] = {
     "param_names": "fully qualified names of the parameters this node uses",
     "buffer_names": "fully qualified names of the buffers this node uses",
     "shared_params": "names of parameters this node uses whose bytes were counted on an earlier node",
+    "shared_bytes": "bytes of those shared parameters (a stage holding this node holds them too)",
     "fx_nodes": "names of the fx nodes this node stands for (several after coarsening)",
 }
 
@@ -39,6 +40,7 @@ _DEFAULTS: dict[str, Any] = {
     "buffers": 0,
     "out_bytes": 0,
     "flops": 0,
+    "shared_bytes": 0,
     "module": "",
     "op": "",
     "param_names": (),

@@ -195,13 +195,14 @@ class _OpRunner:
                 out = self._call(node, args, kwargs)
             env[node] = out
             costs = self._cost(node, args, kwargs, out)
-            params, buffers, shared, param_bytes, buffer_bytes = self._state(node, seen_state)
+            params, buffers, shared, param_bytes, buffer_bytes, shared_bytes = self._state(node, seen_state)
             g.add_node(
                 node.name,
                 fwd=costs.fwd,
                 bwd=costs.bwd,
                 bwd_w=max(costs.bwd - costs.bwd_input, 0.0),
                 params=param_bytes,
+                shared_bytes=shared_bytes,
                 buffers=buffer_bytes,
                 out_bytes=_tensor_bytes(out),
                 flops=costs.flops,
@@ -231,26 +232,29 @@ class _OpRunner:
     def _call(self, node: fx.Node, args: tuple, kwargs: dict) -> Any:
         return getattr(self.interpreter, node.op)(node.target, args, kwargs)
 
-    def _state(self, node: fx.Node, seen: dict[int, str]) -> tuple[tuple, tuple, tuple, int, int]:
-        """Parameter/buffer names the node reads, and the bytes it is first to read."""
+    def _state(self, node: fx.Node, seen: dict[int, str]) -> tuple[tuple, tuple, tuple, int, int, int]:
+        """Names the node reads, the parameter/buffer bytes it is first to read, and the shared bytes."""
         params = tuple(node.meta.get("smp_params", ()))
         buffers = tuple(node.meta.get("smp_buffers", ()))
         shared: list[str] = []
-        param_bytes = buffer_bytes = 0
+        param_bytes = buffer_bytes = shared_bytes = 0
+        counted_here: set[int] = set()
         for names, is_param in ((params, True), (buffers, False)):
             for name in names:
                 tensor = self.interpreter.fetch_attr(name)
                 key = id(tensor)
                 if key in seen:
-                    if is_param:
+                    if is_param and key not in counted_here:
                         shared.append(name)
+                        shared_bytes += tensor.numel() * tensor.element_size()
                     continue
+                counted_here.add(key)
                 seen[key] = name
                 if is_param:
                     param_bytes += tensor.numel() * tensor.element_size()
                 else:
                     buffer_bytes += tensor.numel() * tensor.element_size()
-        return params, buffers, tuple(shared), param_bytes, buffer_bytes
+        return params, buffers, tuple(shared), param_bytes, buffer_bytes, shared_bytes
 
     def _cost(self, node: fx.Node, args: tuple, kwargs: dict, out: Any) -> _Costs:
         inplace = _is_inplace(node)

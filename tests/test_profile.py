@@ -37,6 +37,7 @@ def test_tied_parameter_is_counted_once_and_marked():
     assert len(shared) == 1
     head = graph[shared[0]]
     assert head["params"] == 0  # its weight was counted on the embedding
+    assert head["shared_bytes"] == bundle.model.tok_emb.weight.numel() * 4  # but a stage holding it holds it
     owner = [n for n in graph.nx if "tok_emb.weight" in graph[n]["param_names"]]
     assert graph[owner[0]]["params"] == bundle.model.tok_emb.weight.numel() * 4
 
