@@ -3,6 +3,8 @@
 __version__ = "0.1.0"
 
 from smp import models  # noqa: E402
+from smp.partition import PipelinedModel, PipelineError, RuntimeConfigError, partition  # noqa: E402
 from smp.plan import Plan, PlanError, plan  # noqa: E402
 
-__all__ = ["Plan", "PlanError", "__version__", "models", "plan"]
+__all__ = ["Plan", "PlanError", "PipelineError", "PipelinedModel", "RuntimeConfigError", "__version__", "models",
+           "partition", "plan"]

@@ -1,0 +1,138 @@
+"""smp's runtime against torch.distributed.pipelining (same model, split, schedule; 2 gloo ranks), and against its own prediction."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+SPEC = "mlp:layers=8,d_in=768,hidden=768,d_out=768,batch=128"
+MICROBATCHES = 4
+
+
+def _pipelining_stage_modules(model: torch.nn.Module, plan: Any, rank: int) -> torch.nn.Module:
+    """The same split as the plan, as plain Sequentials (pipelining needs a chain with one tensor between stages)."""
+    body = list(model.body)
+    first_on_1 = min(i for i in range(len(body)) if plan.fx_stage_of.get(f"body_{i}", 0) == 1) \
+        if any(plan.fx_stage_of.get(f"body_{i}", 0) == 1 for i in range(len(body))) else len(body)
+    if rank == 0:
+        return torch.nn.Sequential(*body[:first_on_1])
+    return torch.nn.Sequential(*body[first_on_1:], model.out)
+
+
+def worker(rank: int, world: int, *, plan: dict, steps: int, warmup: int, out: str, schedule: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    import smp
+    from smp.models import build
+    from smp.partition import partition
+
+    torch.set_num_threads(1)
+    p = smp.Plan.from_dict(plan)
+    b = build(SPEC, seed=0)
+    pipe = partition(b.model, plan=p, loss_fn=b.loss_fn, timeout=120)
+    opt = torch.optim.SGD(pipe.parameters(), lr=1e-4)
+
+    ref = build(SPEC, seed=0)
+    sub = _pipelining_stage_modules(ref.model, p, rank)
+    stage = PipelineStage(sub, rank, world, torch.device("cpu"))
+    cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+    sched = cls(stage, MICROBATCHES, loss_fn=ref.loss_fn)
+    opt2 = torch.optim.SGD(sub.parameters(), lr=1e-4)
+    x, y = b.example_args[0], b.target
+
+    def smp_step() -> None:
+        pipe.step(x, target=y)
+        opt.step()
+        pipe.zero_grad()
+
+    def pp_step() -> None:
+        if rank == 0:
+            sched.step(x)
+        else:
+            sched.step(target=y, losses=[])
+        opt2.step()
+        opt2.zero_grad()
+
+    times: dict[str, list[float]] = {"smp": [], "pipelining": []}
+    for i in range(warmup + steps):
+        for name, fn in (("smp", smp_step), ("pipelining", pp_step)):  # side by side, alternating
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            dist.barrier()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    # one more smp step for the measured timeline, gathered from both ranks
+    dist.barrier()
+    smp_step()
+    tl = pipe.timeline(gather=True)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"times": times, "timeline": tl.to_dict()}))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python benchmarks/runtime.py", description=__doc__)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    ap.add_argument("--img", default=str(ROOT / "docs/img/runtime-timeline.png"))
+    ap.add_argument("--json", default=str(ROOT / "benchmarks/runtime-results.json"))
+    a = ap.parse_args(argv)
+
+    import smp
+    from partitioner.timeline import Timeline, render_timeline
+    from runtime.launch import launch
+    from smp.models import build
+
+    torch.set_num_threads(1)  # profile as the ranks run: one thread each
+    b = build(SPEC, seed=0)
+    plan = smp.plan(b.model, b.example_args, stages=2, microbatches=MICROBATCHES, schedule=a.schedule,
+                    timing="measured", repeats=5)
+    out = Path(a.json).with_suffix(".raw.json")
+    results = launch(f"{Path(__file__).resolve()}:worker", 2,
+                     {"plan": plan.to_dict(), "steps": a.steps, "warmup": a.warmup, "out": str(out),
+                      "schedule": a.schedule}, timeout=600, threads=1)
+    for r in results:
+        if r.returncode != 0:
+            raise SystemExit(f"rank {r.rank} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    data = json.loads(out.read_text())
+    out.unlink()
+    med = {k: statistics.median(v) for k, v in data["times"].items()}
+    measured = Timeline.from_dict(data["timeline"]).normalized()
+    measured.label = "measured (smp, 2 gloo ranks)"
+    predicted = plan.timeline()
+    predicted.label = "predicted (simulator)"
+    render_timeline([predicted, measured], a.img,
+                    title=f"{SPEC}, {a.schedule}, {MICROBATCHES} microbatches: predicted vs measured")
+    summary = {
+        "model": SPEC, "schedule": a.schedule, "microbatches": MICROBATCHES, "steps": a.steps,
+        "smp_median_s": med["smp"], "pipelining_median_s": med["pipelining"],
+        "ratio_smp_over_pipelining": med["smp"] / med["pipelining"],
+        "predicted_step_s": plan.step_time, "measured_step_s": med["smp"],
+        "prediction_error": (plan.step_time - med["smp"]) / med["smp"],
+        "split": {s: sorted(n for n, st in plan.fx_stage_of.items() if st == s)[:3] for s in range(2)},
+    }
+    Path(a.json).write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"| model | schedule | smp median step | pipelining median step | smp / pipelining | predicted step | "
+          f"prediction error |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| {SPEC} | {a.schedule} | {med['smp'] * 1e3:.1f} ms | {med['pipelining'] * 1e3:.1f} ms | "
+          f"{summary['ratio_smp_over_pipelining']:.3f} | {plan.step_time * 1e3:.1f} ms | "
+          f"{summary['prediction_error']:+.1%} |")
+    print(f"timeline picture: {a.img}")
+
+
+if __name__ == "__main__":
+    main()

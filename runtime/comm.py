@@ -1,0 +1,129 @@
+"""Point-to-point transfers of cut tensors over torch.distributed, with bounded waits and named failures."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["PipelineError", "Comm", "Pending", "FAILURE_KEY"]
+
+#: Store key where the first rank that fails writes why; the others read it when they stop.
+FAILURE_KEY = "smp/pipeline_failure"
+
+
+class PipelineError(RuntimeError):
+    """A pipeline step could not complete: a peer died, hung or raised; the message names the rank."""
+
+    def __init__(self, message: str, *, rank: int | None = None, peer: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.peer = peer
+
+
+@dataclass
+class Pending:
+    """Posted transfers of one action: the works, the tensors they fill or read, and what they are."""
+
+    works: list[Any]
+    tensors: list[torch.Tensor]
+    what: str
+    peer: int
+
+
+class Comm:
+    """isend/irecv per tensor on the default process group; every wait is bounded by ``timeout``.
+
+    Gloo and NCCL take the same path (only the backend differs: tensors on CUDA go
+    through NCCL, CPU tensors through gloo). ``batch_isend_irecv`` is not used: with gloo
+    it can hang. Each transfer carries a tag unique within a step, so early-posted
+    receives can never match the wrong send (gloo matches on (peer, tag)); they are also
+    posted in the schedule's order, which is what NCCL (tag-blind) needs.
+
+    A failed wait raises :class:`PipelineError` naming the peer. The first rank to fail
+    writes its reason to the rendezvous store; the others report that root cause. A
+    rank whose process dies closes its gloo connections, so peers blocked on it fail at
+    once; a rank that hangs is detected by the timeout.
+    """
+
+    def __init__(self, rank: int, world_size: int, timeout: float, stage_of_rank: Sequence[Sequence[int]] = ()) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = float(timeout)
+        self.stage_of_rank = [list(s) for s in stage_of_rank]
+        try:
+            self.store = dist.distributed_c10d._get_default_store()
+        except Exception:  # noqa: BLE001 - a custom init without a store: failures are still named locally
+            self.store = None
+
+    # ------------------------------------------------------------------ transfers
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
+        return dist.isend(tensor, peer, tag=tag)
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
+        return dist.irecv(tensor, peer, tag=tag)
+
+    def wait(self, pending: Pending) -> list[torch.Tensor]:
+        """Wait (bounded) for every work of ``pending``; returns its tensors."""
+        for work in pending.works:
+            try:
+                ok = work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+            except Exception as err:  # noqa: BLE001 - turned into a named PipelineError
+                raise self._failed(pending, err) from None
+            if ok is False:
+                raise self._failed(pending, TimeoutError("wait returned False"))
+        return pending.tensors
+
+    def _peer_text(self, peer: int) -> str:
+        if 0 <= peer < len(self.stage_of_rank):
+            stages = self.stage_of_rank[peer]
+            return f"rank {peer} (stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))})"
+        return f"rank {peer}"
+
+    def _failed(self, pending: Pending, err: BaseException) -> PipelineError:
+        text = str(err)
+        peer = pending.peer
+        who = self._peer_text(peer)
+        if "imed out" in text or isinstance(err, TimeoutError):
+            desc = (f"rank {self.rank} timed out after {self.timeout:g} s waiting for {pending.what} "
+                    f"with {who}: rank {peer} is dead or stuck")
+        elif "closed" in text.lower() or "connection" in text.lower() or "reset" in text.lower():
+            desc = (f"rank {self.rank} lost its connection to {who} during {pending.what}: "
+                    f"rank {peer} exited or crashed")
+        else:
+            first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+            desc = f"rank {self.rank} failed during {pending.what} with {who}: {first}"
+        cause = self.failure()
+        if cause is None:
+            self.report_failure(desc)
+            return PipelineError(f"pipeline step failed: {desc}", rank=self.rank, peer=peer)
+        return PipelineError(f"pipeline step failed: {cause} (seen on rank {self.rank}: {desc})",
+                             rank=self.rank, peer=peer)
+
+    # ------------------------------------------------------------------ failure notes
+
+    def report_failure(self, message: str) -> None:
+        """Record why the pipeline stopped (first writer wins), so that the other ranks can say it."""
+        if self.store is None:
+            return
+        try:
+            if not self.store.check([FAILURE_KEY]):
+                self.store.set(FAILURE_KEY, message)
+        except Exception:  # noqa: BLE001 - the store may be gone with its host; nothing more to tell
+            pass
+
+    def failure(self) -> str | None:
+        """The root cause another rank recorded, if any."""
+        if self.store is None:
+            return None
+        try:
+            if self.store.check([FAILURE_KEY]):
+                return self.store.get(FAILURE_KEY).decode(errors="replace")
+        except Exception:  # noqa: BLE001
+            return None
+        return None

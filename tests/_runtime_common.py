@@ -1,0 +1,144 @@
+"""Shared by the runtime tests: the single-model reference, a pipeline run, comparisons, the gloo rank worker."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import smp
+from partitioner.microbatch import split_microbatches
+from smp.models import build
+from smp.partition import partition
+
+RTOL = 1e-5
+ATOL = 1e-6
+LR = 1e-3
+
+
+def make_plan(spec: str, stages: int, microbatches: int, schedule: str) -> smp.Plan:
+    """A plan from analytic costs (fast and identical everywhere)."""
+    b = build(spec, seed=0)
+    return smp.plan(b.model, b.example_args, b.example_kwargs, stages=stages, microbatches=microbatches,
+                    schedule=schedule, timing="analytic")
+
+
+def reference_run(spec: str, microbatches: int, steps: int) -> dict[str, Any]:
+    """The unpartitioned model, microbatch by microbatch (loss / m each), then AdamW.
+
+    Running microbatch by microbatch equals one large batch for mean losses, and is
+    what BatchNorm's running statistics see under a pipeline.
+    """
+    b = build(spec, seed=0)
+    model = b.model
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    result: dict[str, Any] = {"losses": []}
+    for step in range(steps):
+        opt.zero_grad()
+        losses = []
+        pieces = split_microbatches(b.example_args, b.example_kwargs, microbatches)
+        targets = [t[0][0] for t in split_microbatches((b.target,), None, microbatches)]
+        for (a, k), tgt in zip(pieces, targets):
+            loss = b.loss_fn(model(*a, **k), tgt)
+            (loss / microbatches).backward()
+            losses.append(loss.detach())
+        result["losses"].append(torch.stack(losses).mean())
+        if step == 0:
+            result["grads"] = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+    result["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    result["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return result
+
+
+def pipeline_run(pipe: Any, spec: str, steps: int) -> dict[str, Any]:
+    """The same steps through a PipelinedModel (this rank's parameters only)."""
+    b = build(spec, seed=0)
+    result: dict[str, Any] = {"losses": []}
+    opt = None
+    for step in range(steps):
+        loss = pipe.step(*b.example_args, target=b.target, **b.example_kwargs)
+        if opt is None:  # parameters() is this rank's share only once partitioned (after the first step)
+            opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
+        result["losses"].append(loss.detach().clone())
+        if step == 0:
+            result["grads"] = {n: p.grad.detach().clone() for n, p in pipe.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+    result["params"] = {n: p.detach().clone() for n, p in pipe.named_parameters()}
+    return result
+
+
+def assert_close_maps(got: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor], what: str,
+                      rtol: float = RTOL, atol: float = ATOL) -> None:
+    assert got, f"{what}: nothing to compare"
+    for name, g in got.items():
+        assert name in ref, f"{what}: {name} is not in the reference"
+        r = ref[name]
+        assert g.shape == r.shape, f"{what}: {name} shape {tuple(g.shape)} != {tuple(r.shape)}"
+        if not torch.allclose(g, r, rtol=rtol, atol=atol):
+            diff = (g - r).abs().max().item()
+            raise AssertionError(f"{what}: {name} differs by up to {diff:.3g} (max |ref| {r.abs().max().item():.3g})")
+
+
+def check_against_reference(results: list[dict[str, Any]], ref: dict[str, Any], label: str) -> None:
+    """Every rank's loss equals the reference; the union of their gradients/parameters covers and equals it."""
+    seen_grads: set[str] = set()
+    seen_params: set[str] = set()
+    for r, res in enumerate(results):
+        for i, (lg, lr) in enumerate(zip(res["losses"], ref["losses"])):
+            assert torch.allclose(lg.float(), lr.float(), rtol=RTOL, atol=ATOL), \
+                f"{label} rank {r} step {i}: loss {lg.item()} != {lr.item()}"
+        assert_close_maps(res["grads"], ref["grads"], f"{label} rank {r} grads")
+        assert_close_maps(res["params"], ref["params"], f"{label} rank {r} params after {len(res['losses'])} steps",
+                          rtol=1e-4, atol=1e-5)
+        seen_grads |= set(res["grads"])
+        seen_params |= set(res["params"])
+    assert seen_grads == set(ref["grads"]), f"{label}: gradients missing for {set(ref['grads']) - seen_grads}"
+    assert seen_params == set(ref["params"]), f"{label}: parameters missing {set(ref['params']) - seen_params}"
+
+
+# ---------------------------------------------------------------------- gloo rank workers
+
+
+def train_worker(rank: int, world: int, *, spec: str, plans: Mapping[str, dict], out: str, steps: int,
+                 check_state: bool = False) -> None:
+    """One rank: for each plan, a fresh model, ``steps`` pipelined AdamW steps, results to ``out``."""
+    for label, plan_dict in plans.items():
+        b = build(spec, seed=0)
+        pipe = partition(b.model, plan=smp.Plan.from_dict(plan_dict), loss_fn=b.loss_fn, timeout=60)
+        res = pipeline_run(pipe, spec, steps)
+        if check_state:
+            res["state"] = pipe.state_dict()
+            res["forward"] = pipe(*b.example_args, **b.example_kwargs)
+        torch.save(res, Path(out) / f"{label}-{rank}.pt")
+
+
+def fault_worker(rank: int, world: int, *, spec: str, plan: dict, victim: int, how: str, timeout: float) -> None:
+    """One rank of a pipeline in which rank ``victim`` raises or dies in the middle of the second step."""
+    b = build(spec, seed=0)
+    pipe = partition(b.model, plan=smp.Plan.from_dict(plan), loss_fn=b.loss_fn, timeout=timeout)
+    pipe.step(*b.example_args, target=b.target, **b.example_kwargs)
+    if rank == victim:
+        eng = pipe._engine
+        calls = {"n": 0}
+        original = eng.program.stages[next(iter(eng.program.stages))].gm.forward
+
+        def dying(*args: Any, **kwargs: Any) -> Any:
+            calls["n"] += 1
+            if calls["n"] == 2:  # second microbatch: the step is well under way on every rank
+                if how == "kill":
+                    os.kill(os.getpid(), 9)
+                raise ValueError("injected failure")
+            return original(*args, **kwargs)
+
+        eng.program.stages[next(iter(eng.program.stages))].gm.forward = dying
+    try:
+        pipe.step(*b.example_args, target=b.target, **b.example_kwargs)
+    except Exception as err:  # noqa: BLE001 - reported to the test through stderr, exit code 3
+        print(f"SMP-ERROR {type(err).__name__}: {err}", flush=True)
+        os._exit(3)
+    print("SMP-NO-ERROR", flush=True)
