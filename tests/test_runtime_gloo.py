@@ -52,26 +52,40 @@ def test_gpt_two_ranks_all_schedules(tmp_path: Path) -> None:
     assert torch.allclose(ranks["1f1b"][out_rank]["forward"], expected, rtol=1e-5, atol=1e-6)
 
 
+def _long_edges(plan) -> list:
+    return [t for t in plan.partition.transfers if t.dst_stage - t.src_stage >= 2]
+
+
 @pytest.mark.slow
 def test_unet_resnet_on_gloo(tmp_path: Path) -> None:
-    """U-Net (skips across 3 stages on 3 ranks), T5 (cross edges), ResNet (BatchNorm) on real gloo."""
-    _launch_and_check("unet:size=tiny,batch=4", 3, {"1f1b": make_plan("unet:size=tiny,batch=4", 3, 2, "1f1b")},
-                      tmp_path)
+    """U-Net (skips across 2+ stages on 3 ranks) and ResNet (BatchNorm, train mode) on real gloo."""
+    unet = make_plan("unet:size=tiny,batch=4", 3, 2, "1f1b")
+    assert _long_edges(unet), "the U-Net plan should send a skip connection past a stage"
+    _launch_and_check("unet:size=tiny,batch=4", 3, {"1f1b": unet}, tmp_path)
     _launch_and_check("resnet:size=tiny,batch=4", 2,
                       {"zb-h1": make_plan("resnet:size=tiny,batch=4", 2, 2, "zb-h1")}, tmp_path)
 
 
 @pytest.mark.slow
+def test_t5_cross_edges_on_gloo(tmp_path: Path) -> None:
+    """T5: the encoder's output feeds every decoder layer, across the cut, forward and backward."""
+    spec = "t5:size=tiny,batch=4,dec_layers=4"
+    plan = make_plan(spec, 3, 2, "gpipe")
+    assert _long_edges(plan), "the T5 plan should send the encoder output past a stage"
+    _launch_and_check(spec, 3, {"gpipe": plan}, tmp_path)
+
+
+@pytest.mark.slow
 def test_hf_models_two_ranks(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    spec = "hf-gpt2:size=tiny,batch=4"
-    _launch_and_check(spec, 2, {"1f1b": make_plan(spec, 2, 2, "1f1b")}, tmp_path)
+    for spec in ("hf-gpt2:size=tiny,batch=4", "hf-t5:size=tiny,batch=4"):
+        _launch_and_check(spec, 2, {"1f1b": make_plan(spec, 2, 2, "1f1b")}, tmp_path)
 
 
 @pytest.mark.slow
 def test_gpt_four_ranks(tmp_path: Path) -> None:
     spec = "gpt:size=tiny,batch=4,layers=4"
-    plans = {"1f1b": make_plan(spec, 4, 4, "1f1b")}
+    plans = {"1f1b": make_plan(spec, 4, 4, "1f1b"), "interleaved": make_plan(spec, 4, 4, "interleaved")}
     _launch_and_check(spec, 4, plans, tmp_path, timeout=300)
 
 

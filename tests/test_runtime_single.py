@@ -16,7 +16,7 @@ from smp.partition import partition
 
 from _runtime_common import check_against_reference, make_plan, pipeline_run, reference_run
 
-STEPS = 3
+STEPS = 5
 
 
 @lru_cache(maxsize=None)
