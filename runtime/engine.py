@@ -159,6 +159,10 @@ class Engine:
                                 meta = torch.empty_like(t, device="meta")
                                 store[key] = nn.Parameter(meta, requires_grad=t.requires_grad) \
                                     if isinstance(t, nn.Parameter) else meta
+                                # An optimizer made before partitioning still refers to the old
+                                # tensor: empty it so that reference holds no memory (it gets no
+                                # gradient, so optimizers skip it).
+                                t.data = torch.empty(0, dtype=t.dtype, device=t.device)
         # parameters held by several ranks (a tied embedding and LM head on two stages)
         ties: dict[tuple[int, ...], list[nn.Parameter]] = {}
         for name, p in model.named_parameters():

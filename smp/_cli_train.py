@@ -19,23 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["run_train", "runtime_available", "check_plan_matches"]
+__all__ = ["run_train", "check_plan_matches"]
 
 EVENT_PREFIX = "SMP_TRAIN_EVENT "
-
-
-def runtime_available() -> tuple[bool, str]:
-    """(True, "") when ``smp.partition`` can be imported, else (False, why)."""
-    try:
-        import smp
-
-        if callable(getattr(smp, "partition", None)):
-            return True, ""
-        from smp.partition import partition  # noqa: F401
-
-        return True, ""
-    except Exception as err:  # noqa: BLE001 - any import failure means "not available"
-        return False, f"{type(err).__name__}: {err}"
 
 
 def check_plan_matches(plan_file: Path, spec: str, *, batch_size: int | None, seq_len: int | None,
@@ -70,12 +56,6 @@ def run_train(spec: str, *, stages: int, microbatches: int, schedule: str, steps
         plan = check_plan_matches(plan_file, spec, batch_size=batch_size, seq_len=seq_len, microbatches=microbatches)
         if plan.num_ranks != stages:
             raise CLIUsageError(f"{plan_file} is a plan for {plan.num_ranks} ranks, but --stages is {stages}")
-    ok, why = runtime_available()
-    if not ok:
-        from smp.plan import PlanError
-
-        raise PlanError("`smp train` needs the pipeline runtime (smp.partition), which this installation does not "
-                        f"have yet ({why}); `smp plan` and `smp simulate` predict the step time without it")
     import torch
 
     if device is None:
@@ -83,7 +63,7 @@ def run_train(spec: str, *, stages: int, microbatches: int, schedule: str, steps
     if device == "cuda" and torch.cuda.device_count() < stages:
         raise CLIUsageError(f"--device cuda needs {stages} GPUs, this machine has {torch.cuda.device_count()}")
     job = {"spec": spec, "stages": stages, "microbatches": microbatches, "schedule": schedule, "steps": steps,
-           "batch_size": batch_size, "seq_len": seq_len, "lr": lr, "device": device,
+           "batch_size": batch_size, "seq_len": seq_len, "lr": lr, "device": device, "timeout": timeout,
            "plan": str(plan_file) if plan_file is not None else None}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={stages}",
            "-m", "smp._train_worker", json.dumps(job)]

@@ -2,13 +2,13 @@
 
 Builds the model from its spec (same seed on every rank, so every rank holds the same
 initial weights), wraps it with ``smp.partition`` and trains on the spec's synthetic
-batch. The rank that returns the loss prints ``SMP_TRAIN_EVENT {json}`` lines.
+batch. Every rank gets the loss back from ``step()``; rank 0 prints ``SMP_TRAIN_EVENT {json}`` lines.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
+import os
 import statistics
 import sys
 import time
@@ -24,45 +24,50 @@ def _emit(event: dict) -> None:
 def main(argv: list[str]) -> int:
     job = json.loads(argv[0])
     import torch
+    import torch.distributed as dist
+    from torch.utils._pytree import tree_map
 
     import smp
     from smp.cli import _build
 
     bundle = _build(job["spec"], batch_size=job["batch_size"], seq_len=job["seq_len"], meta=False,
                     microbatches=job["microbatches"])
-    kwargs = {"microbatches": job["microbatches"], "schedule": job["schedule"], "loss_fn": bundle.loss_fn}
-    params = inspect.signature(smp.partition).parameters
-    if job.get("plan") and "plan" in params:
+    device = torch.device(job["device"])
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", torch.cuda.current_device())
+    bundle.model.to(device)
+    args, kwargs_in, target = tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v,
+                                       (tuple(bundle.example_args), dict(bundle.example_kwargs), bundle.target))
+    kwargs = {"microbatches": job["microbatches"], "schedule": job["schedule"], "loss_fn": bundle.loss_fn,
+              "timeout": job.get("timeout", 300.0)}
+    if job.get("plan"):
         kwargs["plan"] = smp.Plan.load(job["plan"])
-    if "example_args" in params:
-        kwargs["example_args"] = bundle.example_args
-    if "example_kwargs" in params and bundle.example_kwargs:
-        kwargs["example_kwargs"] = bundle.example_kwargs
-    if "device" in params:
-        kwargs["device"] = job["device"]
     pipe = smp.partition(bundle.model, **kwargs)
+    # Made before the first step (which partitions the model), as in any training script:
+    # parameters that end up on other ranks get no gradient and are skipped.
     opt = torch.optim.Adam(pipe.parameters(), lr=job["lr"])
-    batch = next((int(a.shape[0]) for a in bundle.example_args if isinstance(a, torch.Tensor) and a.dim() > 0), 1)
+    reporting = int(os.environ.get("RANK", "0")) == 0
+    batch = next((int(a.shape[0]) for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), 1)
     times = []
-    reporting = False
     for step in range(1, job["steps"] + 1):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = pipe.step(*bundle.example_args, target=bundle.target, **bundle.example_kwargs)
+        loss = pipe.step(*args, target=target, **kwargs_in)
         opt.step()
         seconds = time.perf_counter() - t0
         times.append(seconds)
-        if loss is not None:
-            reporting = True
+        if reporting:
             _emit({"event": "step", "step": step, "loss": float(loss), "seconds": seconds,
                    "samples_per_s": batch / seconds if seconds > 0 else 0.0})
     if reporting:
-        plan = getattr(pipe, "plan", None)
-        predicted = getattr(plan, "step_time", None)
         steady = times[1:] or times
         _emit({"event": "summary", "measured_step_time": statistics.median(steady),
-               "predicted_step_time": float(predicted) if predicted else None, "steps": len(times),
-               "batch_size": batch})
+               "predicted_step_time": pipe.plan.step_time, "steps": len(times), "batch_size": batch,
+               "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+               "backend": dist.get_backend() if dist.is_initialized() else None,
+               "rank0_params": sum(p.numel() for p in pipe.parameters()),
+               "model_params": pipe.plan.model.get("num_params")})
     return 0
 
 

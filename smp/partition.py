@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import os
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,23 @@ def partition(model: nn.Module, *, stages: int | None = None, microbatches: int 
                           plan_options=plan_options)
 
 
+def _init_from_launcher(model: nn.Module, timeout: float) -> None:
+    """Join the default process group when a launcher (torchrun) started this process and nobody did yet.
+
+    torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; a script that does not
+    call ``init_process_group`` itself gets NCCL for a model on a GPU and gloo otherwise,
+    with ``timeout`` on the group's collectives.
+    """
+    if not dist.is_available() or dist.is_initialized():
+        return
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_ADDR" not in os.environ:
+        return
+    on_gpu = any(p.is_cuda for p in model.parameters())
+    if on_gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if on_gpu else "gloo", timeout=datetime.timedelta(seconds=timeout))
+
+
 class PipelinedModel:
     """A model split into pipeline stages over ranks; this rank holds only its stages' parameters.
 
@@ -61,6 +80,7 @@ class PipelinedModel:
         self.module = model
         self.loss_fn = loss_fn
         self.timeout = float(timeout)
+        _init_from_launcher(model, self.timeout)
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1

@@ -299,21 +299,11 @@ def test_calibrate_without_link_measurement_is_fast(work):
     assert "not measured" in data["sources"]["links.intra_node"]
 
 
-def test_train_without_runtime_or_with_it():
-    from smp._cli_train import runtime_available
-
-    available, _ = runtime_available()
-    if not available:
-        _fails(1, "train", SMALL, "--stages", 2, "--steps", 2, match="needs the pipeline runtime")
-        return
-    pytest.skip("runtime present: covered by test_train_runs_with_torchrun")
-
-
 @pytest.mark.slow
 def test_train_runs_with_torchrun():
-    from smp._cli_train import runtime_available
-
-    if not runtime_available()[0]:
-        pytest.skip("the pipeline runtime (smp.partition) is not in this checkout")
     data = as_json(ok("train", SMALL, "--stages", 2, "-m", 2, "--steps", 3, "--json", "--timeout", 300))
     assert len(data["steps"]) == 3 and data["summary"]["measured_step_time"] > 0
+    summary = data["summary"]
+    # a real pipeline: two gloo ranks, rank 0 holding only its share of the model
+    assert summary["world_size"] == 2 and summary["backend"] == "gloo"
+    assert 0 < summary["rank0_params"] < summary["model_params"]
