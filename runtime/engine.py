@@ -521,8 +521,8 @@ class _StepState:
 
     def backward(self, s: int, mb: int) -> None:
         stash = self.stash[(s, mb)]
-        t0 = time.perf_counter()
-        roots, grads = self._roots(s, mb, stash)
+        roots, grads = self._roots(s, mb, stash)  # waits for the gradients from later stages
+        t0 = time.perf_counter()  # after the wait: waiting is bubble, not backward time
         leaves = [x for key in self.eng.in_edges[s] for x in stash.inputs[key] if x is not None]
         if self.eng.split_backward:
             if roots and leaves:

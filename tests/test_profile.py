@@ -148,6 +148,10 @@ def test_profile_errors():
 def test_progress_callback_reports_every_op():
     bundle = build("mlp:size=tiny")
     seen = []
-    graph = profile(bundle.model, bundle.example_args, repeats=1, warmup=0,
+    graph = profile(bundle.model, bundle.example_args, repeats=2, warmup=1,
                     progress=lambda done, total: seen.append((done, total)))
-    assert seen[-1] == (len(graph), len(graph))
+    total = seen[-1][1]
+    # one unit per op for the walk, then per op for each forward, backward and input-gradient sweep
+    assert total == len(graph) * (1 + 3 * (2 + 1))
+    assert seen[-1] == (total, total)
+    assert all(a[0] < b[0] for a, b in zip(seen, seen[1:]))
