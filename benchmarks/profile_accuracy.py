@@ -23,6 +23,7 @@ SPECS = [
     "resnet:size=small,image=64,batch=8",
     "unet:levels=3,base=16,image=64,batch=4",
     "mlp:layers=8,hidden=1024,batch=64",
+    "mlp:layers=8,d_in=768,hidden=768,d_out=768,batch=32",  # weights larger than L2: one microbatch of the runtime benchmark
 ]
 
 
