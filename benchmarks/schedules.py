@@ -1,10 +1,10 @@
 """Simulated step time and bubble of every schedule on a GPT-like pipeline, against the textbook formulas.
 
-Run:  .venv/bin/python benchmarks/schedules.py [--write docs/benchmarks-schedules.md]
+Run:  .venv/bin/python benchmarks/schedules.py [--write FILE]   (the section of docs/benchmarks.md)
 
-Until the zoo GPT and the optimizer land, stage costs come from an analytic GPT-like
-parameterisation (24 equal layers split evenly over the stages); swap in a real
-Partition with :func:`from_partition`.
+Stage costs are exactly equal (an analytic GPT-like parameterisation, 24 layers split evenly):
+the case the textbook formulas describe. benchmarks/zoo_schedules.py runs the schedules on real
+plans; :func:`from_partition` turns any Partition into this script's inputs.
 """
 
 from __future__ import annotations
@@ -133,9 +133,9 @@ def report(model: GPTLike | None = None) -> str:
     configs = [(4, 8), (4, 32), (8, 16), (8, 32)]
     head = f"""## Pipeline schedules (simulated)
 
-Command: `.venv/bin/python benchmarks/schedules.py --write docs/benchmarks-schedules.md`
+Command: `.venv/bin/python benchmarks/schedules.py` (prints this section)
 
-GPT-like pipeline, until the zoo GPT and the optimizer land: {model.layers} equal transformer
+A GPT-like pipeline with exactly equal stages, where the textbook formulas hold: {model.layers} equal transformer
 blocks (hidden {model.hidden}, {model.heads} heads, sequence {model.seq}, one sequence per
 microbatch, bf16) split evenly over the stages; per block f = {model.layer_fwd_s * 1e3:.2f} ms
 forward at {model.flops_per_s / 1e12:.0f} TFLOP/s, b = 2f backward of which W = b/2 is the weight
