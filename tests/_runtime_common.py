@@ -79,13 +79,25 @@ def pipeline_run(pipe: Any, spec: str, steps: int) -> dict[str, Any]:
 
 
 def assert_close_maps(got: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor], what: str,
-                      rtol: float = RTOL, atol: float = ATOL) -> None:
+                      rtol: float = RTOL, atol: float = ATOL, per_tensor: bool = False) -> None:
+    """Every tensor of ``got`` equals ``ref``'s: element by element, or relative to the tensor's scale.
+
+    ``per_tensor``: max |got - ref| <= rtol * max |ref| + atol. Parameters after several
+    AdamW steps are compared this way: Adam divides each gradient by its own running size,
+    so an entry whose gradient is near zero moves by a full step on float rounding alone,
+    in either run (the pipeline accumulates microbatches in the schedule's order, not the
+    reference's). Gradients are compared element by element.
+    """
     assert got, f"{what}: nothing to compare"
     for name, g in got.items():
         assert name in ref, f"{what}: {name} is not in the reference"
         r = ref[name]
         assert g.shape == r.shape, f"{what}: {name} shape {tuple(g.shape)} != {tuple(r.shape)}"
-        if not torch.allclose(g, r, rtol=rtol, atol=atol):
+        if per_tensor:
+            close = (g - r).abs().max().item() <= rtol * r.abs().max().item() + atol if r.numel() else True
+        else:
+            close = torch.allclose(g, r, rtol=rtol, atol=atol)
+        if not close:
             diff = (g - r).abs().max().item()
             raise AssertionError(f"{what}: {name} differs by up to {diff:.3g} (max |ref| {r.abs().max().item():.3g})")
 
@@ -99,7 +111,8 @@ def check_against_reference(results: list[dict[str, Any]], ref: dict[str, Any], 
             assert torch.allclose(lg.float(), lr.float(), rtol=RTOL, atol=ATOL), \
                 f"{label} rank {r} step {i}: loss {lg.item()} != {lr.item()}"
         assert_close_maps(res["grads"], ref["grads"], f"{label} rank {r} grads")
-        assert_close_maps(res["params"], ref["params"], f"{label} rank {r} params after {len(res['losses'])} steps")
+        assert_close_maps(res["params"], ref["params"], f"{label} rank {r} params after {len(res['losses'])} steps",
+                          per_tensor=True)
         seen_grads |= set(res["grads"])
         seen_params |= set(res["params"])
     assert seen_grads == set(ref["grads"]), f"{label}: gradients missing for {set(ref['grads']) - seen_grads}"
