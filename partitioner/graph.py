@@ -30,6 +30,7 @@ NODE_FIELDS: dict[str, str] = {
     "buffer_names": "fully qualified names of the buffers this node uses",
     "shared_params": "names of parameters this node uses whose bytes were counted on an earlier node",
     "shared_bytes": "bytes of those shared parameters (a stage holding this node holds them too)",
+    "shared_from": "for each shared parameter, the name it was first counted under (its owner reads it so)",
     "fx_nodes": "names of the fx nodes this node stands for (several after coarsening)",
 }
 
@@ -46,6 +47,7 @@ _DEFAULTS: dict[str, Any] = {
     "param_names": (),
     "buffer_names": (),
     "shared_params": (),
+    "shared_from": (),
 }
 
 
@@ -144,7 +146,7 @@ class OpGraph:
         nodes = []
         for name in self.topological_order():
             data = dict(self.nx.nodes[name])
-            for key in ("param_names", "buffer_names", "shared_params", "fx_nodes"):
+            for key in ("param_names", "buffer_names", "shared_params", "shared_from", "fx_nodes"):
                 data[key] = list(data[key])
             nodes.append({"name": name, **data})
         edges = [[u, v, dict(d)] if d else [u, v] for u, v, d in self.nx.edges(data=True)]
@@ -171,7 +173,7 @@ class OpGraph:
         for node in data["nodes"]:
             attrs = dict(node)
             name = attrs.pop("name")
-            for key in ("param_names", "buffer_names", "shared_params", "fx_nodes"):
+            for key in ("param_names", "buffer_names", "shared_params", "shared_from", "fx_nodes"):
                 if key in attrs:
                     attrs[key] = tuple(attrs[key])
             g.add_node(name, **attrs)
@@ -299,6 +301,7 @@ class OpGraph:
                 param_names=tuple(p for d in datas for p in d["param_names"]),
                 buffer_names=tuple(b for d in datas for b in d["buffer_names"]),
                 shared_params=tuple(p for d in datas for p in d["shared_params"]),
+                shared_from=tuple(p for d in datas for p in d["shared_from"]),
                 fx_nodes=tuple(f for d in datas for f in d["fx_nodes"]),
             )
         for u, v in self.nx.edges:

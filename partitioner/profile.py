@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -19,7 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from partitioner.devices import DeviceSpec, dtype_key
 from partitioner.graph import OpGraph
-from partitioner.trace import TraceError, flatten_inputs, op_nodes, trace
+from partitioner.trace import TraceError, flatten_inputs, is_inplace, op_nodes, trace
 
 __all__ = ["profile", "op_nodes", "time_whole_model", "TIMINGS"]
 
@@ -75,24 +74,26 @@ def profile(
     was_training = model.training
     model.train(training)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    try:
-        gm = graph_module if graph_module is not None else trace(
-            model, args, kwargs, frontend=frontend, leaf_modules=leaf_modules)
-        runner = _OpRunner(gm, target, training=training, timing=timing, spec=spec, dtype=dtype,
-                           repeats=repeats, warmup=warmup)
+    # Profiling draws random numbers (dropout, output gradients): the caller's stream must not notice.
+    with torch.random.fork_rng(devices=[target] if target.type == "cuda" else []):
         try:
-            inputs = flatten_inputs(gm, args, kwargs)
-        except TypeError as err:
-            raise TraceError(f"the sample inputs do not match the traced model: {err}") from None
-        graph = runner.run(inputs, progress)
-    finally:
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                if name in buffers and b.shape == buffers[name].shape:
-                    b.copy_(buffers[name])
-        model.train(was_training)
-        if moved:
-            model.to(home)
+            gm = graph_module if graph_module is not None else trace(
+                model, args, kwargs, frontend=frontend, leaf_modules=leaf_modules)
+            runner = _OpRunner(gm, target, training=training, timing=timing, spec=spec, dtype=dtype,
+                               repeats=repeats, warmup=warmup)
+            try:
+                inputs = flatten_inputs(gm, args, kwargs)
+            except TypeError as err:
+                raise TraceError(f"the sample inputs do not match the traced model: {err}") from None
+            graph = runner.run(inputs, progress)
+        finally:
+            with torch.no_grad():
+                for name, b in model.named_buffers():
+                    if name in buffers and b.shape == buffers[name].shape:
+                        b.copy_(buffers[name])
+            model.train(was_training)
+            if moved:
+                model.to(home)
     info = gm.meta.get("smp_trace")
     graph.meta.update({
         "model": type(model).__name__,
@@ -204,7 +205,7 @@ class _OpRunner:
                 out = self._call(node, args, kwargs)
             env[node] = out
             costs = self._cost(node, args, kwargs, out)
-            params, buffers, shared, param_bytes, buffer_bytes, shared_bytes = self._state(node, seen_state)
+            params, buffers, shared, shared_from, param_bytes, buffer_bytes, shared_bytes = self._state(node, seen_state)
             g.add_node(
                 node.name,
                 fwd=costs.fwd,
@@ -221,6 +222,7 @@ class _OpRunner:
                 param_names=params,
                 buffer_names=buffers,
                 shared_params=shared,
+                shared_from=shared_from,
                 fx_nodes=(node.name,),
             )
             index += 1
@@ -247,11 +249,12 @@ class _OpRunner:
     def _call(self, node: fx.Node, args: tuple, kwargs: dict) -> Any:
         return getattr(self.interpreter, node.op)(node.target, args, kwargs)
 
-    def _state(self, node: fx.Node, seen: dict[int, str]) -> tuple[tuple, tuple, tuple, int, int, int]:
+    def _state(self, node: fx.Node, seen: dict[int, str]) -> tuple[tuple, tuple, tuple, tuple, int, int, int]:
         """Names the node reads, the parameter/buffer bytes it is first to read, and the shared bytes."""
         params = tuple(node.meta.get("smp_params", ()))
         buffers = tuple(node.meta.get("smp_buffers", ()))
         shared: list[str] = []
+        shared_from: list[str] = []  # the name each shared parameter was first counted under
         param_bytes = buffer_bytes = shared_bytes = 0
         counted_here: set[int] = set()
         for names, is_param in ((params, True), (buffers, False)):
@@ -261,6 +264,7 @@ class _OpRunner:
                 if key in seen:
                     if is_param and key not in counted_here:
                         shared.append(name)
+                        shared_from.append(seen[key])
                         shared_bytes += tensor.numel() * tensor.element_size()
                     continue
                 counted_here.add(key)
@@ -269,11 +273,11 @@ class _OpRunner:
                     param_bytes += tensor.numel() * tensor.element_size()
                 else:
                     buffer_bytes += tensor.numel() * tensor.element_size()
-        return params, buffers, tuple(shared), param_bytes, buffer_bytes, shared_bytes
+        return params, buffers, tuple(shared), tuple(shared_from), param_bytes, buffer_bytes, shared_bytes
 
     def _cost(self, node: fx.Node, args: tuple, kwargs: dict, out: Any) -> _Costs:
         """FLOPs of the op; with analytic timing also its priced times (measured ones come later)."""
-        inplace = _is_inplace(node)
+        inplace = is_inplace(node, self.gm)
         flops_fwd = _count_flops(lambda: self._call(node, *_fresh(args, kwargs, inplace)))
         if self.timing == "analytic":
             needs_bwd = self.training and _requires_grad(out)
@@ -297,7 +301,7 @@ class _OpRunner:
         for r in range(rounds):
             with torch.set_grad_enabled(self.training):
                 for node, args, kwargs, _ in calls:
-                    call_args, call_kwargs = _fresh(args, kwargs, _is_inplace(node))
+                    call_args, call_kwargs = _fresh(args, kwargs, is_inplace(node, self.gm))
                     elapsed = self._timed(lambda: self._call(node, call_args, call_kwargs))
                     if r >= self.warmup:
                         fwd[node].append(elapsed)
@@ -331,7 +335,7 @@ class _OpRunner:
 
         ``tick`` is called once per sweep."""
         samples: dict[fx.Node, list[float]] = {node: [] for node, *_ in ops}
-        prepared = [(node, self._backward_closure(node, args, kwargs, _is_inplace(node),
+        prepared = [(node, self._backward_closure(node, args, kwargs, is_inplace(node, self.gm),
                                                   self._grad_inputs(node, args, kwargs), weights, accumulate))
                     for node, args, kwargs in ops]
         for r in range(self.warmup + self.repeats):
@@ -446,21 +450,6 @@ def _fresh(args: tuple, kwargs: dict, inplace: bool) -> tuple[tuple, dict]:
     if not inplace:
         return args, kwargs
     return pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, (args, kwargs))
-
-
-def _is_inplace(node: fx.Node) -> bool:
-    target = node.target
-    if node.op == "call_method":
-        return str(target).endswith("_") and not str(target).endswith("__")
-    if node.op == "call_function":
-        name = getattr(target, "__name__", str(target))
-        if target in (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem):
-            return True
-        schema = getattr(target, "_schema", None)
-        if schema is not None:
-            return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
-        return name.endswith("_") and not name.endswith("__")
-    return False
 
 
 def _tensor_bytes(value: Any) -> int:

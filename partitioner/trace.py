@@ -30,6 +30,7 @@ __all__ = [
     "node_state_names",
     "op_nodes",
     "fingerprint",
+    "is_inplace",
     "FRONTENDS",
 ]
 
@@ -318,13 +319,20 @@ def _output_mismatch(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: 
         return None  # nothing to compare on the meta device
     state = _snapshot_buffers(model)
     rng = torch.get_rng_state()
+
+    def fresh() -> tuple[tuple, dict]:
+        # A model may write into its inputs: each run gets its own copy, the caller's stays as it was.
+        return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, (args, kwargs))
+
     try:
         with torch.no_grad():
             torch.manual_seed(0)
-            expected = model(*args, **kwargs)
+            call_args, call_kwargs = fresh()
+            expected = model(*call_args, **call_kwargs)
             _restore_buffers(model, state)
             torch.manual_seed(0)
-            got = gm(*args, **kwargs)
+            call_args, call_kwargs = fresh()
+            got = gm(*call_args, **call_kwargs)
     except Exception as err:  # noqa: BLE001
         return f"running it raised {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
     finally:
@@ -442,6 +450,34 @@ def _resolve_attr(gm: fx.GraphModule, target: str) -> Any:
         if obj is None:
             return None
     return obj
+
+
+_INPLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                      operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.setitem)
+
+
+def is_inplace(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """Whether ``node`` may write into one of its inputs.
+
+    In-place methods (``x.add_``), functions (``operator.iadd``, ``F.relu(x, inplace=True)``,
+    aten ops whose schema marks a written argument) and modules built with
+    ``inplace=True`` (``nn.ReLU(inplace=True)``). Such an op must not be fed a leaf that
+    requires grad, and must not be run twice on the same input.
+    """
+    if node.op == "call_method":
+        name = str(node.target)
+        return (name.endswith("_") and not name.endswith("__")) or node.kwargs.get("inplace") is True
+    if node.op == "call_function":
+        if node.target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True:
+            return True
+        schema = getattr(node.target, "_schema", None)
+        if schema is not None:
+            return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        name = getattr(node.target, "__name__", str(node.target))
+        return name.endswith("_") and not name.endswith("__")
+    if node.op == "call_module":
+        return bool(getattr(gm.get_submodule(str(node.target)), "inplace", False))
+    return False
 
 
 def op_nodes(gm: fx.GraphModule) -> tuple[list[fx.Node], dict[fx.Node, fx.Node]]:

@@ -11,7 +11,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from partitioner.trace import node_state_names, op_nodes
+from partitioner.trace import is_inplace, node_state_names, op_nodes
 
 __all__ = [
     "SplitError",
@@ -110,20 +110,6 @@ _CALL_OPS = ("call_module", "call_function", "call_method")
 
 def _args_nodes(node: fx.Node) -> list[fx.Node]:
     return list(node.all_input_nodes)
-
-
-def _inplace(node: fx.Node, gm: fx.GraphModule) -> bool:
-    """Whether ``node`` may write into its first argument (in-place op or module with inplace=True)."""
-    if node.op == "call_method":
-        return str(node.target).endswith("_") and not str(node.target).endswith("__")
-    if node.op == "call_function":
-        name = getattr(node.target, "__name__", str(node.target))
-        if node.kwargs.get("inplace") is True:
-            return True
-        return name.endswith("_") and not name.endswith("__") or name in ("iadd", "isub", "imul", "itruediv")
-    if node.op == "call_module":
-        return bool(getattr(gm.get_submodule(str(node.target)), "inplace", False))
-    return False
 
 
 def _stage_tensor_names(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> set[str]:
@@ -279,7 +265,7 @@ def _build_stage(gm: fx.GraphModule, nodes: list[fx.Node], placeholders: list[fx
     graph.lint()
     stage_gm = fx.GraphModule(gm, graph, f"{type(gm).__name__}Stage{s}")
     mutated = {n.name for n in inputs + external
-               if any(_inplace(u, gm) and u.args and u.args[0] is n for u in n.users if stage_of.get(u) == s)}
+               if any(is_inplace(u, gm) and u.args and u.args[0] is n for u in n.users if stage_of.get(u) == s)}
     tensor_names = _stage_tensor_names(gm, mine)
     ids = set()
     for name in tensor_names:

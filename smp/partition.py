@@ -113,7 +113,8 @@ class PipelinedModel:
         self.cluster = cluster
         self.memory_limit = memory_limit
         self.plan_options = dict(plan_options or {})
-        self._engine: Engine | None = None
+        self._engine: Engine | None = None  # the engine of the last mode used
+        self._engines: dict[bool, Engine] = {}
 
     # ------------------------------------------------------------------ set-up
 
@@ -123,8 +124,13 @@ class PipelinedModel:
         return self._plan
 
     def _ensure(self, args: tuple, kwargs: dict) -> Engine:
-        if self._engine is not None:
-            return self._engine
+        # A trace records train/eval behaviour (F.dropout(x, p, self.training), export's
+        # batch norm), so each mode gets its own stage programs, built on first use.
+        mode = self.module.training
+        engine = self._engines.get(mode)
+        if engine is not None:
+            self._engine = engine
+            return engine
         if self._plan is None:
             self._plan = self._make_plan(args, kwargs)
         if self.distributed:
@@ -133,11 +139,22 @@ class PipelinedModel:
         micro_args, micro_kwargs = _first_microbatch(args, kwargs, self._plan.microbatches)
         comm = None
         if self.distributed:
-            comm = Comm(self.rank, self.world_size, self.timeout,
-                        [self._plan.schedule.stages_of(r) for r in range(self._plan.num_ranks)])
-        self._engine = Engine(self.module, self._plan, micro_args, micro_kwargs, rank=self.rank, world_size=self.world_size,
-                              comm=comm)
-        return self._engine
+            comm = self._engine.comm if self._engine is not None else Comm(
+                self.rank, self.world_size, self.timeout,
+                [self._plan.schedule.stages_of(r) for r in range(self._plan.num_ranks)])
+        try:
+            engine = Engine(self.module, self._plan, micro_args, micro_kwargs, rank=self.rank,
+                            world_size=self.world_size, comm=comm)
+        except Exception as err:
+            if not self._engines:
+                raise
+            raise RuntimeConfigError(
+                f"could not re-trace the model in {'train' if mode else 'eval'} mode after partitioning "
+                f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); make a separate "
+                "smp.partition for the other mode, or switch modes before the first step") from None
+        self._engines[mode] = engine
+        self._engine = engine
+        return engine
 
     def _make_plan(self, args: tuple, kwargs: dict) -> Plan:
         opts = dict(self.plan_options)

@@ -128,27 +128,35 @@ class Plan:
         microbatches of one batch multiplies op times and activation bytes by m / m'.
         """
         name = canonical_schedule(schedule) if schedule else self.schedule_name
-        m = microbatches or self.microbatches
+        m = self.microbatches if microbatches is None else int(microbatches)
         if m < 1:
-            raise PlanError("microbatches must be >= 1")
-        graph = self.graph if m == self.microbatches else _scale_graph(self.graph, self.microbatches / m)
-        ranks = self.num_ranks
+            raise PlanError(f"microbatches must be >= 1, got {m}")
+        batch = self.model.get("batch_size")
+        if isinstance(batch, int) and batch % m:
+            raise PlanError(f"the batch of {batch} does not split into {m} microbatches; use a count that divides "
+                            f"{batch}, or re-plan with another batch size")
         if (name == "interleaved_1f1b") != (self.schedule_name == "interleaved_1f1b"):
             raise PlanError(
                 "interleaving changes the number of stages per rank, so the assignment must be solved again: "
                 f"run `smp plan` with --schedule {schedule}")
-        part = evaluate(graph, self.partition.stage_of, cluster=cluster or Cluster.from_dict(self.partition.cluster),
+        graph = self.graph if m == self.microbatches else _scale_graph(self.graph, self.microbatches / m)
+        ranks = self.num_ranks
+        stage_cluster = (_virtual_cluster(_resolve_cluster(cluster, ranks), ranks, self.virtual_stages)
+                         if cluster is not None else Cluster.from_dict(self.partition.cluster))
+        part = evaluate(graph, self.partition.stage_of, cluster=stage_cluster,
                         microbatches=m, schedule=_memory_schedule(name), training=self.partition.training,
                         memory_limit=self.partition.memory_limit, state_factor=self.partition.state_factor)
-        # The same microbatches under another schedule keep the stage times, so a proven
-        # optimum stays one unless a memory limit (which depends on the schedule) was in
-        # play. Other microbatch sizes scale compute but not link latency: no longer proven.
+        # What the original solve proved carries over only to the same cluster and, under a
+        # memory limit, the same schedule (another schedule's memory may allow better plans).
+        # Op costs scale by s = m / m' but link latency does not, so a stage's time s*C + T is
+        # at least min(s, 1) times its old C + T: the old bound, times min(s, 1), still holds.
+        same_problem = cluster is None and (self.partition.memory_limit is None or name == self.schedule_name)
         scale = graph.total_fwd / max(self.graph.total_fwd, 1e-30)
-        still_optimal = (self.partition.optimal and part.memory_ok and m == self.microbatches
-                         and (self.partition.memory_limit is None or name == self.schedule_name))
-        part.with_report(lower_bound=self.partition.lower_bound * scale, optimal=still_optimal,
+        part.with_report(lower_bound=self.partition.lower_bound * min(scale, 1.0) if same_problem else None,
+                         optimal=same_problem and m == self.microbatches and self.partition.optimal and part.memory_ok,
                          method=self.partition.method, solve_seconds=self.partition.solve_seconds,
-                         notes=[f"re-timed from {self.schedule_name}, m={self.microbatches}"])
+                         notes=[f"re-timed from {self.schedule_name}, m={self.microbatches}"
+                                + (", on another cluster" if cluster is not None else "")])
         sched = _make_schedule(name, part, m, ranks)
         sim = simulate(sched, stage_costs_from(part.stages, part.transfers,
                                                act_bytes=[s.activations for s in part.stages]))
@@ -210,8 +218,8 @@ class Plan:
                 smp_version=str(data.get("smp_version", "?")),
                 schema=schema,
             )
-        except (KeyError, TypeError, ValueError) as err:
-            missing = f"missing field {err}" if isinstance(err, KeyError) else str(err)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
+            missing = f"missing field {err}" if isinstance(err, KeyError) else f"{type(err).__name__}: {err}"
             raise PlanError(f"the plan file is damaged ({missing}); re-create it with `smp plan`") from None
 
     @classmethod
@@ -325,14 +333,16 @@ def plan(
     kwargs = dict(example_kwargs or {})
     base_cluster = _resolve_cluster(cluster, stages)
 
-    gm = trace(model, args, kwargs, frontend=frontend, leaf_modules=leaf_modules)
+    # One trace, on one microbatch: what the runtime traces too (an export trace is specialised
+    # to the shapes it saw), so the fingerprint is the one every rank will compute.
+    micro_args, micro_kwargs = split_microbatches(args, kwargs, microbatches)[0]
+    gm = trace(model, micro_args, micro_kwargs, frontend=frontend, leaf_modules=leaf_modules)
     if graph is None:
-        micro_args, micro_kwargs = split_microbatches(args, kwargs, microbatches)[0]
         on_meta = any(p.is_meta for p in model.parameters())
         timing = timing or ("analytic" if on_meta or device_profile else "measured")
         graph = profile(model, micro_args, micro_kwargs, timing=timing, device=device, repeats=repeats,
                         device_profile=device_profile, dtype=dtype, training=model.training,
-                        frontend=frontend, leaf_modules=leaf_modules, progress=progress)
+                        graph_module=gm, progress=progress)
     info = gm.meta["smp_trace"]
     model_info = {
         "name": name or type(model).__name__,
@@ -450,25 +460,21 @@ def _virtual_cluster(cluster: Cluster, ranks: int, v: int) -> Cluster:
 
 
 def _tied_groups(graph: OpGraph) -> list[list[str]]:
-    """Ops that read the same parameter, as colocation groups."""
-    users: dict[str, list[str]] = {}
+    """Ops that read the same parameter (under any of its names), as colocation groups."""
+    owner: dict[str, str] = {}  # name a parameter was first counted under -> the op that counted it
     for node in graph.nx:
-        for pname in graph[node]["param_names"]:
-            users.setdefault(pname, []).append(node)
-    owners: dict[str, str] = {}
+        shared = set(graph[node]["shared_params"])
+        for name in graph[node]["param_names"]:
+            if name not in shared:
+                owner.setdefault(name, node)
+    readers: dict[str, list[str]] = {}
     for node in graph.nx:
-        for pname in graph[node]["param_names"]:
-            if pname not in graph[node]["shared_params"]:
-                owners[pname] = node
-    groups = []
-    for node in graph.nx:
-        for pname in graph[node]["shared_params"]:
-            # A tied weight is read under two names; group every op that reads either.
-            first = next((n for n in graph.nx if graph[n]["params"] and set(graph[n]["param_names"]) & set(owners)
-                          and owners.get(pname) == n), None)
-            group = [node] + ([first] if first else [])
-            groups.append(group)
-    return [g for g in groups if len(g) > 1]
+        for first_name in graph[node]["shared_from"]:
+            if first_name in owner:
+                group = readers.setdefault(first_name, [owner[first_name]])
+                if node not in group:
+                    group.append(node)
+    return [group for group in readers.values() if len(group) > 1]
 
 
 def _scale_graph(graph: OpGraph, factor: float) -> OpGraph:

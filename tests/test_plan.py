@@ -119,3 +119,64 @@ def test_fingerprint_is_stable_and_tells_models_apart(gpt):
     assert fingerprint(trace(again.model, again.example_args), again.model) == a
     other = build("gpt:size=tiny,batch=4,layers=3")
     assert fingerprint(trace(other.model, other.example_args), other.model) != a
+
+
+def test_resimulate_on_another_cluster_does_not_claim_the_old_proof(gpt):
+    from partitioner import Cluster
+
+    slow = smp.plan(gpt.model, gpt.example_args, stages=2, microbatches=2, timing="analytic",
+                    device_profile="cpu", cluster=Cluster.uniform(2, bandwidth=1e6, latency=1e-3))
+    assert slow.partition.optimal
+    free = slow.resimulate(cluster=Cluster.free(2))
+    assert not free.partition.optimal
+    assert free.partition.lower_bound <= free.partition.bottleneck
+    interleaved = _plan(gpt, schedule="interleaved")
+    again = interleaved.resimulate(cluster=Cluster.uniform(2, bandwidth=1e9))
+    assert again.num_stages == 4 and again.num_ranks == 2
+
+
+def test_resimulate_refuses_microbatch_counts_the_batch_cannot_take(gpt):
+    plan = _plan(gpt)  # batch 4 in 2 microbatches
+    with pytest.raises(PlanError, match="does not split"):
+        plan.resimulate(microbatches=3)
+    with pytest.raises(PlanError, match=">= 1"):
+        plan.resimulate(microbatches=0)
+    assert plan.resimulate(microbatches=4).microbatches == 4
+
+
+def test_colocate_tied_keeps_readers_of_a_shared_weight_together(gpt):
+    from torch import nn
+
+    from partitioner import ColocationError
+
+    class Shared(nn.Module):
+        """Layers 2 and 3 share one weight (ALBERT-style); layers 1 and 4 are their own."""
+
+        def __init__(self):
+            super().__init__()
+            self.l1, self.l2, self.l3, self.l4 = (nn.Linear(32, 32) for _ in range(4))
+            self.l3.weight = self.l2.weight
+
+        def forward(self, x):
+            return self.l4(self.l3(self.l2(self.l1(x).relu()).relu()).relu())
+
+    model, x = Shared(), torch.randn(4, 32)
+    plan = smp.plan(model, (x,), stages=3, microbatches=2, timing="analytic", colocate_tied=True)
+    assert plan.fx_stage_of["l2"] == plan.fx_stage_of["l3"]
+    # GPT's embedding and LM head hold everything between them on one stage; only the
+    # position branch, which does not depend on the tokens, can go to another stage.
+    tied = _plan(gpt, stages=2, colocate_tied=True)
+    assert tied.fx_stage_of["tok_emb"] == tied.fx_stage_of["lm_head"] == 1
+    stage0 = {n for n, s in tied.fx_stage_of.items() if s == 0}
+    assert stage0 and all(not n.startswith(("blocks", "tok_emb", "lm_head")) for n in stage0), stage0
+    with pytest.raises(ColocationError):
+        _plan(gpt, stages=4, colocate_tied=True)
+
+
+def test_a_plan_with_a_damaged_section_says_so(gpt, tmp_path):
+    data = _plan(gpt).to_dict()
+    data["schedule"] = []
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    with pytest.raises(PlanError, match="damaged"):
+        smp.Plan.load(bad)

@@ -155,3 +155,32 @@ def test_progress_callback_reports_every_op():
     assert total == len(graph) * (1 + 3 * (2 + 1))
     assert seen[-1] == (total, total)
     assert all(a[0] < b[0] for a, b in zip(seen, seen[1:]))
+
+
+def test_in_place_modules_and_functions_profile():
+    import torch.nn.functional as F
+    from torch import nn
+
+    class InPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(inplace=True))
+            self.out = nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.out(F.relu(self.body(x), inplace=True))
+
+    model, x = InPlace(), torch.randn(8, 8)
+    for timing in ("measured", "analytic"):
+        graph = profile(model, (x,), timing=timing, repeats=1, warmup=0)
+        assert graph.total_params == _unique_param_bytes(model)
+        assert graph.total_bwd > 0
+
+
+def test_profiling_leaves_the_callers_random_stream_alone():
+    bundle = build("gpt:size=tiny,dropout=0.1")
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    profile(bundle.model, bundle.example_args, repeats=1, warmup=0)
+    assert torch.equal(torch.rand(3), expected)

@@ -166,3 +166,54 @@ def test_split_keeps_only_stage_ops_and_names_cut_values() -> None:
     for key, values in prog.edge_values.items():
         assert values, f"edge {key} carries nothing"
         assert set(values) <= set(prog.stages[0].produces)
+
+
+def test_eval_after_training_steps_uses_eval_behaviour() -> None:
+    """A trace records train/eval (F.dropout(x, p, self.training)): each mode gets its own stages."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Dropping(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+        def forward(self, x):
+            x = F.dropout(self.a(x), 0.5, self.training)
+            return self.c(torch.tanh(self.b(x)))
+
+    torch.manual_seed(0)
+    model, x = Dropping(), torch.randn(8, 16)
+    plan = smp.plan(model, (x,), stages=2, microbatches=2, timing="analytic")
+    pipe = smp.partition(model, plan=plan, loss_fn=lambda out, target: F.mse_loss(out, target))
+    pipe.step(x, target=torch.zeros(8, 4))
+    pipe.eval()
+    first, second = pipe(x), pipe(x)
+    assert torch.equal(first, second)
+    with torch.no_grad():
+        assert torch.allclose(first, model(x), rtol=1e-5, atol=1e-6)
+    pipe.train()
+    assert pipe.step(x, target=torch.zeros(8, 4)).isfinite()
+
+
+def test_in_place_activations_run_through_the_pipeline() -> None:
+    import torch.nn.functional as F
+    from torch import nn
+
+    class InPlace(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.act, self.b = nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.b(F.relu(self.act(self.a(x)), inplace=True))
+
+    torch.manual_seed(0)
+    model, x, y = InPlace(), torch.randn(8, 8), torch.randn(8, 4)
+    reference = InPlace()
+    reference.load_state_dict(model.state_dict())
+    plan = smp.plan(model, (x,), stages=2, microbatches=2, timing="analytic")
+    pipe = smp.partition(model, plan=plan, loss_fn=F.mse_loss)
+    loss = pipe.step(x, target=y)
+    expected = torch.stack([F.mse_loss(reference(xs), ys) for xs, ys in zip(x.chunk(2), y.chunk(2))]).mean()
+    assert torch.allclose(loss, expected, rtol=1e-5)

@@ -171,3 +171,21 @@ def test_sample_inputs_that_do_not_fit_the_model():
         trace(bundle.model, (), {"nonsense": 1})
     with pytest.raises(TraceError):  # right arity, wrong shape: both front ends fail
         trace(bundle.model, (torch.randn(2, 7, 3),))
+
+
+class _WritesItsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        x.mul_(2)
+        return self.lin(x)
+
+
+def test_a_model_that_writes_into_its_input_traces_and_the_sample_is_left_alone():
+    x = torch.randn(3, 4)
+    before = x.clone()
+    gm = trace(_WritesItsInput(), (x,))
+    assert torch.equal(x, before)
+    assert gm.meta["smp_trace"].frontend in ("fx", "export")
