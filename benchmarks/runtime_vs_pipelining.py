@@ -124,8 +124,11 @@ def main(argv: list[str] | None = None) -> None:
     predicted.label = "predicted (simulator)"
     render_timeline([predicted, measured], a.img,
                     title=f"{SPEC}, {a.schedule}, {MICROBATCHES} microbatches: predicted vs measured")
+    replay = replay_step_time(plan, measured)
     summary = {
         "model": SPEC, "schedule": a.schedule, "microbatches": MICROBATCHES, "steps": a.steps,
+        "replay_step_s": replay, "timeline_step_s": measured.step_time,
+        "replay_error": (replay - measured.step_time) / measured.step_time,
         "smp_median_s": med["smp"], "pipelining_median_s": med["pipelining"],
         "ratio_smp_over_pipelining": med["smp"] / med["pipelining"],
         "predicted_step_s": plan.step_time, "measured_step_s": med["smp"],
@@ -139,7 +142,28 @@ def main(argv: list[str] | None = None) -> None:
     print(f"| {SPEC} | {a.schedule} | {med['smp'] * 1e3:.1f} ms | {med['pipelining'] * 1e3:.1f} ms | "
           f"{summary['ratio_smp_over_pipelining']:.3f} | {plan.step_time * 1e3:.1f} ms | "
           f"{summary['prediction_error']:+.1%} |")
+    print(f"\nsimulator replay of the measured step (its own F/B durations): {replay * 1e3:.1f} ms against "
+          f"{measured.step_time * 1e3:.1f} ms measured ({summary['replay_error']:+.1%})")
     print(f"timeline picture: {a.img}")
+
+
+def replay_step_time(plan: Any, measured: Any) -> float:
+    """The simulator's step time when fed the runtime's measured median F and B duration per stage.
+
+    Separates the two sources of prediction error: the schedule model (how actions overlap
+    and wait), checked here, and the op costs from the profile, which this replaces.
+    """
+    from partitioner.simulate import StageCosts, simulate
+
+    durations: dict[tuple[int, str], list[float]] = {}
+    for e in measured.events:
+        durations.setdefault((e.stage, e.kind), []).append(e.end - e.start)
+    stages = range(plan.num_stages)
+    med = {k: statistics.median(v) for k, v in durations.items()}
+    bwd = [med.get((s, "B"), 0.0) + med.get((s, "W"), 0.0) for s in stages]
+    costs = StageCosts(fwd=[med.get((s, "F"), 0.0) for s in stages], bwd=bwd,
+                       bwd_w=[med.get((s, "W"), 0.0) for s in stages])
+    return simulate(plan.schedule, costs, timeline=False).step_time
 
 
 if __name__ == "__main__":
