@@ -29,6 +29,19 @@ def test_zoo_models_trace_with_fx_and_match(name):
                      bundle.model(*bundle.example_args, **bundle.example_kwargs))
 
 
+@pytest.mark.parametrize("name", ZOO)
+def test_zoo_models_trace_with_export_too(name):
+    bundle = build(f"{name}:size=tiny")
+    gm = trace(bundle.model, bundle.example_args, bundle.example_kwargs, frontend="export")
+    assert gm.meta["smp_trace"].frontend == "export"
+    with torch.no_grad():
+        _assert_same(gm(*bundle.example_args, **bundle.example_kwargs),
+                     bundle.model(*bundle.example_args, **bundle.example_kwargs))
+    params = {p for n in gm.graph.nodes for p in n.meta.get("smp_params", ())}
+    names = dict(bundle.model.named_parameters(remove_duplicate=False))
+    assert params <= set(names) and {id(names[p]) for p in params} == {id(p) for p in bundle.model.parameters()}
+
+
 @pytest.mark.parametrize("name", HF)
 def test_hugging_face_models_fall_back_to_export(name):
     pytest.importorskip("transformers")
