@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 if TYPE_CHECKING:
     from partitioner.cost import Problem
 
-__all__ = ["trivial_lower_bound", "memory_lower_bound"]
+__all__ = ["trivial_lower_bound", "comm_lower_bound", "memory_lower_bound"]
 
 
 def trivial_lower_bound(prob: Problem) -> float:
@@ -21,13 +23,46 @@ def trivial_lower_bound(prob: Problem) -> float:
     work = prob.work
     total = float(work.sum())
     fastest = float(prob.speed.max())
-    bound = total / float(prob.speed.sum())
+    bound = max(total / float(prob.speed.sum()), comm_lower_bound(prob))
     if prob.n:
         top = sorted(work.tolist(), reverse=True)
         bound = max(bound, top[0] / fastest)
         if prob.n > prob.p:
             bound = max(bound, (top[prob.p - 1] + top[prob.p]) / fastest)
     return bound
+
+
+def comm_lower_bound(prob: Problem) -> float:
+    """(total work + the least communication any p-stage assignment pays) / Σ speeds.
+
+    Take any valid assignment and a topological order. The first op v of a stage has all
+    its producers on earlier stages, and each producer that outputs bytes is a transfer
+    into the stage of its own: the stage pays at least v's incoming cost, the sum over
+    its producers of ``directions`` x (bytes / fastest bandwidth + least latency). It pays
+    nothing only if v is a "free source" (no producer outputs bytes). Likewise the last
+    op w of a stage sends its output to a later stage unless it has no consumer or
+    outputs nothing (a "free sink"). So at least p - #free sources stages pay the least
+    incoming cost of a non-free op, and p - #free sinks stages the least outgoing one.
+    With time_s = compute_s / speed_s + comm_s <= B on every stage,
+    B x Σ speed >= total work + min speed x Σ comm.
+    """
+    if prob.p < 2:
+        return 0.0
+    upper = np.triu_indices(prob.p, 1)
+    max_bw = float(prob.bw[upper].max())
+    min_lat = float(prob.lat[upper].min())
+    out = prob.out_bytes
+    send = [prob.directions * (float(out[i]) / max_bw + min_lat) if out[i] > 0 and prob.succ[i] else 0.0
+            for i in range(prob.n)]
+    incoming = [sum(send[j] for j in prob.pred[i]) for i in range(prob.n)]
+    paid_in = [c for c in incoming if c > 0]
+    paid_out = [c for c in send if c > 0]
+    if not paid_out:
+        return 0.0
+    free_sources = prob.n - len(paid_in)
+    free_sinks = prob.n - len(paid_out)
+    comm = max(0, prob.p - free_sources) * min(paid_in) + max(0, prob.p - free_sinks) * min(paid_out)
+    return (float(prob.work.sum()) + float(prob.speed.min()) * comm) / float(prob.speed.sum())
 
 
 def memory_lower_bound(prob: Problem) -> tuple[float, float]:
