@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +62,7 @@ class OpGraph:
     def __init__(self, graph: nx.DiGraph | None = None, meta: Mapping[str, Any] | None = None):
         self.nx: nx.DiGraph = graph if graph is not None else nx.DiGraph()
         self.meta: dict[str, Any] = dict(meta or {})
-        for i, (name, data) in enumerate(self._nodes_in_given_order()):
+        for i, (name, data) in enumerate(self.nx.nodes(data=True)):
             for key, default in _DEFAULTS.items():
                 data.setdefault(key, default)
             data.setdefault("index", i)
@@ -70,9 +70,6 @@ class OpGraph:
         if not nx.is_directed_acyclic_graph(self.nx):
             cycle = nx.find_cycle(self.nx)
             raise ValueError(f"an OpGraph must be acyclic; found the cycle {cycle}")
-
-    def _nodes_in_given_order(self) -> Iterable[tuple[str, dict]]:
-        return self.nx.nodes(data=True)
 
     # ---------------------------------------------------------------- structure
 
@@ -305,7 +302,8 @@ class OpGraph:
                 fx_nodes=tuple(f for d in datas for f in d["fx_nodes"]),
             )
         for u, v in self.nx.edges:
-            gu, gv = members_rep(group_of, u, members), members_rep(group_of, v, members)
+            # A coarse node is named after its group's first member.
+            gu, gv = members[group_of(u)][0], members[group_of(v)][0]
             if gu != gv:
                 g.add_edge(gu, gv)
         if not nx.is_directed_acyclic_graph(g):
@@ -317,11 +315,6 @@ class OpGraph:
         meta = dict(self.meta)
         meta["coarsened_from"] = len(self)
         return OpGraph(g, meta)
-
-
-def members_rep(group_of: Callable[[str], str], node: str, members: dict[str, list[str]]) -> str:
-    """The name of the coarse node that ``node`` ended up in (its group's first member)."""
-    return members[group_of(node)][0]
 
 
 def _common_prefix(modules: list[str]) -> str:
