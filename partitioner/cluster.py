@@ -204,6 +204,20 @@ class Cluster:
             return self
         return Cluster(self.devices[:stages], self.links[:stages - 1], self.name, self.meta)
 
+    def interleaved(self, ranks: int, virtual_stages: int) -> Cluster:
+        """The stages' view of an interleaved pipeline: stage s runs on device s mod ``ranks``.
+
+        Links follow the devices; the link from the last rank back to the first (between
+        two chunks) is taken to be the slowest link of the cluster.
+        """
+        if virtual_stages == 1:
+            return self
+        devices = tuple(self.devices[s % ranks] for s in range(ranks * virtual_stages))
+        wrap = min(self.links, key=lambda lk: (lk.bandwidth, -lk.latency)) if self.links else Link("local", math.inf, 0.0)
+        links = tuple(self.links[s % ranks] if (s % ranks) < ranks - 1 else wrap
+                      for s in range(ranks * virtual_stages - 1))
+        return Cluster(devices, links, f"{self.name} x{virtual_stages} virtual")
+
     # ------------------------------------------------------------------ (de)serialisation
 
     def to_dict(self) -> dict[str, Any]:

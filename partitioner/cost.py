@@ -12,55 +12,20 @@ import numpy as np
 
 from partitioner.cluster import Cluster
 from partitioner.errors import InvalidAssignmentError, PlanningError, StageCountError
-from partitioner.graph import OpGraph
+from partitioner.graph import OUTPUT_OP, OpGraph
+from partitioner.ir import ScheduleKind
+from partitioner.schedule import peak_in_flight
+from partitioner.units import format_bytes
 
 __all__ = [
-    "Transfer", "StageStats", "Partition", "Problem", "evaluate", "graph_order",
-    "canonical_schedule", "in_flight", "SCHEDULES", "DEFAULT_STATE_FACTOR", "format_bytes",
+    "Transfer", "StageStats", "Partition", "Problem", "evaluate", "graph_order", "DEFAULT_STATE_FACTOR",
+    "format_bytes",
 ]
 
 #: Bytes kept per parameter byte when training: the weights, their gradients and Adam's
 #: two moments, all in the parameters' dtype (fp32 training, or the fp32 part of mixed
 #: precision counted at the stored dtype) -> 1 + 1 + 2.
 DEFAULT_STATE_FACTOR = 4.0
-
-#: Schedule names the memory model knows, and their aliases.
-SCHEDULES: dict[str, str] = {
-    "gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved",
-    "interleaved_1f1b": "interleaved", "interleaved-1f1b": "interleaved",
-    "zb-h1": "zb-h1", "zb_h1": "zb-h1", "zbh1": "zb-h1",
-}
-
-
-def canonical_schedule(schedule: str) -> str:
-    try:
-        return SCHEDULES[schedule.lower()]
-    except KeyError:
-        raise PlanningError(f"unknown schedule {schedule!r}; use one of "
-                            f"{', '.join(sorted(set(SCHEDULES.values())))}") from None
-
-
-def in_flight(schedule: str, stage: int, stages: int, microbatches: int, training: bool) -> int:
-    """Microbatches whose activations a stage holds at its peak.
-
-    GPipe runs every forward before any backward: all ``m``. 1F1B (and ZB-H1, and
-    interleaved 1F1B, which we count like plain 1F1B) starts ``p - stage`` forwards before
-    its first backward, so at most ``min(m, p - stage)``. Inference keeps one.
-    """
-    if not training:
-        return 1
-    if canonical_schedule(schedule) == "gpipe":
-        return microbatches
-    return max(1, min(microbatches, stages - stage))
-
-
-def format_bytes(n: float | None) -> str:
-    if n is None:
-        return "unlimited"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
 
 
 # ---------------------------------------------------------------------- results
@@ -139,11 +104,6 @@ class Partition:
     @property
     def memory_ok(self) -> bool:
         return all(s.fits for s in self.stages)
-
-    @property
-    def step_time(self) -> float:
-        """Textbook GPipe/1F1B step time, (m + p - 1) x bottleneck; the simulator is the real figure."""
-        return (self.microbatches + self.num_stages - 1) * self.bottleneck
 
     @property
     def ratio(self) -> float:
@@ -235,7 +195,7 @@ class Problem:
     def __init__(self, graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None = None,
                  microbatches: int = 1, schedule: str = "1f1b", training: bool = True,
                  memory_limit: float | None = None, state_factor: float = DEFAULT_STATE_FACTOR,
-                 order: Sequence[Hashable] | None = None):
+                 order: Sequence[Hashable] | None = None, ranks: int | None = None):
         g, default_order = graph_order(graph)
         self.graph = graph
         self.g = g
@@ -261,7 +221,7 @@ class Problem:
         self.n, self.p = n, stages
         self.cluster = (cluster or Cluster.free(stages)).for_stages(stages)
         self.microbatches, self.training = microbatches, training
-        self.schedule = canonical_schedule(schedule)
+        self.schedule = ScheduleKind.parse(schedule).value
         self.state_factor = float(state_factor)
         self.memory_limit_arg = memory_limit
 
@@ -277,6 +237,8 @@ class Problem:
                 raise PlanningError(f"node {bad!r} has {name}={g.nodes[bad].get(name)}; costs must be "
                                     "finite and >= 0 (re-profile the model)")
         self.modules = [str(g.nodes[v].get("module", "") or "") for v in self.order]
+        # The model's output node (OpGraph.OUTPUT_OP) is no op: a stage must hold a real one.
+        self.is_output = [g.nodes[v].get("op") == OUTPUT_OP for v in self.order]
         self.work = self.fwd + (self.bwd if training else 0.0)
         self.succ: list[list[int]] = [sorted(self.pos[w] for w in g.successors(v)) for v in self.order]
         self.pred: list[list[int]] = [sorted(self.pos[w] for w in g.predecessors(v)) for v in self.order]
@@ -289,7 +251,9 @@ class Problem:
             for t in range(a + 1, stages):
                 lk = self.cluster.link(a, t)
                 self.bw[a, t], self.lat[a, t] = lk.bandwidth, lk.latency
-        self.in_flight = [in_flight(self.schedule, s, stages, microbatches, training) for s in range(stages)]
+        # Microbatches each stage holds at its peak, read off the schedule's own order
+        # (interleaved: ``ranks`` pipeline ranks hold the ``stages`` stages round robin).
+        self.in_flight = peak_in_flight(self.schedule, stages, microbatches, num_ranks=ranks, training=training)
         factor = self.state_factor if training else 1.0
         # A parameter read on several stages (a tied embedding and LM head) is held, with
         # its gradient and optimizer state, by every stage that reads it; ``params`` counts
@@ -353,7 +317,7 @@ class Problem:
     def check(self, assign: Sequence[int]) -> list[str]:
         """Why ``assign`` is not a valid pipeline assignment (empty list when it is)."""
         problems = []
-        used = set(assign)
+        used = {s for s, out in zip(assign, self.is_output) if not out}
         empty = [s for s in range(self.p) if s not in used]
         if empty:
             problems.append(f"stages {empty} have no ops")
@@ -479,10 +443,11 @@ def evaluate(graph: OpGraph | nx.DiGraph, stage_of: Mapping[Hashable, int], *,
              cluster: Cluster | None = None, microbatches: int = 1, schedule: str = "1f1b",
              training: bool = True, memory_limit: float | None = None,
              state_factor: float = DEFAULT_STATE_FACTOR, stages: int | None = None,
-             method: str = "manual") -> Partition:
+             method: str = "manual", ranks: int | None = None) -> Partition:
     """The cost of any assignment ``stage_of`` (node -> stage index), per stage and overall.
 
-    ``stages`` defaults to the largest stage index + 1. Raises
+    ``stages`` defaults to the largest stage index + 1; ``ranks`` is the pipeline ranks an
+    interleaved schedule spreads them over (default: one stage per rank). Raises
     :class:`~partitioner.errors.InvalidAssignmentError` when the assignment is not a
     pipeline (an op without a stage, an empty stage, an edge flowing to an earlier
     stage). Memory over the limit is reported (``Partition.memory_ok``, ``notes``), not
@@ -493,7 +458,7 @@ def evaluate(graph: OpGraph | nx.DiGraph, stage_of: Mapping[Hashable, int], *,
             raise InvalidAssignmentError("stage_of is empty; map every node to a stage")
         stages = int(max(stage_of.values())) + 1
     prob = Problem(graph, stages, cluster=cluster, microbatches=microbatches, schedule=schedule,
-                   training=training, memory_limit=memory_limit, state_factor=state_factor)
+                   training=training, memory_limit=memory_limit, state_factor=state_factor, ranks=ranks)
     assign = prob.assignment(stage_of)
     problems = prob.check(assign)
     if problems:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "PlanningError",
+    "PlanError",
     "InvalidAssignmentError",
     "StageCountError",
     "MemoryLimitError",
@@ -15,6 +16,10 @@ __all__ = [
 
 class PlanningError(ValueError):
     """Base class: the planner cannot do what was asked; the message says why and what to change."""
+
+
+class PlanError(PlanningError):
+    """A plan cannot be made, read or used as asked (a bad option, a damaged plan file); the message says why."""
 
 
 class InvalidAssignmentError(PlanningError):

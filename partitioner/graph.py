@@ -9,7 +9,7 @@ from typing import Any
 
 import networkx as nx
 
-__all__ = ["OpGraph", "NODE_FIELDS", "GRAPH_SCHEMA_VERSION"]
+__all__ = ["OpGraph", "NODE_FIELDS", "GRAPH_SCHEMA_VERSION", "OUTPUT_OP"]
 
 GRAPH_SCHEMA_VERSION = 1
 
@@ -33,6 +33,10 @@ NODE_FIELDS: dict[str, str] = {
     "shared_from": "for each shared parameter, the name it was first counted under (its owner reads it so)",
     "fx_nodes": "names of the fx nodes this node stands for (several after coarsening)",
 }
+
+#: ``op`` of the node that stands for the model's output: it costs nothing, and its in-edges
+#: are the values the model returns, which must reach the stage that returns them.
+OUTPUT_OP = "output"
 
 _DEFAULTS: dict[str, Any] = {
     "fwd": 0.0,
@@ -74,7 +78,8 @@ class OpGraph:
     # ---------------------------------------------------------------- structure
 
     def __len__(self) -> int:
-        return self.nx.number_of_nodes()
+        """The number of ops (the output node is not one)."""
+        return sum(1 for _, d in self.nx.nodes(data=True) if d["op"] != OUTPUT_OP)
 
     def __iter__(self):
         return iter(self.topological_order())
@@ -134,7 +139,8 @@ class OpGraph:
 
     def heaviest(self, k: int = 10, key: str = "fwd") -> list[tuple[str, dict[str, Any]]]:
         """The ``k`` nodes with the largest ``key`` (ties broken by program order)."""
-        nodes = sorted(self.nx.nodes(data=True), key=lambda nd: (-nd[1][key], nd[1]["index"]))
+        nodes = sorted((nd for nd in self.nx.nodes(data=True) if nd[1]["op"] != OUTPUT_OP),
+                       key=lambda nd: (-nd[1][key], nd[1]["index"]))
         return nodes[:k]
 
     # ---------------------------------------------------------------- (de)serialisation
@@ -195,6 +201,21 @@ class OpGraph:
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, OpGraph) and self.to_dict() == other.to_dict()
+
+    def scaled(self, factor: float) -> OpGraph:
+        """The same graph with per-microbatch costs times ``factor`` (times, output bytes, FLOPs).
+
+        Going from m to m' microbatches of one batch scales a microbatch by m / m'; weights do not change.
+        """
+        data = self.to_dict()
+        for node in data["nodes"]:
+            for key in ("fwd", "bwd", "bwd_w"):
+                if key in node:
+                    node[key] *= factor
+            for key in ("out_bytes", "flops"):
+                if key in node:
+                    node[key] = int(round(node[key] * factor))
+        return OpGraph.from_dict(data)
 
     # ---------------------------------------------------------------- coarsening
 

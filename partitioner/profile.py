@@ -194,6 +194,7 @@ class _OpRunner:
                 env[node] = self.interpreter.fetch_attr(str(node.target))
                 continue
             if node.op == "output":
+                self._add_output(g, node, owner, index)
                 continue
             args, kwargs = self._args(node, env)
             if owner[node] is not node:  # getitem: plumbing that belongs to its producer
@@ -238,6 +239,20 @@ class _OpRunner:
                 data["fwd"], data["bwd"] = fwd[node], bwd[node]
                 data["bwd_w"] = max(bwd[node] - bwd_input[node], 0.0)
         return OpGraph(g)
+
+    @staticmethod
+    def _add_output(g: nx.DiGraph, node: fx.Node, owner: Mapping[fx.Node, fx.Node], index: int) -> None:
+        """The model's output as a node of its own: every value it returns must reach the stage holding it.
+
+        It costs nothing and holds nothing; its in-edges make the cost model price moving
+        each returned value to the output stage, and make the plan carry those transfers.
+        """
+        g.add_node(node.name, fwd=0.0, bwd=0.0, bwd_w=0.0, params=0, shared_bytes=0, buffers=0, out_bytes=0,
+                   flops=0, module="", op="output", index=index, param_names=(), buffer_names=(),
+                   shared_params=(), shared_from=(), fx_nodes=(node.name,))
+        for producer in node.all_input_nodes:
+            if producer in owner:
+                g.add_edge(owner[producer].name, node.name)
 
     # -------------------------------------------------------------- running one op
 

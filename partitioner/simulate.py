@@ -1,13 +1,14 @@
-"""Discrete-event simulation of a pipeline Schedule: step time, bubble, throughput, peak memory."""
+"""Simulate one step of a pipeline Schedule by walking its action lists: step time, bubble, peak memory."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from partitioner.schedule import ActionKind, Schedule, _compile_orders, _Compiled, _times
+from partitioner.ir import Action, ActionKind, Schedule
 from partitioner.timeline import Timeline, TimelineEvent
+from partitioner.walk import Walk, walk
 
 __all__ = ["StageCosts", "SimResult", "simulate", "comm_from_transfers", "stage_costs_from"]
 
@@ -110,115 +111,107 @@ class SimResult:
             "timeline": self.timeline.to_dict() if self.timeline is not None else None,
         }
 
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> SimResult:
+        tl = d.get("timeline")
+        return SimResult(
+            timeline=Timeline.from_dict(tl) if tl else None,
+            step_time=float(d["step_time"]),
+            bubble_fraction=float(d["bubble_fraction"]),
+            throughput=float(d["throughput"]),
+            busy_time=[float(x) for x in d.get("busy_time", [])],
+            peak_inflight=[int(x) for x in d.get("peak_inflight", [])],
+            peak_activation_bytes=d.get("peak_activation_bytes"),
+            peak_activation_bytes_per_rank=d.get("peak_activation_bytes_per_rank"),
+            samples_per_second=d.get("samples_per_second"),
+        )
 
-@dataclass
-class _SimPlan:
-    c: _Compiled
-    rank: list[int]
-    stage: list[int]
-    kind: list[int]  # 0 F, 1 B, 2 W
-    cross_keys: set[EdgeKey]
-    peak_inflight: list[int]
-    rank_orders: list[list[int]]  # node ids per rank, program order
+
+def _durations(schedule: Schedule, costs: StageCosts) -> Callable[[Action], float]:
+    """What each action costs: compute on its stage's device, a SEND the link time of its tensor."""
+    split = schedule.split_backward
+    fwd, bwd, bwd_w = costs.fwd, costs.bwd, costs.bwd_w
+    assert bwd_w is not None
+    compute = {
+        ActionKind.F: [float(x) for x in fwd],
+        ActionKind.B: [float(b - w) if split else float(b) for b, w in zip(bwd, bwd_w)],
+        ActionKind.W: [float(x) for x in bwd_w],
+    }
+    comm = costs.comm
+
+    def duration(a: Action) -> float:
+        if a.is_compute:
+            return compute[a.kind][a.stage]
+        return float(comm.get(a.edge, 0.0)) if a.is_send else 0.0
+
+    return duration
 
 
-_KCODE = {ActionKind.F: 0, ActionKind.B: 1, ActionKind.W: 2}
+def _peak_inflight(w: Walk, num_stages: int, release: ActionKind) -> list[int]:
+    peak = [0] * num_stages
+    held = [0] * num_stages
+    for a in w.actions:  # rank by rank, in program order: a stage's actions all sit on one rank
+        if a.kind is ActionKind.F:
+            held[a.stage] += 1
+            peak[a.stage] = max(peak[a.stage], held[a.stage])
+        elif a.kind is release:
+            held[a.stage] -= 1
+    return peak
 
 
-def _plan(schedule: Schedule) -> _SimPlan:
-    cached = getattr(schedule, "_compiled", None)
-    if isinstance(cached, _SimPlan):
-        return cached
-    orders = [schedule.compute_actions(r) for r in range(schedule.num_ranks)]
-    c = _compile_orders(schedule.graph, schedule.stage_to_rank, orders, schedule.split_backward)
-    ranks = [n[0] for n in c.nodes]
-    stages = [n[2] for n in c.nodes]
-    kinds = [_KCODE[n[1]] for n in c.nodes]
-    cross = {key for d in c.deps for _, key in d if key is not None}
-    release = 2 if schedule.split_backward else 1
-    peak = [0] * schedule.num_stages
-    cur = [0] * schedule.num_stages
-    rank_orders: list[list[int]] = [[] for _ in range(schedule.num_ranks)]
-    for n in range(len(c.nodes)):
-        rank_orders[ranks[n]].append(n)  # nodes were numbered rank by rank, in program order
-    for r in range(schedule.num_ranks):
-        for n in rank_orders[r]:
-            s = stages[n]
-            if kinds[n] == 0:
-                cur[s] += 1
-                peak[s] = max(peak[s], cur[s])
-            elif kinds[n] == release:
-                cur[s] -= 1
-    plan = _SimPlan(c, ranks, stages, kinds, cross, peak, rank_orders)
-    schedule._compiled = plan
-    return plan
+def _peak_bytes_per_rank(w: Walk, num_ranks: int, release: ActionKind, act: Sequence[float]) -> list[float]:
+    current = [0.0] * num_ranks
+    best = [0.0] * num_ranks
+    for r, a in zip(w.rank, w.actions):
+        if a.kind is ActionKind.F:
+            current[r] += act[a.stage]
+            best[r] = max(best[r], current[r])
+        elif a.kind is release:
+            current[r] -= act[a.stage]
+    return best
 
 
 def simulate(schedule: Schedule, costs: StageCosts, *, timeline: bool = True, label: str = "predicted",
              samples_per_microbatch: int | None = None) -> SimResult:
-    """Time one training step of ``schedule`` with ``costs``.
+    """Time one step of ``schedule`` with ``costs`` by walking its action lists (:meth:`Walk.times`).
 
-    Semantics (see docs/schedules.md): a compute action occupies its rank from start
-    to end; it starts when its rank has finished the previous compute action of its
-    program and all its inputs are there. Communication is asynchronous: it uses no
-    compute time; a cut tensor leaves when its producer ends and arrives
-    ``comm[edge]`` seconds later (gradients the same, backwards); tensors handed over
-    within one rank arrive at once; transfers do not contend for links. SEND/RECV
-    actions therefore cost nothing here: a runtime posts receives early and waits
-    only where the data is used. The compiled dependency graph is cached on the
-    schedule (treat a Schedule as immutable once simulated), so repeated calls with
-    different costs are cheap.
+    Exactly the lists the runtime executes are priced: compute actions occupy their rank;
+    a SEND and its RECV are posted when the rank's program reaches them and the tensor
+    then takes ``comm[edge]`` seconds on the link, overlapping compute (a receive posted
+    late delays its data); tensors handed over within one rank arrive at once. See
+    docs/schedules.md. The walk is cached on the schedule, so repeated calls with other
+    costs are cheap.
     """
     if costs.num_stages != schedule.num_stages:
         raise ValueError(f"costs are for {costs.num_stages} stages, schedule has {schedule.num_stages}")
-    plan = _plan(schedule)
+    w = walk(schedule)
     comm = costs.comm
     if comm:
-        missing = plan.cross_keys - comm.keys()
+        missing = {a.edge for a in w.actions if a.is_send} - comm.keys()
         if missing:
             a, b, t = sorted(missing)[0]
             raise KeyError(f"StageCosts.comm has no time for cut edge {a}->{b} t={t} "
                            f"({len(missing)} cross-rank edges missing)")
-    split = schedule.split_backward
-    fwd, bwd, bwd_w = costs.fwd, costs.bwd, costs.bwd_w
-    assert bwd_w is not None
-    per_stage = [
-        (float(fwd[s]), float(bwd[s] - bwd_w[s]) if split else float(bwd[s]), float(bwd_w[s]))
-        for s in range(schedule.num_stages)
-    ]
-    dur = [per_stage[s][k] for s, k in zip(plan.stage, plan.kind)]
-    start, end = _times(plan.c, dur, comm)
+    start, end = w.times(_durations(schedule, costs))
     step = max(end) if end else 0.0
     R = schedule.num_ranks
     busy = [0.0] * R
-    for r, d in zip(plan.rank, dur):
-        busy[r] += d
+    for i, a in enumerate(w.actions):
+        if a.is_compute:
+            busy[w.rank[i]] += end[i] - start[i]
     bubble = 1.0 - sum(busy) / (R * step) if step > 0 else 0.0
     m = schedule.num_microbatches
     thr = m / step if step > 0 else float("inf")
+    release = ActionKind.W if schedule.split_backward else ActionKind.B
+    inflight = _peak_inflight(w, schedule.num_stages, release)
     peak_bytes = per_rank = None
     if costs.act_bytes is not None:
-        ab = costs.act_bytes
-        peak_bytes = [plan.peak_inflight[s] * float(ab[s]) for s in range(schedule.num_stages)]
-        release = 2 if split else 1
-        per_rank = []
-        for r in range(R):
-            cur = best = 0.0
-            for n in plan.rank_orders[r]:
-                k = plan.kind[n]
-                if k == 0:
-                    cur += ab[plan.stage[n]]
-                    best = max(best, cur)
-                elif k == release:
-                    cur -= ab[plan.stage[n]]
-            per_rank.append(best)
+        peak_bytes = [inflight[s] * float(costs.act_bytes[s]) for s in range(schedule.num_stages)]
+        per_rank = _peak_bytes_per_rank(w, R, release, costs.act_bytes)
     tl = None
     if timeline:
-        kinds = ("F", "B", "W")
-        events = [TimelineEvent(r, s, kinds[k], node[3], st, en)
-                  for r, s, k, node, st, en in zip(plan.rank, plan.stage, plan.kind, plan.c.nodes, start, end)]
-        tl = Timeline(events, step, label, R, {"schedule": schedule.name,
-                                               "num_microbatches": m})
-    return SimResult(tl, step, bubble, thr, busy, list(plan.peak_inflight), peak_bytes, per_rank,
+        events = [TimelineEvent(w.rank[i], a.stage, a.kind.value, a.mb, start[i], end[i])
+                  for i, a in enumerate(w.actions) if a.is_compute]
+        tl = Timeline(events, step, label, R, {"schedule": schedule.name, "num_microbatches": m})
+    return SimResult(tl, step, bubble, thr, busy, inflight, peak_bytes, per_rank,
                      thr * samples_per_microbatch if samples_per_microbatch else None)
-

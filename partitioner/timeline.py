@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -178,51 +177,3 @@ def render_timeline(timelines: Timeline | Sequence[Timeline], path: str | Path, 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def _demo(out_dir: Path, p: int = 4, m: int = 8) -> list[Path]:
-    """Pictures of every schedule for p stages x m microbatches (F=1, B=2, W=1 units, free comm)."""
-    from partitioner.schedule import gpipe, interleaved_1f1b, one_f_one_b, zb_h1
-    from partitioner.simulate import StageCosts, simulate
-
-    def costs(S: int, split: bool, scale: float = 1.0) -> StageCosts:
-        f = 1e-3 * scale  # 1 ms forward, 2 ms backward (W: half of it) per rank
-        return StageCosts([f] * S, [2 * f] * S, [f if split else 0.0] * S)
-
-    runs = [
-        ("gpipe", gpipe(p, m), costs(p, False)),
-        ("1f1b", one_f_one_b(p, m), costs(p, False)),
-        ("interleaved_1f1b", interleaved_1f1b(2 * p, m, p), costs(2 * p, False, 0.5)),
-        ("zb_h1", zb_h1(p, m), costs(p, True)),
-    ]
-    paths = []
-    tls = []
-    for name, sch, c in runs:
-        tl = simulate(sch, c).timeline
-        tl.label = name
-        tls.append(tl)
-        paths.append(render_timeline(tl, out_dir / f"schedule_{name}.png",
-                                     title=f"{name}: {p} ranks x {m} microbatches, F = 1 ms, B = 2 ms per rank"
-                                     + (" (B 1 ms + W 1 ms)" if sch.split_backward else "")))
-    paths.append(render_timeline(tls, out_dir / "schedule_all.png",
-                                 title=f"All schedules, {p} ranks x {m} microbatches, same total work"))
-    return paths
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m partitioner.timeline", description=__doc__)
-    ap.add_argument("--demo", action="store_true", help="draw every schedule for 4 stages x 8 microbatches")
-    ap.add_argument("--out", default="docs/img", help="output folder (default docs/img)")
-    ap.add_argument("--stages", type=int, default=4)
-    ap.add_argument("--microbatches", type=int, default=8)
-    args = ap.parse_args(argv)
-    if not args.demo:
-        ap.error("nothing to do: pass --demo")
-    from partitioner.timeline import _demo as demo  # the importable copy, not __main__
-
-    for p in demo(Path(args.out), args.stages, args.microbatches):
-        print(p)
-
-
-if __name__ == "__main__":
-    main()

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["PipelineError", "Comm", "Pending", "FAILURE_KEY"]
+__all__ = ["PipelineError", "Comm", "LocalComm", "Pending", "FAILURE_KEY"]
 
 #: Store key where the first rank that fails writes why; the others read it when they stop.
 FAILURE_KEY = "smp/pipeline_failure"
@@ -50,9 +50,8 @@ class Comm:
     once; a rank that hangs is detected by the timeout.
     """
 
-    def __init__(self, rank: int, world_size: int, timeout: float, stage_of_rank: Sequence[Sequence[int]] = ()) -> None:
+    def __init__(self, rank: int, timeout: float, stage_of_rank: Sequence[Sequence[int]] = ()) -> None:
         self.rank = rank
-        self.world_size = world_size
         self.timeout = float(timeout)
         self.stage_of_rank = [list(s) for s in stage_of_rank]
         try:
@@ -127,3 +126,32 @@ class Comm:
         except Exception:  # noqa: BLE001
             return None
         return None
+
+
+class LocalComm:
+    """The transfers between ranks that live in one process: a shared mailbox, same interface as :class:`Comm`.
+
+    The single-process engine walks every rank's program in the walk's order, in which a
+    SEND always runs right before its RECV; the receive copies the sent tensor into its
+    buffer at once, as a matched point-to-point transfer would.
+    """
+
+    def __init__(self, rank: int, mailbox: dict[tuple[int, int, int], torch.Tensor]) -> None:
+        self.rank = rank
+        self.mailbox = mailbox
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        self.mailbox[(self.rank, peer, tag)] = tensor
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        sent = self.mailbox.pop((peer, self.rank, tag), None)
+        if sent is None:
+            raise RuntimeError(f"rank {self.rank}: nothing was sent by rank {peer} under tag {tag} before this "
+                               "receive; the walk's order guarantees it, so this is a bug in smp")
+        tensor.copy_(sent)
+
+    def wait(self, pending: Pending) -> list[torch.Tensor]:
+        return pending.tensors
+
+    def report_failure(self, message: str) -> None:
+        """Nothing to tell: every rank of this process raises the same exception."""

@@ -1,6 +1,8 @@
 """smp: an automatic model-partitioning compiler for PyTorch pipeline parallelism."""
 
-__version__ = "0.1.0"
+from partitioner.plan import package_version
+
+__version__ = package_version()
 
 from smp import models  # noqa: E402
 from smp.partition import PipelinedModel, PipelineError, RuntimeConfigError, partition  # noqa: E402

@@ -117,7 +117,7 @@ def report(plan: Plan, *, plan_file: str | Path | None = None, files: dict[str, 
         "kind": "smp.report",
         "schema": REPORT_SCHEMA,
         "plan_file": str(plan_file) if plan_file is not None else None,
-        "model": {k: plan.model.get(k) for k in ("name", "fingerprint", "num_params", "param_bytes", "batch_size",
+        "model": {k: getattr(plan.model, k) for k in ("name", "fingerprint", "num_params", "param_bytes", "batch_size",
                                                   "timing", "profiled_on")},
         "ops": len(plan.graph),
         "schedule": plan.schedule_name,
@@ -308,7 +308,7 @@ def render_stage_graph(plan: Plan, path: str | Path, *, title: str | None = None
     ax.set_ylim(-0.4, box_h + 0.9 + 0.55 * max(0, max_span - 1) + 0.3)
     ax.set_aspect("auto")
     ax.axis("off")
-    name = plan.model.get("name", "model")
+    name = plan.model.name
     ax.set_title(title or f"{name}: {S} stages on {plan.num_ranks} ranks, cut tensors per microbatch", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -35,9 +35,9 @@ def check_plan_matches(plan_file: Path, spec: str, *, batch_size: int | None, se
     bundle = _build(spec, batch_size=batch_size, seq_len=seq_len, meta=False, microbatches=microbatches)
     gm = trace(bundle.model, bundle.example_args, bundle.example_kwargs)
     fp = fingerprint(gm, bundle.model)
-    want = plan.model.get("fingerprint")
+    want = plan.model.fingerprint
     if want != fp:
-        raise PlanError(f"{plan_file} was made for another model ({plan.model.get('name')}, fingerprint {want}); "
+        raise PlanError(f"{plan_file} was made for another model ({plan.model.name}, fingerprint {want}); "
                         f"{spec} has fingerprint {fp}: plan this model with `smp plan {spec} --stages "
                         f"{plan.num_ranks} -o PLAN.json` or pass the model the plan was made for")
     return plan

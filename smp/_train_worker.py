@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
                "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                "backend": dist.get_backend() if dist.is_initialized() else None,
                "rank0_params": sum(p.numel() for p in pipe.parameters()),
-               "model_params": pipe.plan.model.get("num_params")})
+               "model_params": pipe.plan.model.num_params})
     return 0
 
 

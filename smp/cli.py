@@ -534,20 +534,20 @@ def _header(plan) -> str:
 
     m = plan.model
     part = plan.partition
-    how = m.get("timing") or "?"
+    how = m.timing or "?"
     if how == "analytic":
         how += f" on {plan.graph.meta.get('device_profile')}"
-    elif m.get("profiled_on"):
-        how += f" on {m.get('profiled_on')}"
-    batch = m.get("batch_size")
+    elif m.profiled_on:
+        how += f" on {m.profiled_on}"
+    batch = m.batch_size
     mb = f"batch {batch} in {plan.microbatches} microbatches" if batch else f"{plan.microbatches} microbatches"
-    params = f", {format_count(m['num_params'])} parameters" if m.get("num_params") else ""
+    params = f", {format_count(m.num_params)} parameters" if m.num_params else ""
     limit = part.memory_limit if part.memory_limit is not None else next(
         (s.memory_limit for s in part.stages if s.memory_limit), None)
     cl = part.cluster.get("name", "?")
     if str(cl).startswith("ideal-"):
         cl = "none (free links)"
-    return (f"[bold]{_spec_name(str(m.get('name', 'model')))}[/]: {len(plan.graph)} ops{params} → {plan.num_stages} "
+    return (f"[bold]{_spec_name(m.name)}[/]: {len(plan.graph)} ops{params} → {plan.num_stages} "
             f"stages on {plan.num_ranks} ranks · {plan.schedule_name} · {mb}\n"
             f"timing {how} · cluster {cl} · memory limit {format_bytes(limit)}")
 
@@ -589,7 +589,7 @@ def _write_timeline(plan, path: Path, title: str | None = None) -> str:
         raise CLIUsageError("this plan carries no simulated timeline to draw; re-create it with `smp plan`")
     if path.suffix.lower() not in (".png", ".svg"):
         raise CLIUsageError(f"--timeline writes .png or .svg, not {path.name!r}")
-    name = plan.model.get("name", "model")
+    name = plan.model.name
     render_timeline(tl, path, title=title or f"{name}: {plan.schedule_name}, {plan.num_ranks} ranks, "
                                                f"{plan.microbatches} microbatches (predicted)")
     return str(path)
@@ -683,7 +683,7 @@ def inspect_cmd(
         return
     con = _console()
     con.print(f"plan {plan_file} (smp {p.smp_version}, schema {p.schema}; model fingerprint "
-              f"{p.model.get('fingerprint')})")
+              f"{p.model.fingerprint})")
     _print_plan(p, cuts=True, files=files)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,12 +13,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from partitioner.compile import plan as make_plan
+from partitioner.ir import Edge, ScheduleKind, StageGraph
 from partitioner.microbatch import MicrobatchError, split_microbatches
+from partitioner.plan import Plan, PlanError
+from partitioner.schedule import make_schedule
 from partitioner.timeline import Timeline, TimelineEvent
+from partitioner.trace import fingerprint, flatten_inputs, trace
 from runtime.comm import Comm, PipelineError
-from runtime.engine import Engine, RuntimeConfigError, check_world, concat_outputs, split_batch
-from smp.plan import Plan, PlanError, canonical_schedule
-from smp.plan import plan as make_plan
+from runtime.engine import Engine, Ownership, Program, RuntimeConfigError, check_world, concat_outputs, split_batch
+from runtime.split import SplitError, carry_stages, cut_edges, state_meta_of
 
 __all__ = ["partition", "PipelinedModel", "PipelineError", "RuntimeConfigError"]
 
@@ -109,10 +114,11 @@ class PipelinedModel:
             self.microbatches = int(microbatches)
             if self.microbatches < 1:
                 raise RuntimeConfigError(f"microbatches must be >= 1, got {microbatches}")
-        self.schedule = canonical_schedule(schedule) if plan is None else plan.schedule_name
+        self.schedule = ScheduleKind.parse(schedule).value if plan is None else plan.schedule_name
         self.cluster = cluster
         self.memory_limit = memory_limit
         self.plan_options = dict(plan_options or {})
+        self._setup: _SetUp | None = None
         self._engine: Engine | None = None  # the engine of the last mode used
         self._engines: dict[bool, Engine] = {}
 
@@ -124,37 +130,87 @@ class PipelinedModel:
         return self._plan
 
     def _ensure(self, args: tuple, kwargs: dict) -> Engine:
-        # A trace records train/eval behaviour (F.dropout(x, p, self.training), export's
-        # batch norm), so each mode gets its own stage programs, built on first use.
+        """The engine of the module's current mode (a trace records train/eval behaviour), built on first use."""
+        if self._setup is None:
+            self._setup = self._set_up(args, kwargs)
         mode = self.module.training
         engine = self._engines.get(mode)
-        if engine is not None:
-            self._engine = engine
-            return engine
-        if self._plan is None:
-            self._plan = self._make_plan(args, kwargs)
-        if self.distributed:
-            check_world(self._plan, self.world_size)
-        # traced on one microbatch: an export-traced program is specialised to the shapes it runs on
-        micro_args, micro_kwargs = _first_microbatch(args, kwargs, self._plan.microbatches)
-        comm = None
-        if self.distributed:
-            comm = self._engine.comm if self._engine is not None else Comm(
-                self.rank, self.world_size, self.timeout,
-                [self._plan.schedule.stages_of(r) for r in range(self._plan.num_ranks)])
-        try:
-            engine = Engine(self.module, self._plan, micro_args, micro_kwargs, rank=self.rank,
-                            world_size=self.world_size, comm=comm)
-        except Exception as err:
-            if not self._engines:
-                raise
-            raise RuntimeConfigError(
-                f"could not re-trace the model in {'train' if mode else 'eval'} mode after partitioning "
-                f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); make a separate "
-                "smp.partition for the other mode, or switch modes before the first step") from None
-        self._engines[mode] = engine
+        if engine is None:
+            setup = self._setup
+            program = setup.programs.get(mode)
+            if program is None:
+                raise RuntimeConfigError(f"the model cannot run in {'train' if mode else 'eval'} mode as partitioned: "
+                                         f"{setup.errors[mode]}")
+            engine = Engine(program, setup.ownership, rank=self.rank, comm=setup.comm, device=setup.device,
+                            example_flat=setup.example_flat[mode])
+            self._engines[mode] = engine
         self._engine = engine
         return engine
+
+    def _set_up(self, args: tuple, kwargs: dict) -> _SetUp:
+        """Plan (if needed), trace the model in both modes, and keep only this rank's parameters.
+
+        Both modes are traced now, while every parameter is still here: an export trace runs
+        the model (on fake tensors), which it cannot do once other ranks' weights are gone.
+        """
+        if self._plan is None:
+            self._plan = self._make_plan(args, kwargs)
+        plan = self._plan
+        if self.distributed:
+            check_world(plan, self.world_size)
+        # traced on one microbatch: an export-traced program is specialised to the shapes it runs on
+        micro_args, micro_kwargs = _first_microbatch(args, kwargs, plan.microbatches)
+        device = _model_device(self.module)
+        was_training = self.module.training
+        programs: dict[bool, Program] = {}
+        errors: dict[bool, str] = {}
+        flat: dict[bool, list[Any]] = {}
+        try:
+            with torch.random.fork_rng(devices=[]):
+                for mode in (True, False):
+                    self.module.train(mode)
+                    try:
+                        gm = trace(self.module, micro_args, micro_kwargs, frontend=plan.model.frontend or "auto",
+                                   leaf_modules=list(plan.model.leaf_modules), check=False)
+                    except Exception as err:  # noqa: BLE001 - only this mode is unavailable
+                        if mode:
+                            raise
+                        errors[mode] = f"tracing it failed ({type(err).__name__}: {str(err).splitlines()[0]})"
+                        continue
+                    program = self._program(plan, gm, programs.get(True), errors, mode)
+                    if program is not None:
+                        programs[mode] = program
+                        flat[mode] = flatten_inputs(gm, micro_args, micro_kwargs)
+        finally:
+            self.module.train(was_training)
+        ownership = Ownership(self.module, programs[True], [p.gm for p in programs.values()],
+                              rank=self.rank if self.distributed else None)
+        comm = Comm(self.rank, self.timeout, [plan.schedule.stages_of(r) for r in range(plan.num_ranks)]) \
+            if self.distributed else None
+        return _SetUp(programs, errors, ownership, comm, device, flat)
+
+    def _program(self, plan: Plan, gm: Any, train: Program | None, errors: dict[bool, str], mode: bool
+                 ) -> Program | None:
+        """How ``gm`` (the model traced in ``mode``) runs: on the plan's stages, or on stages carried over to it."""
+        frontend = gm.meta["smp_trace"].frontend
+        got = fingerprint(gm, self.module)
+        if got == plan.model.fingerprint:
+            return Program(gm, plan.fx_stage_of, plan.fx_to_op, plan.schedule, state_meta_of(gm), frontend)
+        if mode or train is None:
+            raise RuntimeConfigError(
+                f"this plan was made for another model (plan fingerprint {plan.model.fingerprint}, this model "
+                f"{got}; plan for {plan.model.name!r}): the ops, their wiring or the parameter shapes differ. "
+                "Re-plan for this model (smp.partition(model, plan=None) or `smp plan`).")
+        # Eval mode traced into another program (export records dropout and batch norm's
+        # mode): run it on the training plan's stages, every parameter where it already is.
+        try:
+            stage_of = carry_stages(train.gm, plan.fx_stage_of, gm, plan.num_stages)
+        except SplitError as err:
+            errors[mode] = str(err)
+            return None
+        graph = StageGraph(plan.num_stages, tuple(Edge(a, b, t) for a, b, t in cut_edges(gm, stage_of)))
+        schedule = make_schedule(plan.schedule_name, graph, plan.microbatches, num_ranks=plan.num_ranks)
+        return Program(gm, stage_of, {}, schedule, state_meta_of(gm), frontend)
 
     def _make_plan(self, args: tuple, kwargs: dict) -> Plan:
         opts = dict(self.plan_options)
@@ -164,7 +220,7 @@ class PipelinedModel:
             with torch.random.fork_rng(devices=[]):
                 return make_plan(self.module, args, kwargs, stages=self.stages, microbatches=self.microbatches,
                                  schedule=self.schedule, cluster=self.cluster, memory_limit=self.memory_limit,
-                                 **opts)
+                                 **{**opts, "training": True})
 
         if not self.distributed:
             return build()
@@ -215,7 +271,7 @@ class PipelinedModel:
 
     def _split(self, eng: Engine, args: tuple, kwargs: dict, m: int) -> list[list[Any]]:
         try:
-            return split_batch(eng.gm, args, kwargs, m)
+            return split_batch(eng.program.gm, args, kwargs, m)
         except MicrobatchError as err:
             raise RuntimeConfigError(str(err)) from None
 
@@ -235,10 +291,9 @@ class PipelinedModel:
 
         Before partitioning (lazy planning) this is every parameter of the model.
         """
-        if self._engine is None:
-            yield from self.module.named_parameters()
-            return
-        yield from self._engine.local_named_parameters()
+        for name, p in self.module.named_parameters():
+            if not p.is_meta:  # another rank's, once partitioned
+                yield name, p
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for _, p in self.named_parameters():
@@ -321,6 +376,25 @@ class PipelinedModel:
 
     def __repr__(self) -> str:
         return f"PipelinedModel({type(self.module).__name__}, rank {self.rank}/{self.world_size}, plan={self._plan!r})"
+
+
+@dataclass
+class _SetUp:
+    """What partitioning made once: each mode's program (or why it has none), ownership, comm, device."""
+
+    programs: dict[bool, Program]
+    errors: dict[bool, str]
+    ownership: Ownership
+    comm: Comm | None
+    device: torch.device
+    example_flat: dict[bool, list[Any]]
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for t in list(model.parameters()) + list(model.buffers()):
+        if not t.is_meta:
+            return t.device
+    return torch.device("cpu")
 
 
 def _first_microbatch(args: tuple, kwargs: dict, m: int) -> tuple[tuple, dict]:

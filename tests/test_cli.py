@@ -183,9 +183,9 @@ def test_simulate_other_schedule_and_microbatches(plan_file, work):
                       "--timeline", work / "sim.png", "-o", work / "sim.json"))
     assert data["schedule"] == "gpipe" and data["microbatches"] == 8
     assert data["change"]["before"]["schedule"] == "1f1b" and data["change"]["after"]["microbatches"] == 8
-    assert (work / "sim.png").exists() and json.loads((work / "sim.json").read_text())["microbatches"] == 8
+    assert (work / "sim.png").exists() and json.loads((work / "sim.json").read_text())["summary"]["microbatches"] == 8
     res = ok("simulate", plan_file, "--schedule", "zb-h1")
-    assert "re-timed" in res.stdout and "zb_h1" in res.stdout
+    assert "re-timed" in res.stdout and "zb-h1" in res.stdout
 
 
 # ------------------------------------------------------------------ compare

@@ -11,7 +11,7 @@ from partitioner.microbatch import MicrobatchError, split_microbatches
 from partitioner.schedule import validate
 from partitioner.trace import fingerprint
 from smp.models import build
-from smp.plan import PlanError
+from smp.plan import PLAN_SCHEMA_VERSION, PlanError
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +35,9 @@ def test_plan_end_to_end(gpt, schedule):
     validate(plan.schedule)
     gm = trace(gpt.model, gpt.example_args)
     calls = {n.name for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")}
-    assert set(plan.fx_stage_of) == calls  # every op of the program has a stage
+    assert set(plan.fx_stage_of) == calls | {"output"}  # every op of the program, and its output, has a stage
     assert set(plan.fx_stage_of.values()) == set(range(plan.num_stages))
-    assert plan.model["fingerprint"] == fingerprint(gm, gpt.model)
+    assert plan.model.fingerprint == fingerprint(gm, gpt.model)
     assert plan.step_time > 0 and 0 <= plan.bubble < 1
     # the simulator's step can't beat the bottleneck stage doing every microbatch
     assert plan.step_time >= plan.microbatches * max(s.fwd + s.bwd for s in plan.partition.stages) * (1 - 1e-9)
@@ -50,7 +50,7 @@ def test_plan_json_round_trip(gpt, tmp_path):
     plan = _plan(gpt, schedule="1f1b")
     path = plan.save(tmp_path / "plan.json")
     data = json.loads(path.read_text())
-    assert data["kind"] == "smp.Plan" and data["schema"] == 1 and data["smp_version"] == smp.__version__
+    assert data["kind"] == "smp.Plan" and data["schema"] == PLAN_SCHEMA_VERSION and data["smp_version"] == smp.__version__
     again = smp.Plan.load(path)
     assert again.to_dict() == plan.to_dict()
     assert again.timeline().step_time == pytest.approx(plan.step_time)
@@ -69,7 +69,7 @@ def test_plan_load_errors(gpt, tmp_path):
     with pytest.raises(PlanError, match="newer|schema 99"):
         smp.Plan.load(bad)
     damaged = plan.to_dict()
-    del damaged["fx_stage_of"]
+    del damaged["partition"]
     bad.write_text(json.dumps(damaged))
     with pytest.raises(PlanError, match="damaged"):
         smp.Plan.load(bad)

@@ -17,6 +17,7 @@ from partitioner.schedule import (
     Edge,
     Schedule,
     ScheduleError,
+    ScheduleKind,
     StageGraph,
     format_program,
     format_table,
@@ -232,7 +233,13 @@ def test_json_roundtrip_of_schedule() -> None:
 
 
 def test_make_schedule_by_name() -> None:
-    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved_1f1b", "zb_h1"}
+    # one table of schedule kinds: every kind has a generator, and every spelling maps to its kind
+    assert set(SCHEDULES) == set(ScheduleKind)
+    assert {k.value for k in ScheduleKind} == {"gpipe", "1f1b", "interleaved", "zb-h1"}
+    for spelling, kind in (("interleaved_1f1b", "interleaved"), ("Interleaved", "interleaved"), ("zb_h1", "zb-h1"),
+                           ("ZB-H1", "zb-h1"), ("1F1B", "1f1b"), ("gpipe", "gpipe")):
+        assert ScheduleKind.parse(spelling).value == kind
+        assert make_schedule(spelling, 4, 4, num_ranks=2).name == kind
     assert make_schedule("interleaved_1f1b", 4, 4, num_ranks=2).num_ranks == 2
     with pytest.raises(ValueError, match="unknown schedule"):
         make_schedule("pipedream", 4, 4)

@@ -9,7 +9,8 @@ import pytest
 
 from partitioner.schedule import interleaved_1f1b, zb_h1
 from partitioner.simulate import StageCosts, simulate
-from partitioner.timeline import Timeline, TimelineEvent, main, render_timeline
+from partitioner.schedule_pictures import main
+from partitioner.timeline import Timeline, TimelineEvent, render_timeline
 
 
 def predicted() -> Timeline:

@@ -85,8 +85,8 @@ def cpsat_solve(prob: Problem, colocate: Iterable[Iterable[Hashable]] = (), *,
         for v in prob.succ[u]:
             for s in range(1, p):
                 m.AddImplication(z[u][s], z[v][s])
-    for s in range(p):
-        m.Add(sum(x[v][s] for v in range(n)) >= 1)
+    for s in range(p):  # every stage holds a real op (the model's output node is none)
+        m.Add(sum(x[v][s] for v in range(n) if not prob.is_output[v]) >= 1)
     for group in colocate:
         members = list(group)
         unknown = [g for g in members if g not in prob.pos]

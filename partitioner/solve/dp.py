@@ -60,6 +60,9 @@ def allowed_cuts(prob: Problem, colocate: Iterable[Iterable[Hashable]] = ()) -> 
     """
     allowed = np.ones(prob.n + 1, dtype=bool)
     allowed[0] = allowed[prob.n] = False
+    for i, out in enumerate(prob.is_output):
+        if out:  # the model's output (last in program order) never makes a stage on its own
+            allowed[i] = False
     for group in colocate:
         members = list(group)
         unknown = [m for m in members if m not in prob.pos]

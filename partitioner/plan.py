@@ -1,0 +1,372 @@
+"""The Plan: the compiler's artifact (partition, per-rank schedule, simulated figures) and its JSON form."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields, replace
+from functools import cached_property
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from partitioner.cluster import Cluster
+from partitioner.cost import Partition, evaluate
+from partitioner.errors import InvalidAssignmentError, PlanError
+from partitioner.graph import OpGraph
+from partitioner.ir import Schedule, ScheduleError, ScheduleKind, stage_graph_from_transfers
+from partitioner.schedule import make_schedule
+from partitioner.simulate import SimResult, simulate, stage_costs_from
+from partitioner.timeline import Timeline
+from partitioner.units import format_bytes
+
+__all__ = ["Plan", "PlanError", "ModelInfo", "PLAN_SCHEMA_VERSION", "package_version", "schedule_for",
+           "simulate_partition"]
+
+#: 2: typed model section; microbatches, ranks and fx_stage_of derived, not stored.
+PLAN_SCHEMA_VERSION = 2
+
+
+def package_version() -> str:
+    """The installed smp version (plans record which version wrote them)."""
+    try:
+        return metadata.version("smp")
+    except metadata.PackageNotFoundError:  # a bare checkout on sys.path
+        return "0+unknown"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a plan was made for: the traced model's identity, its step batch and how it was profiled.
+
+    ``fingerprint`` (:func:`partitioner.trace.fingerprint`) identifies the traced ops and
+    parameter shapes; the runtime refuses a plan whose fingerprint is not the model's.
+    ``batch_size`` is the whole batch of one training step (all microbatches).
+    """
+
+    name: str = "model"
+    fingerprint: str = "unknown"
+    class_name: str | None = None
+    frontend: str | None = None
+    leaf_modules: tuple[str, ...] = ()
+    batch_size: int | None = None
+    inputs: Mapping[str, Any] | None = None
+    num_params: int | None = None
+    param_bytes: int | None = None
+    training: bool = True
+    timing: str | None = None
+    profiled_on: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["leaf_modules"] = list(self.leaf_modules)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ModelInfo:
+        d = dict(d)
+        if "class" in d:  # schema 1 spelled it "class"
+            d.setdefault("class_name", d.pop("class"))
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in known}
+        kwargs["leaf_modules"] = tuple(kwargs.get("leaf_modules") or ())
+        return cls(**kwargs)
+
+
+@dataclass
+class Plan:
+    """Which op runs on which stage, every rank's program, and what it is predicted to cost.
+
+    The parts are typed and nothing derivable is stored twice: the microbatch count and
+    the ranks are the schedule's, ``fx_stage_of`` (every traced call node's stage, which
+    the runtime splits the program with) follows from the graph and the partition.
+    """
+
+    model: ModelInfo
+    graph: OpGraph
+    partition: Partition
+    schedule: Schedule
+    simulated: SimResult
+    smp_version: str = field(default_factory=package_version)
+    schema: int = PLAN_SCHEMA_VERSION
+
+    # ---------------------------------------------------------------- views
+
+    @property
+    def microbatches(self) -> int:
+        return self.schedule.num_microbatches
+
+    @property
+    def num_ranks(self) -> int:
+        return self.schedule.num_ranks
+
+    @property
+    def num_stages(self) -> int:
+        return self.partition.num_stages
+
+    @property
+    def schedule_name(self) -> str:
+        return self.schedule.name
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.num_stages // self.num_ranks
+
+    @property
+    def step_time(self) -> float:
+        return self.simulated.step_time
+
+    @property
+    def bubble(self) -> float:
+        return self.simulated.bubble_fraction
+
+    @property
+    def single_device_time(self) -> float:
+        """One device running the whole model on every microbatch, no communication."""
+        devices = self.partition.cluster.get("devices")
+        speed = max(d["speed"] for d in devices) if devices else 1.0
+        work = self.graph.total_fwd + (self.graph.total_bwd if self.partition.training else 0.0)
+        return self.microbatches * work / speed
+
+    @property
+    def speedup(self) -> float:
+        return self.single_device_time / self.step_time if self.step_time > 0 else math.inf
+
+    @cached_property
+    def fx_to_op(self) -> dict[str, str]:
+        """Each traced fx node's OpGraph node (several fx nodes per op after coarsening)."""
+        return {fx_name: str(node) for node in self.graph.nx for fx_name in self.graph[node]["fx_nodes"]}
+
+    @cached_property
+    def fx_stage_of(self) -> dict[str, int]:
+        """Each traced fx node's stage."""
+        stage_of = self.partition.stage_of
+        return {fx_name: int(stage_of[op]) for fx_name, op in self.fx_to_op.items()}
+
+    def timeline(self) -> Timeline | None:
+        return self.simulated.timeline
+
+    def stage_ranks(self) -> list[int]:
+        return list(self.schedule.stage_to_rank)
+
+    # ---------------------------------------------------------------- consistency
+
+    def check(self) -> None:
+        """Raise PlanError when the parts disagree (a hand-edited or damaged plan file)."""
+        part, sched = self.partition, self.schedule
+        where = "the plan is inconsistent"
+        nodes = {str(n) for n in self.graph.nx}
+        assigned = set(part.stage_of)
+        if nodes != assigned:
+            extra, missing = sorted(assigned - nodes), sorted(nodes - assigned)
+            raise PlanError(f"{where}: its partition does not cover the op graph (ops without a stage: "
+                            f"{missing[:3]}, unknown ops: {extra[:3]}); re-create it with `smp plan`")
+        if sched.num_stages != part.num_stages:
+            raise PlanError(f"{where}: the schedule has {sched.num_stages} stages, the partition "
+                            f"{part.num_stages}; re-create it with `smp plan`")
+        try:
+            evaluate(self.graph, part.stage_of, stages=part.num_stages)
+        except InvalidAssignmentError as err:
+            raise PlanError(f"{where}: its stage assignment is not a pipeline ({err}); re-create it with "
+                            "`smp plan`") from None
+        expected = stage_graph_from_transfers(part.num_stages, part.transfers)
+        if {e.key for e in expected.edges} != {e.key for e in sched.graph.edges}:
+            raise PlanError(f"{where}: the schedule's cut tensors are not the partition's; re-create it with "
+                            "`smp plan`")
+        try:
+            sched.validate()
+        except ScheduleError as err:
+            raise PlanError(f"{where}: its schedule does not run ({err}); re-create it with `smp plan`") from None
+
+    # ---------------------------------------------------------------- re-timing
+
+    def resimulate(self, *, schedule: str | None = None, microbatches: int | None = None,
+                   cluster: Cluster | None = None) -> Plan:
+        """The same stage assignment under another schedule, microbatch count or cluster.
+
+        Per-microbatch costs scale with the microbatch size: going from m to m'
+        microbatches of one batch multiplies op times and activation bytes by m / m'.
+        """
+        kind = ScheduleKind.parse(schedule) if schedule else ScheduleKind.parse(self.schedule_name)
+        m = self.microbatches if microbatches is None else int(microbatches)
+        if m < 1:
+            raise PlanError(f"microbatches must be >= 1, got {m}")
+        batch = self.model.batch_size
+        if isinstance(batch, int) and batch % m:
+            raise PlanError(f"the batch of {batch} does not split into {m} microbatches; use a count that divides "
+                            f"{batch}, or re-plan with another batch size")
+        if kind.interleaved != ScheduleKind.parse(self.schedule_name).interleaved:
+            raise PlanError(
+                "interleaving changes the number of stages per rank, so the assignment must be solved again: "
+                f"run `smp plan` with --schedule {kind.value}")
+        graph = self.graph if m == self.microbatches else self.graph.scaled(self.microbatches / m)
+        ranks = self.num_ranks
+        stage_cluster = (cluster.for_stages(ranks).interleaved(ranks, self.virtual_stages) if cluster is not None
+                         else Cluster.from_dict(self.partition.cluster))
+        old = self.partition
+        part = evaluate(graph, old.stage_of, cluster=stage_cluster, microbatches=m, schedule=kind.value,
+                        training=old.training, memory_limit=old.memory_limit, state_factor=old.state_factor,
+                        ranks=ranks)
+        # What the original solve proved carries over only to the same cluster and, under a
+        # memory limit, the same schedule (another schedule's memory may allow better plans).
+        # Op costs scale by s = m / m' but link latency does not, so a stage's time s*C + T is
+        # at least min(s, 1) times its old C + T: the old bound, times min(s, 1), still holds.
+        same_problem = cluster is None and (old.memory_limit is None or kind.value == self.schedule_name)
+        scale = graph.total_fwd / max(self.graph.total_fwd, 1e-30)
+        part.with_report(lower_bound=old.lower_bound * min(scale, 1.0) if same_problem else None,
+                         optimal=same_problem and m == self.microbatches and old.optimal and part.memory_ok,
+                         method=old.method, solve_seconds=old.solve_seconds,
+                         notes=[f"re-timed from {self.schedule_name}, m={self.microbatches}"
+                                + (", on another cluster" if cluster is not None else "")])
+        sched = schedule_for(kind, part, m, ranks)
+        return replace(self, graph=graph, partition=part, schedule=sched, simulated=simulate_partition(sched, part))
+
+    # ---------------------------------------------------------------- (de)serialisation
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": "smp.Plan",
+            "schema": PLAN_SCHEMA_VERSION,
+            "smp_version": self.smp_version,
+            "model": self.model.to_dict(),
+            "summary": {  # for people reading the file; derived, ignored when loading
+                "schedule": self.schedule_name,
+                "microbatches": self.microbatches,
+                "num_ranks": self.num_ranks,
+                "num_stages": self.num_stages,
+                "step_time": self.step_time,
+                "bubble_fraction": self.bubble,
+                "bottleneck": self.partition.bottleneck,
+                "lower_bound": self.partition.lower_bound,
+                "gap": self.partition.gap,
+                "optimal": self.partition.optimal,
+                "speedup": self.speedup,
+            },
+            "partition": self.partition.to_dict(),
+            "schedule": self.schedule.to_dict(),
+            "simulated": self.simulated.to_dict(),
+            "graph": self.graph.to_dict(),
+        }
+
+    def save(self, path: str | Path) -> Path:
+        """Write the plan as indented JSON (human-diffable); returns the path."""
+        path = Path(path)
+        path.write_text(json.dumps(self.to_dict(), indent=1, default=_json_default) + "\n")
+        return path
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        """A plan from its JSON form (this schema or the previous one); the parts are checked to agree."""
+        if not isinstance(data, Mapping) or data.get("kind") != "smp.Plan":
+            raise PlanError("not an smp plan: the JSON has no \"kind\": \"smp.Plan\" (make one with `smp plan`)")
+        schema = data.get("schema", 0)
+        if not isinstance(schema, int) or schema > PLAN_SCHEMA_VERSION:
+            raise PlanError(f"this plan uses schema {schema}, written by smp {data.get('smp_version', '?')}; this "
+                            f"smp ({package_version()}) reads schema {PLAN_SCHEMA_VERSION} and older: upgrade smp, "
+                            "or re-plan with this version")
+        try:
+            plan = cls(
+                model=ModelInfo.from_dict(data["model"]),
+                graph=OpGraph.from_dict(data["graph"]),
+                partition=Partition.from_dict(data["partition"]),
+                schedule=Schedule.from_dict(data["schedule"]),
+                simulated=SimResult.from_dict(data["simulated"]),
+                smp_version=str(data.get("smp_version", "?")),
+                schema=schema,
+            )
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
+            missing = f"missing field {err}" if isinstance(err, KeyError) else f"{type(err).__name__}: {err}"
+            raise PlanError(f"the plan file is damaged ({missing}); re-create it with `smp plan`") from None
+        plan.check()
+        return plan
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        """Read a plan written by ``save``; a damaged, inconsistent or newer-schema file gets a clear error."""
+        path = Path(path)
+        if not path.exists():
+            raise PlanError(f"no plan file at {path}; make one with `smp plan MODEL --stages N -o {path}`")
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise PlanError(f"{path} is not a valid plan file (bad JSON: {err}); re-create it with `smp plan`") from None
+        return cls.from_dict(data)
+
+    # ---------------------------------------------------------------- people
+
+    def stage_rows(self) -> list[dict[str, Any]]:
+        """One dict per stage with the figures people look at first."""
+        part = self.partition
+        rows = []
+        for s in part.stages:
+            rows.append({
+                "stage": s.index,
+                "rank": self.schedule.stage_to_rank[s.index],
+                "modules": s.modules,
+                "ops": len(s.ops),
+                "params": s.params,
+                "activations": s.activations,
+                "fwd": s.fwd,
+                "bwd": s.bwd,
+                "comm_in": s.comm_in_time,
+                "comm_out": s.comm_out_time,
+                "comm_in_bytes": s.comm_in_bytes,
+                "comm_out_bytes": s.comm_out_bytes,
+                "time": s.time,
+                "memory": s.memory,
+                "memory_limit": s.memory_limit,
+                "share": s.time / part.bottleneck if part.bottleneck > 0 else 0.0,
+            })
+        return rows
+
+    def summary(self) -> str:
+        """The per-stage table and the headline figures, as plain text."""
+        lines = [
+            f"{self.model.name}: {len(self.graph)} ops into {self.num_stages} stages on "
+            f"{self.num_ranks} ranks, {self.schedule_name}, {self.microbatches} microbatches",
+            f"{'stage':>5} {'rank':>4} {'modules':<22} {'ops':>5} {'params':>10} {'act/mb':>10} {'fwd ms':>8} "
+            f"{'bwd ms':>8} {'comm ms':>8} {'memory':>10} {'limit':>10} {'share':>6}",
+        ]
+        for r in self.stage_rows():
+            lines.append(
+                f"{r['stage']:>5} {r['rank']:>4} {r['modules'][:22]:<22} {r['ops']:>5} {format_bytes(r['params']):>10} "
+                f"{format_bytes(r['activations']):>10} {r['fwd'] * 1e3:>8.3f} {r['bwd'] * 1e3:>8.3f} "
+                f"{(r['comm_in'] + r['comm_out']) * 1e3:>8.3f} {format_bytes(r['memory']):>10} "
+                f"{format_bytes(r['memory_limit']):>10} {r['share']:>6.0%}")
+        part = self.partition
+        lines.append(
+            f"predicted step {self.step_time * 1e3:.3f} ms, bubble {self.bubble:.1%}, speed-up {self.speedup:.2f}x "
+            f"over one device; bottleneck {part.bottleneck * 1e3:.3f} ms, lower bound "
+            f"{part.lower_bound * 1e3:.3f} ms, gap {part.gap:.2%}, "
+            f"{'proven optimal' if part.optimal else 'not proven optimal'} ({part.method}, {part.solve_seconds:.2f} s)")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (f"Plan({self.model.name}, {self.num_stages} stages, {self.schedule_name}, "
+                f"m={self.microbatches}, step={self.step_time * 1e3:.3f} ms)")
+
+
+# ------------------------------------------------------------------ shared with the compiler
+
+
+def schedule_for(kind: ScheduleKind | str, part: Partition, microbatches: int, ranks: int) -> Schedule:
+    """The per-rank programs of ``kind`` over the partition's cut tensors."""
+    graph = stage_graph_from_transfers(part.num_stages, part.transfers)
+    return make_schedule(kind, graph, microbatches, num_ranks=ranks)
+
+
+def simulate_partition(schedule: Schedule, part: Partition) -> SimResult:
+    """The schedule timed with the partition's stage and transfer costs."""
+    return simulate(schedule, stage_costs_from(part.stages, part.transfers,
+                                               act_bytes=[s.activations for s in part.stages]))
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    if isinstance(value, (set, tuple)):
+        return list(value)
+    return str(value)

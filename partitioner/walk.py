@@ -1,0 +1,350 @@
+"""The one walker of a Schedule's action lists: validation, timing, and the order to run them in.
+
+Every consumer of a schedule goes through :func:`walk`: the validator (structure, then
+the walk itself), the simulator (:func:`Walk.times` prices exactly the walked lists,
+transfers included), the single-process runtime (it executes :attr:`Walk.sequence`),
+and the printed table. A change to the IR therefore reaches all of them at once.
+
+The walk runs every rank's list in program order under *rendezvous* semantics: a
+compute action runs when its inputs are on its rank (produced earlier on the rank, or
+received by an earlier RECV); a SEND and its RECV complete together, when both ranks
+have reached them. That is what NCCL's in-order point-to-point stream needs (a send
+blocks its stream until the peer's matching receive runs), so a list that walks is
+deadlock-free there and, a fortiori, on gloo. Timing uses the same dependencies with
+asynchronous posts (see :meth:`Walk.times`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from partitioner.ir import Action, ActionKind, Schedule, ScheduleError
+
+__all__ = ["Walk", "walk", "validate", "format_table", "format_program"]
+
+
+@dataclass
+class Walk:
+    """A schedule's actions, numbered rank by rank, with what each one waits for.
+
+    Action ``i`` is ``actions[i]`` on rank ``rank[i]``. ``after[i]`` is the previous action
+    of the same rank (-1 for the first); ``needs[i]`` the actions whose result it reads:
+    producer computes on its rank, or the RECV that brought the data. ``mate[i]`` is the
+    other end of a transfer (-1 for compute). ``sequence`` is an order in which running
+    the actions one at a time, in one process, never uses anything before it exists: the
+    order the rendezvous walk completed them in (a SEND right before its RECV).
+    """
+
+    schedule: Schedule
+    actions: list[Action]
+    rank: list[int]
+    after: list[int]
+    needs: list[list[int]]
+    mate: list[int]
+    sequence: list[int]
+
+    def rank_actions(self, r: int) -> list[int]:
+        """Ids of rank ``r``'s actions, in program order."""
+        return [i for i in range(len(self.actions)) if self.rank[i] == r]
+
+    def times(self, duration: Callable[[Action], float]) -> tuple[list[float], list[float]]:
+        """Start and end of every action when ``duration(action)`` is its cost.
+
+        A rank's program runs in order. A compute action starts when the rank has
+        finished its previous compute action and its inputs are there; it occupies the
+        rank for its duration. SEND and RECV are posted without waiting, when the rank's
+        program reaches them (after the compute before them): a transfer starts when both
+        ends are posted and takes ``duration`` of its SEND (the link time), overlapping
+        compute on both ranks; data handed over within a rank costs nothing. Transfers
+        do not contend for links.
+        """
+        n = len(self.actions)
+        start = [0.0] * n
+        end = [0.0] * n
+        clock = [0.0] * self.schedule.num_ranks
+        done = [False] * n
+        for i in self.sequence:
+            if done[i]:
+                continue
+            a = self.actions[i]
+            r = self.rank[i]
+            if a.is_compute:
+                t = clock[r]
+                for d in self.needs[i]:
+                    if end[d] > t:
+                        t = end[d]
+                start[i] = t
+                end[i] = clock[r] = t + duration(a)
+            else:
+                j = self.mate[i]
+                send, recv = (i, j) if a.is_send else (j, i)
+                posted = max(clock[self.rank[send]], clock[self.rank[recv]])
+                start[send] = start[recv] = posted
+                end[send] = end[recv] = posted + duration(self.actions[send])
+                done[j] = True
+            done[i] = True
+        return start, end
+
+
+def walk(schedule: Schedule, *, implicit_transfers: bool = False) -> Walk:
+    """Walk ``schedule``'s lists under rendezvous semantics; ScheduleError at the first action that cannot run.
+
+    ``implicit_transfers``: the lists hold compute actions only and a value made on another
+    rank is simply there once its producer ran (what the generators time before they
+    place the transfers). The result is cached on the schedule (treat it as immutable).
+    """
+    cached = schedule._walk
+    if isinstance(cached, Walk) and not implicit_transfers:
+        return cached
+    result = _Walker(schedule, implicit_transfers).run()
+    if not implicit_transfers:
+        schedule._walk = result
+    return result
+
+
+class _Walker:
+    """The rendezvous walk itself (see :func:`walk`)."""
+
+    def __init__(self, schedule: Schedule, implicit: bool) -> None:
+        self.sch = schedule
+        self.implicit = implicit
+        g = schedule.graph
+        self.ins = [g.in_edges(s) for s in range(g.num_stages)]
+        self.outs = [g.out_edges(s) for s in range(g.num_stages)]
+        self.actions: list[Action] = []
+        self.rank: list[int] = []
+        self.after: list[int] = []
+        self.first: list[int] = []
+        for r, prog in enumerate(schedule.actions):
+            self.first.append(len(self.actions))
+            for k, a in enumerate(prog):
+                self.after.append(len(self.actions) - 1 if k else -1)
+                self.actions.append(a)
+                self.rank.append(r)
+        self.id_of = {(self.rank[i], a): i for i, a in enumerate(self.actions)}
+        self.compute_id = {a: i for i, a in enumerate(self.actions) if a.is_compute}
+
+    def _inputs(self, a: Action) -> list[Action]:
+        """What ``a`` reads: the actions that must have completed, on ``a``'s rank or (implicit) anywhere."""
+        s2r = self.sch.stage_to_rank
+        here = s2r[a.stage]
+        mb = a.mb
+        kind = a.kind
+        if kind is ActionKind.F:
+            return [Action(ActionKind.F, e.src, mb) if self.implicit or s2r[e.src] == here
+                    else Action(ActionKind.RECV_F, a.stage, mb, e.src, e.tensor) for e in self.ins[a.stage]]
+        if kind is ActionKind.B:
+            return [Action(ActionKind.F, a.stage, mb)] + [
+                Action(ActionKind.B, e.dst, mb) if self.implicit or s2r[e.dst] == here
+                else Action(ActionKind.RECV_B, a.stage, mb, e.dst, e.tensor) for e in self.outs[a.stage]]
+        if kind is ActionKind.W:
+            return [Action(ActionKind.B, a.stage, mb)]
+        if kind is ActionKind.SEND_F:
+            return [Action(ActionKind.F, a.stage, mb)]
+        if kind is ActionKind.SEND_B:
+            return [Action(ActionKind.B, a.stage, mb)]
+        return []
+
+    def run(self) -> Walk:
+        n = len(self.actions)
+        needs: list[list[int]] = [[] for _ in range(n)]
+        mate = [-1] * n
+        done = [False] * n
+        sequence: list[int] = []
+        progs = self.sch.actions
+        pc = [0] * len(progs)
+        s2r = self.sch.stage_to_rank
+
+        def ready(i: int) -> bool:
+            """Whether action i's inputs are there; ScheduleError if they can never be (same rank, later)."""
+            a = self.actions[i]
+            r = self.rank[i]
+            deps = []
+            for need in self._inputs(a):
+                # computes are unique across ranks; a RECV is looked up on this rank
+                j = self.compute_id.get(need) if need.is_compute else self.id_of.get((r, need))
+                if j is None or (self.rank[j] == r and not done[j]):
+                    raise ScheduleError(f"uses the result of {need} before it is available on this rank "
+                                        "(dependency not satisfied)", r, i - self.first[r], a)
+                if not done[j]:
+                    return False  # made on another rank (implicit transfers), not yet run
+                deps.append(j)
+            needs[i] = deps
+            return True
+
+        def complete(i: int) -> None:
+            done[i] = True
+            sequence.append(i)
+            pc[self.rank[i]] += 1
+
+        remaining = n
+        while remaining:
+            progressed = False
+            for r in range(len(progs)):
+                while pc[r] < len(progs[r]):
+                    i = self.first[r] + pc[r]
+                    a = self.actions[i]
+                    if a.is_compute:
+                        if not ready(i):
+                            break
+                        complete(i)
+                        remaining -= 1
+                        progressed = True
+                        continue
+                    peer = s2r[a.peer]  # type: ignore[index]
+                    j = self.id_of.get((peer, a.matching()), -1)
+                    if j < 0 or pc[peer] != j - self.first[peer]:
+                        break
+                    send, recv = (i, j) if a.is_send else (j, i)
+                    ready(send)
+                    mate[i], mate[j] = j, i
+                    needs[recv] = [send]
+                    complete(send)
+                    complete(recv)
+                    remaining -= 2
+                    progressed = True
+            if not progressed:
+                raise self._stuck(pc)
+        return Walk(self.sch, self.actions, self.rank, self.after, needs, mate, sequence)
+
+    def _stuck(self, pc: list[int]) -> ScheduleError:
+        progs = self.sch.actions
+        s2r = self.sch.stage_to_rank
+        blocked = [(r, pc[r]) for r in range(len(progs)) if pc[r] < len(progs[r])]
+        if all(progs[r][i].is_compute for r, i in blocked):
+            r, i = min(blocked, key=lambda ri: (ri[1], ri[0]))
+            return ScheduleError("compute order can never run: it waits (directly or through other ranks) on an "
+                                 "action that comes after it", r, i, progs[r][i])
+        lines = []
+        for r, i in blocked:
+            a = progs[r][i]
+            if a.is_compute:
+                lines.append(f"rank {r} at {a} waits for its inputs")
+                continue
+            peer = s2r[a.peer]  # type: ignore[index]
+            at = progs[peer][pc[peer]] if pc[peer] < len(progs[peer]) else "its end"
+            lines.append(f"rank {r} at {a} waits for rank {peer} to reach {a.matching()} (rank {peer} is at {at})")
+        r, i = next((ri for ri in blocked if not progs[ri[0]][ri[1]].is_compute), blocked[0])
+        return ScheduleError("deadlock under blocking point-to-point semantics: " + "; ".join(lines),
+                             r, i, progs[r][i])
+
+
+# --------------------------------------------------------------------------- validator
+
+
+def validate(schedule: Schedule) -> None:
+    """Check a schedule; raise ScheduleError naming the first bad action.
+
+    Checks, in order: every action belongs on its rank and names a real stage,
+    microbatch and cut edge; each (stage, mb) has exactly one F and one B (and one W
+    when the backward is split; only F when forward-only); each cross-rank edge has
+    exactly one SEND and one RECV per direction and microbatch; then walks all ranks
+    (:func:`walk`) and fails at the first action whose inputs are not there yet (a
+    dependency used before it is produced or received) or, if ranks block each other,
+    at the first blocked action (deadlock).
+    """
+    _check_structure(schedule)
+    walk(schedule)
+
+
+def _check_structure(sch: Schedule) -> None:
+    g = sch.graph
+    S, m, split = g.num_stages, sch.num_microbatches, sch.split_backward
+    s2r = sch.stage_to_rank
+    edges = {e.key for e in g.edges}
+    backward = (ActionKind.B, ActionKind.W, ActionKind.SEND_B, ActionKind.RECV_B)
+    seen: dict[Action, tuple[int, int]] = {}
+    for r, prog in enumerate(sch.actions):
+        for i, a in enumerate(prog):
+            if not isinstance(a, Action):
+                raise ScheduleError(f"not an Action: {a!r}", r, i)
+            if a.stage >= S or (a.peer is not None and a.peer >= S):
+                raise ScheduleError(f"stage out of range 0..{S - 1}", r, i, a)
+            if a.mb >= m:
+                raise ScheduleError(f"microbatch out of range 0..{m - 1}", r, i, a)
+            if s2r[a.stage] != r:
+                raise ScheduleError(f"stage {a.stage} lives on rank {s2r[a.stage]}, not here", r, i, a)
+            if a.kind is ActionKind.W and not split:
+                raise ScheduleError("W in a schedule whose backward is not split (split_backward=False)", r, i, a)
+            if sch.forward_only and a.kind in backward:
+                raise ScheduleError("backward action in a forward-only schedule", r, i, a)
+            if not a.is_compute:
+                if a.edge not in edges:
+                    raise ScheduleError("no such cut edge in the stage graph", r, i, a)
+                if s2r[a.peer] == r:  # type: ignore[index]
+                    raise ScheduleError("both stages are on this rank: a local hand-off needs no SEND/RECV",
+                                        r, i, a)
+            if a in seen:
+                pr, pi = seen[a]
+                raise ScheduleError(f"duplicate: already at rank {pr} step {pi}", r, i, a)
+            seen[a] = (r, i)
+    if sch.forward_only:
+        kinds: tuple[ActionKind, ...] = (ActionKind.F,)
+    else:
+        kinds = (ActionKind.F, ActionKind.B, ActionKind.W) if split else (ActionKind.F, ActionKind.B)
+    for s in range(S):
+        for k in range(m):
+            for kind in kinds:
+                a = Action(kind, s, k)
+                if a not in seen:
+                    raise ScheduleError(f"missing {a}: rank {s2r[s]} never runs it", s2r[s], None, a)
+    for a, (r, i) in seen.items():
+        if not a.is_compute and a.matching() not in seen:
+            what = "send without a matching receive" if a.is_send else "receive without a matching send"
+            raise ScheduleError(f"{what} {a.matching()} on rank {s2r[a.peer]}", r, i, a)  # type: ignore[index]
+    for e in g.edges:
+        if s2r[e.src] == s2r[e.dst]:
+            continue
+        for k in range(m):
+            moves = [Action(ActionKind.SEND_F, e.src, k, e.dst, e.tensor)]
+            if not sch.forward_only:
+                moves.append(Action(ActionKind.SEND_B, e.dst, k, e.src, e.tensor))
+            for a in moves:
+                if a not in seen:
+                    raise ScheduleError(f"cut edge {e.src}->{e.dst} t={e.tensor} mb={k} is never sent: "
+                                        f"missing {a}", s2r[a.stage], None, a)
+
+
+# --------------------------------------------------------------------------- printing
+
+
+def format_table(schedule: Schedule, *, durations: tuple[int, int, int] = (1, 1, 1),
+                 stage_labels: bool | None = None) -> str:
+    """Rank x time-step table of the compute actions, as pipelines are drawn.
+
+    Time steps come from walking the program with integer costs ``durations`` =
+    (F, B, W) and free communication; an action longer than one step continues
+    with ``-``; idle steps print ``.``. Cells read ``F<mb>`` when each rank holds one
+    stage, ``F<stage>.<mb>`` otherwise (or when ``stage_labels`` is True).
+    """
+    sch = schedule
+    w = walk(sch)
+    cost = {ActionKind.F: durations[0], ActionKind.B: durations[1], ActionKind.W: durations[2]}
+    start, end = w.times(lambda a: float(cost.get(a.kind, 0)))
+    steps = int(max(end)) if end else 0
+    if stage_labels is None:
+        stage_labels = sch.num_stages != sch.num_ranks
+    grid = [["." for _ in range(steps)] for _ in range(sch.num_ranks)]
+    for i, a in enumerate(w.actions):
+        if not a.is_compute:
+            continue
+        label = f"{a.kind.value}{a.stage}.{a.mb}" if stage_labels else f"{a.kind.value}{a.mb}"
+        t0, t1 = int(start[i]), int(end[i])
+        grid[w.rank[i]][t0] = label
+        for t in range(t0 + 1, t1):
+            grid[w.rank[i]][t] = "-"
+    width = max([len(x) for row in grid for x in row] + [1])
+    head = "       " + " ".join(f"{t:>{width}}" for t in range(steps))
+    rows = [head] + [f"rank {r:<2}" + " ".join(f"{x:>{width}}" for x in row) for r, row in enumerate(grid)]
+    return "\n".join(rows)
+
+
+def format_program(schedule: Schedule) -> str:
+    """Each rank's full program, transfers included, one action per line."""
+    out = []
+    for r, prog in enumerate(schedule.actions):
+        out.append(f"rank {r} (stages {schedule.stages_of(r)}):")
+        out.extend(f"  {i:4d}  {a}" for i, a in enumerate(prog))
+    return "\n".join(out)
+
