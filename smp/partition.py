@@ -244,15 +244,15 @@ class PipelinedModel:
         if self.loss_fn is None:
             raise RuntimeConfigError("step() trains and needs a loss: pass loss_fn=... to smp.partition "
                                      "(a function (output, target) -> scalar tensor)")
-        if target is None:
-            raise RuntimeConfigError("step() needs the target of the batch: pipe.step(*inputs, target=labels)")
         eng = self._ensure(args, kwargs)
         m = self._plan.microbatches  # type: ignore[union-attr]
         micro = self._split(eng, args, kwargs, m)
-        try:
-            targets = [piece[0][0] for piece in split_microbatches((target,), None, m)]
-        except MicrobatchError as err:
-            raise RuntimeConfigError(f"the target cannot be split like the batch: {err}") from None
+        targets = None
+        if target is not None:  # without one, loss_fn(output, None) (e.g. a loss that is the output's mean)
+            try:
+                targets = [piece[0][0] for piece in split_microbatches((target,), None, m)]
+            except MicrobatchError as err:
+                raise RuntimeConfigError(f"the target cannot be split like the batch: {err}") from None
         loss, _ = eng.run(micro, targets, self.loss_fn, training=True)
         assert loss is not None
         return loss

@@ -164,3 +164,73 @@ def fault_worker(rank: int, world: int, *, spec: str, plan: dict, victim: int, h
         print(f"SMP-ERROR {type(err).__name__}: {err}", flush=True)
         os._exit(3)
     print("SMP-NO-ERROR", flush=True)
+
+
+def user_model_worker(rank: int, world: int, *, case: str, out: str, order: str = "train-first") -> None:
+    """One rank running a user-written model (tests/_user_models.py) through the cases the runtime tests check.
+
+    ``two_towers``: two SGD steps and a forward on a model returning a value made on stage 0.
+    ``train_eval``: steps and eval forwards alternating (``order``), with the state gathered at
+    each eval so the test can compare the eval output with the unpartitioned model's.
+    ``bf16``: the loss's dtype on every rank for a bf16 model.
+    """
+    import sys
+
+    import torch.nn.functional as F
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # the launcher imports this file by path
+    from _user_models import Dropping, TwoTowers, two_towers_loss
+
+    torch.manual_seed(0)
+    res: dict[str, Any] = {}
+    if case == "two_towers":
+        model, x = TwoTowers(), (torch.randn(8, 16), torch.randn(8, 16))
+        target = torch.randn(8)
+        plan = smp.plan(model, x, stages=world, microbatches=2, timing="analytic", method="uniform")
+        pipe = partition(model, plan=plan, loss_fn=two_towers_loss, timeout=60)
+        opt = None
+        res["losses"] = []
+        for step in range(2):
+            res["losses"].append(pipe.step(*x, target=target).detach())
+            if step == 0:
+                res["grads"] = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+            opt = opt or make_optimizer(pipe.parameters())
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            res["forward"] = pipe(*x)
+        res["emb_stage"] = plan.partition.stage_of["embed_a"]
+    elif case in ("train_eval", "train_eval_hf"):
+        if case == "train_eval":
+            model, x = Dropping(), (torch.randn(8, 16),)
+            loss_fn = lambda out, target: out.pow(2).mean()  # noqa: E731
+            kwargs: dict[str, Any] = {}
+        else:
+            b = build("hf-gpt2:size=tiny,batch=4", seed=0)
+            model, x, kwargs, loss_fn = b.model, b.example_args, b.example_kwargs, b.loss_fn
+        target = None if case == "train_eval" else b.target
+        pipe = partition(model, stages=world, microbatches=2, loss_fn=loss_fn, timeout=60,
+                         plan_options={"timing": "analytic"})
+        opt = None
+        res["evals"] = []
+        steps = ["train", "eval", "train", "eval", "train", "eval"] if order == "train-first" else \
+            ["eval", "train", "eval", "eval", "train", "eval"]
+        for what in steps:
+            if what == "train":
+                pipe.train()
+                pipe.step(*x, target=target, **kwargs)
+                opt = opt or make_optimizer(pipe.parameters())
+                opt.step()
+                opt.zero_grad()
+            else:
+                pipe.eval()
+                with torch.no_grad():
+                    got = pipe(*x, **kwargs)
+                res["evals"].append({"output": got, "state": pipe.state_dict()})
+    elif case == "bf16":
+        model = Dropping().to(torch.bfloat16)
+        x = torch.randn(8, 16, dtype=torch.bfloat16)
+        pipe = partition(model, stages=world, microbatches=2, loss_fn=lambda o, t: F.mse_loss(o.float(), t),
+                         timeout=60, plan_options={"timing": "analytic"})
+        res["dtype"] = str(pipe.step(x, target=torch.zeros(8, 4)).dtype)
+    torch.save(res, Path(out) / f"{case}-{order}-{rank}.pt")

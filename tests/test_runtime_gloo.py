@@ -105,3 +105,94 @@ def test_dead_rank_stops_every_rank_with_its_name(how: str) -> None:
         assert r.returncode == 3, f"rank {r.rank}: {r.stdout[-1500:]}\n{r.stderr[-1500:]}"
         assert "SMP-ERROR PipelineError" in r.stdout and f"rank {victim}" in r.stdout, r.stdout[-1500:]
         assert r.seconds < 60, f"rank {r.rank} took {r.seconds:.1f} s to stop"
+
+
+USER = f"{HERE / '_runtime_common.py'}:user_model_worker"
+
+
+def _user_case(case: str, world: int, tmp_path: Path, order: str = "train-first") -> list[dict]:
+    results = launch(USER, world, {"case": case, "out": str(tmp_path), "order": order}, timeout=240)
+    for r in results:
+        assert r.returncode == 0, f"rank {r.rank} exited with {r.returncode}:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+    return [torch.load(tmp_path / f"{case}-{order}-{r}.pt", weights_only=False) for r in range(world)]
+
+
+@pytest.mark.slow
+def test_an_output_made_on_stage_0_reaches_the_last_of_3_ranks(tmp_path: Path) -> None:
+    import copy
+
+    from _runtime_common import make_optimizer
+    from _user_models import TwoTowers, two_towers_loss
+
+    ranks = _user_case("two_towers", 3, tmp_path)
+    assert ranks[0]["emb_stage"] == 0
+    torch.manual_seed(0)
+    model, x = TwoTowers(), (torch.randn(8, 16), torch.randn(8, 16))
+    target = torch.randn(8)
+    opt = make_optimizer(model.parameters())
+    losses = []
+    for step in range(2):
+        pieces = [(x[0][i * 4:(i + 1) * 4], x[1][i * 4:(i + 1) * 4], target[i * 4:(i + 1) * 4]) for i in range(2)]
+        step_losses = []
+        for a, b_, t in pieces:
+            loss = two_towers_loss(model(a, b_), t)
+            (loss / 2).backward()
+            step_losses.append(loss.detach())
+        losses.append(torch.stack(step_losses).mean())
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    for r, res in enumerate(ranks):
+        for got, want in zip(res["losses"], losses):
+            assert torch.allclose(got, want, rtol=1e-5), (r, got, want)
+        for n, g in res["grads"].items():
+            assert torch.allclose(g, grads[n], rtol=1e-5, atol=1e-6), (r, n)
+    with torch.no_grad():
+        expected = copy.deepcopy(model)(*x)
+    out = ranks[2]["forward"]
+    assert out.keys() == expected.keys()
+    for k in out:
+        assert torch.allclose(out[k], expected[k], rtol=1e-5, atol=1e-6), k
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,order", [("train_eval", "train-first"), ("train_eval", "eval-first"),
+                                        ("train_eval_hf", "train-first")])
+def test_train_and_eval_alternate_on_two_ranks(case: str, order: str, tmp_path: Path) -> None:
+    """Validation during training: eval forwards between steps, in both orders, on 2 ranks (fx and export)."""
+    from smp.models import build
+
+    from _user_models import Dropping
+
+    ranks = _user_case(case, 2, tmp_path, order)
+    evals = ranks[1]["evals"]  # the last rank returns the output
+    assert len(evals) == (3 if order == "train-first" else 4)
+    for i, e in enumerate(evals):
+        state = ranks[0]["evals"][i]["state"]  # gathered on rank 0 at the same point
+        torch.manual_seed(0)
+        if case == "train_eval":
+            model, x, kwargs = Dropping(), (torch.randn(8, 16),), {}
+        else:
+            b = build("hf-gpt2:size=tiny,batch=4", seed=0)
+            model, x, kwargs = b.model, b.example_args, b.example_kwargs
+        model.load_state_dict(state)
+        model.eval()
+        with torch.no_grad():
+            want = model(*x, **kwargs)
+        got_t, want_t = _logits(e["output"]), _logits(want)
+        assert torch.allclose(got_t, want_t, rtol=1e-5, atol=1e-5), (i, (got_t - want_t).abs().max())
+
+
+def _logits(output) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)):
+        return output[0]
+    return output["logits"]
+
+
+@pytest.mark.slow
+def test_the_loss_is_float32_on_every_rank(tmp_path: Path) -> None:
+    ranks = _user_case("bf16", 2, tmp_path)
+    assert [r["dtype"] for r in ranks] == ["torch.float32", "torch.float32"]
