@@ -23,6 +23,7 @@ from partitioner.schedule import (
     Edge,
     Schedule,
     ScheduleError,
+    ScheduleKind,
     StageGraph,
     format_program,
     format_table,
@@ -30,6 +31,7 @@ from partitioner.schedule import (
     interleaved_1f1b,
     make_schedule,
     one_f_one_b,
+    peak_in_flight,
     stage_graph_from_transfers,
     validate,
     zb_h1,
@@ -38,15 +40,19 @@ from partitioner.simulate import SimResult, StageCosts, comm_from_transfers, sim
 from partitioner.solve import METHODS, solve
 from partitioner.timeline import Timeline, TimelineEvent, render_timeline
 from partitioner.trace import TraceError, TraceInfo, fingerprint, flatten_inputs, op_nodes, trace
+from partitioner.walk import Walk, walk
+from partitioner.plan import ModelInfo, Plan, PlanError  # noqa: E402 - after the pieces it is made of
+from partitioner.compile import plan_from_graph  # noqa: E402
 
 __all__ = [
     "Action", "ActionKind", "Cluster", "ClusterError", "ColocationError", "DEFAULT_STATE_FACTOR",
     "Device", "DeviceSpec", "Edge", "InvalidAssignmentError", "Link", "METHODS", "MemoryLimitError",
-    "MicrobatchError", "OpGraph", "Partition", "PlanningError", "ProfileError", "SCHEDULES", "Schedule",
-    "ScheduleError", "SimResult", "StageCosts", "StageCountError", "StageGraph", "StageStats", "Timeline",
+    "MicrobatchError", "ModelInfo", "OpGraph", "Partition", "Plan", "PlanError", "PlanningError", "ProfileError",
+    "SCHEDULES", "Schedule", "ScheduleError", "ScheduleKind", "Walk", "SimResult", "StageCosts", "StageCountError", "StageGraph", "StageStats", "Timeline",
     "TimelineEvent", "TraceError", "TraceInfo", "Transfer", "comm_from_transfers", "evaluate",
     "fingerprint", "flatten_inputs", "format_program", "format_table", "gpipe", "interleaved_1f1b",
-    "list_profiles", "load_profile", "make_schedule", "one_f_one_b", "op_nodes", "profile", "render_timeline",
+    "list_profiles", "load_profile", "make_schedule", "one_f_one_b", "op_nodes", "peak_in_flight",
+    "plan_from_graph", "profile", "render_timeline", "walk",
     "simulate", "solve", "split_microbatches", "stage_costs_from", "stage_graph_from_transfers", "synthetic",
     "time_whole_model", "trace", "validate", "zb_h1",
 ]

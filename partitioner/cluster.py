@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from partitioner.devices import find_profile, load_profile
 from partitioner.errors import ClusterError, ProfileError, StageCountError
 
-__all__ = ["Device", "Link", "Cluster", "PROFILES_DIR"]
-
-#: Where bare profile names (``Cluster.load("h100-sxm")``) are looked up.
-PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+__all__ = ["Device", "Link", "Cluster"]
 
 
 def _num_or_none(x: float | None) -> float | None:
@@ -124,28 +121,15 @@ class Cluster:
 
     @classmethod
     def load(cls, path: str | Path, *, devices: int | None = None) -> Cluster:
-        """A cluster from an ``smp.profile`` JSON file, or a bare name looked up in ``profiles/``.
+        """A cluster from an ``smp.profile`` JSON file, or a built-in profile name (``h100-sxm``).
 
         Devices fill nodes in order (``devices_per_node`` per node); the link between
         device j and j+1 is the intra-node link when both are on one node, else the
         inter-node link. Profile devices have speed 1.0: graph times are taken to be
         measured (or estimated) for that device type already.
         """
-        p = Path(path)
-        if not p.exists():
-            candidates = [PROFILES_DIR / f"{path}.json", PROFILES_DIR / str(path)]
-            candidates += sorted(PROFILES_DIR.glob(f"{path}*.json")) if PROFILES_DIR.is_dir() else []
-            found = next((c for c in candidates if c.is_file()), None)
-            if found is None:
-                known = sorted(x.stem for x in PROFILES_DIR.glob("*.json")) if PROFILES_DIR.is_dir() else []
-                raise ProfileError(f"no device profile {str(path)!r}: not a file and not in {PROFILES_DIR} "
-                                   f"(known: {', '.join(known) or 'none'}); pass a path to a profile JSON")
-            p = found
-        try:
-            data = json.loads(p.read_text())
-        except json.JSONDecodeError as err:
-            raise ProfileError(f"profile {p} is not valid JSON ({err}); fix or regenerate it") from None
-        return cls.from_profile(data, devices=devices, source=str(p))
+        found = find_profile(path)
+        return cls.from_profile(load_profile(found), devices=devices, source=str(found))
 
     @classmethod
     def from_profile(cls, data: Mapping[str, Any], *, devices: int | None = None,

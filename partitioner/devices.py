@@ -4,53 +4,64 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["DeviceSpec", "load_profile", "profiles_dir", "list_profiles", "dtype_key", "PROFILE_SCHEMA_VERSION"]
+from partitioner.errors import ProfileError
+
+__all__ = ["DeviceSpec", "load_profile", "find_profile", "list_profiles", "dtype_key", "PROFILE_SCHEMA_VERSION",
+           "PROFILES_DIR"]
 
 PROFILE_SCHEMA_VERSION = 1
 
-
-def profiles_dir() -> Path:
-    """The repository's profiles/ directory (profiles that ship with smp)."""
-    return Path(__file__).resolve().parent.parent / "profiles"
+#: The profiles that ship with smp: package data of the ``profiles`` package, found the
+#: same way in a checkout and in an installed wheel.
+PROFILES_DIR = Path(str(resources.files("profiles")))
 
 
 def list_profiles() -> list[str]:
     """Names of the profiles that ship with smp."""
-    return sorted(p.stem for p in profiles_dir().glob("*.json"))
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
+
+
+def find_profile(name_or_path: str | Path) -> Path:
+    """The profile file: a path, a built-in name (``h100-sxm``), or the unique built-in name it begins."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    candidates = [PROFILES_DIR / f"{name_or_path}.json", PROFILES_DIR / str(name_or_path)]
+    candidates += sorted(PROFILES_DIR.glob(f"{name_or_path}*.json"))
+    found = next((c for c in candidates if c.is_file()), None)
+    if found is None:
+        raise ProfileError(
+            f"no device profile {str(name_or_path)!r}: give a path to a profile JSON or one of the built-in "
+            f"names ({', '.join(list_profiles()) or 'none'}); `smp calibrate -o my-machine.json` measures this one")
+    return found
 
 
 def load_profile(name_or_path: str | Path | dict) -> dict[str, Any]:
-    """A profile as a dict, from a path to a JSON file or the name of one in profiles/."""
+    """A profile as a dict, from a path to a JSON file or a built-in name (see :func:`find_profile`)."""
     if isinstance(name_or_path, dict):
         data = name_or_path
         source = "<dict>"
     else:
-        path = Path(name_or_path)
-        if not path.suffix and not path.exists():
-            path = profiles_dir() / f"{name_or_path}.json"
-        if not path.exists():
-            known = ", ".join(list_profiles())
-            raise FileNotFoundError(
-                f"no device profile {str(name_or_path)!r}: give a path to a profile JSON or one of "
-                f"the built-in names ({known}); `smp calibrate -o profiles/NAME.json` measures this machine")
+        path = find_profile(name_or_path)
         source = str(path)
         try:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as err:
-            raise ValueError(f"device profile {source} is not valid JSON: {err}") from None
+            raise ProfileError(f"device profile {source} is not valid JSON ({err}); fix or regenerate it") from None
     if data.get("kind") != "smp.profile":
-        raise ValueError(f"{source} is not an smp device profile (it lacks \"kind\": \"smp.profile\")")
+        raise ProfileError(f"{source} is not an smp device profile (no \"kind\": \"smp.profile\")")
     if data.get("schema", 0) > PROFILE_SCHEMA_VERSION:
-        raise ValueError(f"{source} uses profile schema {data['schema']}, newer than this smp understands "
+        raise ProfileError(f"{source} uses profile schema {data['schema']}, newer than this smp understands "
                          f"({PROFILE_SCHEMA_VERSION}); upgrade smp")
     for key in ("device", "links"):
         if key not in data:
-            raise ValueError(f"device profile {source} has no {key!r} section")
+            raise ProfileError(f"device profile {source} has no {key!r} section")
     return data
 
 

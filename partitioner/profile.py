@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,7 @@ def profile(
     bytes moved and prices them on ``device_profile`` (a name in profiles/ or a path;
     ``dtype`` prices the ops as if run in, e.g., ``"bf16"``): this plans a GPU cluster from
     a laptop, and works on a model built on the meta device. ``device`` moves the model
-    there for the duration of the call (it is moved back afterwards).
+    there for the duration of the call (it is moved back afterwards, its buffers restored).
     """
     if timing not in TIMINGS:
         raise ValueError(f"unknown timing {timing!r}; choose 'measured' or 'analytic'")
@@ -67,33 +68,19 @@ def profile(
     spec = None
     if timing == "analytic":
         spec = DeviceSpec.from_profile(device_profile or ("cpu" if target.type == "cpu" else "h100-sxm"))
-    moved = target != home
-    if moved:
-        model.to(target)
     args, kwargs = _to_device((args, kwargs), target)
-    was_training = model.training
-    model.train(training)
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     # Profiling draws random numbers (dropout, output gradients): the caller's stream must not notice.
-    with torch.random.fork_rng(devices=[target] if target.type == "cuda" else []):
+    with _borrowed(model, target, training), \
+            torch.random.fork_rng(devices=[target] if target.type == "cuda" else []):
+        gm = graph_module if graph_module is not None else trace(
+            model, args, kwargs, frontend=frontend, leaf_modules=leaf_modules)
+        runner = _OpRunner(gm, target, training=training, timing=timing, spec=spec, dtype=dtype,
+                           repeats=repeats, warmup=warmup)
         try:
-            gm = graph_module if graph_module is not None else trace(
-                model, args, kwargs, frontend=frontend, leaf_modules=leaf_modules)
-            runner = _OpRunner(gm, target, training=training, timing=timing, spec=spec, dtype=dtype,
-                               repeats=repeats, warmup=warmup)
-            try:
-                inputs = flatten_inputs(gm, args, kwargs)
-            except TypeError as err:
-                raise TraceError(f"the sample inputs do not match the traced model: {err}") from None
-            graph = runner.run(inputs, progress)
-        finally:
-            with torch.no_grad():
-                for name, b in model.named_buffers():
-                    if name in buffers and b.shape == buffers[name].shape:
-                        b.copy_(buffers[name])
-            model.train(was_training)
-            if moved:
-                model.to(home)
+            inputs = flatten_inputs(gm, args, kwargs)
+        except TypeError as err:
+            raise TraceError(f"the sample inputs do not match the traced model: {err}") from None
+        graph = runner.run(inputs, progress)
     info = gm.meta.get("smp_trace")
     graph.meta.update({
         "model": type(model).__name__,
@@ -108,6 +95,27 @@ def profile(
         "inputs": _describe_inputs(args, kwargs),
     })
     return graph
+
+
+@contextlib.contextmanager
+def _borrowed(model: nn.Module, device: torch.device, training: bool) -> Iterator[None]:
+    """The model on ``device`` in ``training`` mode for a while; then its device, mode and buffers as they were."""
+    home = _model_device(model)
+    was_training = model.training
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    if device != home:
+        model.to(device)
+    model.train(training)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name in buffers and b.shape == buffers[name].shape:
+                    b.copy_(buffers[name])
+        model.train(was_training)
+        if device != home:
+            model.to(home)
 
 
 def time_whole_model(model: nn.Module, example_args: Sequence[Any] | Any = (),

@@ -177,23 +177,17 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine() or "CPU"
 
 
-def calibrate(*, name: str = "this-machine", quick: bool = False, device: str | None = None, link: bool = True,
-              log: Callable[[str], None] = lambda msg: None) -> dict[str, Any]:
-    """Measure this machine and return an ``smp.profile`` dict (see the module docstring)."""
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise CalibrationError("--device cuda asked for, but torch sees no GPU here")
-    host = socket.gethostname()
-    when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+def _measure_flops(dev: torch.device, n: int, budget: float, quick: bool,
+                   log: Callable[[str], None]) -> tuple[dict[str, float], dict[str, str]]:
+    """Achieved matmul FLOP/s per dtype, and why a dtype was left out (emulated half precision)."""
     gpu = dev.type == "cuda"
-    n = (4096 if quick else 8192) if gpu else (384 if quick else 1024)
-    budget = 0.1 if quick else 0.4
     flops: dict[str, float] = {}
     notes: dict[str, str] = {}
     for key in ("fp32", "bf16", "fp16", "fp64"):
         if gpu and key == "fp64" and quick:
             continue
         t0 = time.perf_counter()
+        n_half = n
         if not gpu and key in ("bf16", "fp16") and "fp32" in flops:
             # Half precision is emulated (very slowly) on CPUs without native units: one small run first.
             probe = measure_matmul(dev, _DTYPES[key], 256, budget=0.0)
@@ -204,10 +198,6 @@ def calibrate(*, name: str = "this-machine", quick: bool = False, device: str | 
                     log(f"matmul {key}: {probe / 1e9:.1f} GFLOP/s at 256x256, too slow (emulated): left out")
                     continue
                 n_half = 256
-            else:
-                n_half = n
-        else:
-            n_half = n
         size = n_half if key != "fp64" else n // 2
         rate = measure_matmul(dev, _DTYPES[key], size, budget=budget)
         log(f"matmul {key}: {rate / 1e9:.1f} GFLOP/s ({size}x{size}, {time.perf_counter() - t0:.1f} s)")
@@ -216,40 +206,61 @@ def calibrate(*, name: str = "this-machine", quick: bool = False, device: str | 
                              "left out, so analytic timing prices fp16 at the fp32 rate")
             continue
         flops[key] = rate
+    return flops, notes
+
+
+def _device_identity(dev: torch.device) -> tuple[str, int, int]:
+    """(device name, memory bytes, devices on this node)."""
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        return props.name, int(props.total_memory), torch.cuda.device_count()
+    return f"{_cpu_name()} ({torch.get_num_threads()} threads)", _host_memory() or 0, 1
+
+
+def _links(link_info: dict[str, Any] | None, where: str) -> tuple[dict, dict, str, str]:
+    """(intra-node link, inter-node link, and the source of each) from a measurement, or the cpu profile's."""
+    if link_info is None:
+        from partitioner.devices import load_profile
+
+        base = load_profile("cpu")["links"]
+        src = "not measured (--no-link): copied from the built-in cpu profile"
+        return dict(base["intra_node"]), dict(base["inter_node"]), src, src
+    backend = link_info["backend"]
+    transport = "NVLink/PCIe (NCCL)" if backend == "nccl" else "loopback TCP"
+    intra = {"name": f"{backend} over {transport} (measured)", "bandwidth": link_info["bandwidth"],
+             "latency": link_info["latency"]}
+    inter = dict(intra, name=f"{backend} (copy of the measured local link)")
+    link_src = (f"{where}: {backend} send/recv ping-pong between two local processes, sizes "
+                f"{', '.join(str(s) for s in sorted(link_info['one_way_seconds']))} bytes; latency is half the "
+                "round trip of the smallest, bandwidth from the largest")
+    inter_src = ("not measured: one machine cannot measure the network to another; a copy of the local link. "
+                 "Edit it for a multi-node cluster")
+    return intra, inter, link_src, inter_src
+
+
+def calibrate(*, name: str = "this-machine", quick: bool = False, device: str | None = None, link: bool = True,
+              log: Callable[[str], None] = lambda msg: None) -> dict[str, Any]:
+    """Measure this machine and return an ``smp.profile`` dict (see the module docstring)."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CalibrationError("--device cuda asked for, but torch sees no GPU here")
+    gpu = dev.type == "cuda"
+    n = (4096 if quick else 8192) if gpu else (384 if quick else 1024)
+    budget = 0.1 if quick else 0.4
+    flops, notes = _measure_flops(dev, n, budget, quick, log)
     nbytes = (256 << 20) if gpu else ((32 << 20) if quick else (256 << 20))
     bandwidth = measure_copy(dev, nbytes, budget=budget)
     log(f"copy {nbytes >> 20} MiB: {bandwidth / 1e9:.1f} GB/s")
-    if gpu:
-        props = torch.cuda.get_device_properties(dev)
-        dev_name, memory, count = props.name, int(props.total_memory), torch.cuda.device_count()
-    else:
-        dev_name = f"{_cpu_name()} ({torch.get_num_threads()} threads)"
-        memory, count = _host_memory() or 0, 1
+    dev_name, memory, count = _device_identity(dev)
     link_info = None
     if link:
         log("ping-pong between two local processes…")
         link_info = measure_link(quick=quick)
         log(f"{link_info['backend']}: latency {link_info['latency'] * 1e6:.1f} µs, "
             f"bandwidth {link_info['bandwidth'] / 1e9:.2f} GB/s")
-    where = f"measured by smp calibrate on {host} at {when}" + (" (--quick)" if quick else "")
-    if link_info is not None:
-        backend = link_info["backend"]
-        transport = "NVLink/PCIe (NCCL)" if backend == "nccl" else "loopback TCP"
-        intra = {"name": f"{backend} over {transport} (measured)", "bandwidth": link_info["bandwidth"],
-                 "latency": link_info["latency"]}
-        inter = dict(intra, name=f"{backend} (copy of the measured local link)")
-        link_src = (f"{where}: {backend} send/recv ping-pong between two local processes, sizes "
-                    f"{', '.join(str(s) for s in sorted(link_info['one_way_seconds']))} bytes; latency is half the "
-                    "round trip of the smallest, bandwidth from the largest")
-        inter_src = ("not measured: one machine cannot measure the network to another; a copy of the local link. "
-                     "Edit it for a multi-node cluster")
-    else:
-        from partitioner.devices import load_profile
-
-        base = load_profile("cpu")["links"]
-        intra, inter = dict(base["intra_node"]), dict(base["inter_node"])
-        link_src = "not measured (--no-link): copied from the built-in cpu profile"
-        inter_src = link_src
+    when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    where = f"measured by smp calibrate on {socket.gethostname()} at {when}" + (" (--quick)" if quick else "")
+    intra, inter, link_src, inter_src = _links(link_info, where)
     return {
         "kind": "smp.profile",
         "schema": 1,

@@ -300,10 +300,11 @@ def _check_cluster(cluster: str | None) -> None:
     if cluster is None:
         return
     from partitioner.devices import load_profile
+    from partitioner.errors import ProfileError
 
     try:
         load_profile(cluster)
-    except FileNotFoundError as err:
+    except ProfileError as err:
         raise CLIUsageError(str(err)) from None
 
 

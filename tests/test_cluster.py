@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-import partitioner.cluster as cluster_mod
+import partitioner.devices as devices_mod
 from partitioner.cluster import Cluster
 from partitioner.errors import ClusterError, ProfileError, StageCountError
 
@@ -47,7 +47,7 @@ def test_load_profile_topology(profile_path):
 
 
 def test_load_bare_name(profile_path, monkeypatch):
-    monkeypatch.setattr(cluster_mod, "PROFILES_DIR", profile_path.parent)
+    monkeypatch.setattr(devices_mod, "PROFILES_DIR", profile_path.parent)
     assert Cluster.load("tiny-2x2").name == "tiny-2x2"
     assert Cluster.load("tiny").name == "tiny-2x2"
     with pytest.raises(ProfileError, match="no device profile"):
