@@ -158,10 +158,14 @@ def fault_worker(rank: int, world: int, *, spec: str, plan: dict, victim: int, h
             return original(*args, **kwargs)
 
         eng.program.stages[next(iter(eng.program.stages))].gm.forward = dying
+    import time
+
+    start = time.monotonic()
     try:
         pipe.step(*b.example_args, target=b.target, **b.example_kwargs)
     except Exception as err:  # noqa: BLE001 - reported to the test through stderr, exit code 3
         print(f"SMP-ERROR {type(err).__name__}: {err}", flush=True)
+        print(f"SMP-STOPPED-AFTER {time.monotonic() - start:.3f}", flush=True)
         os._exit(3)
     print("SMP-NO-ERROR", flush=True)
 
