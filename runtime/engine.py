@@ -18,6 +18,7 @@ from partitioner.timeline import Timeline, TimelineEvent
 from partitioner.trace import flatten_inputs
 from partitioner.walk import validate, walk
 from runtime.comm import Comm, LocalComm, Pending, PipelineError
+from runtime.materialize import names_by_id
 from runtime.split import OUTPUT_KEY, SplitError, SplitProgram, ValueMeta, propagate_meta, split_program, \
     stage_state_names
 
@@ -57,17 +58,16 @@ class Ownership:
 
     def __init__(self, model: nn.Module, program: Program, roots: Sequence[nn.Module], *, rank: int | None) -> None:
         self.model = model
-        names_by_id: dict[int, list[str]] = {}
-        for name, t in list(model.named_parameters(remove_duplicate=False)) + list(
-                model.named_buffers(remove_duplicate=False)):
-            names_by_id.setdefault(id(t), []).append(name)
-        self.canonical: dict[int, str] = {i: ns[0] for i, ns in names_by_id.items()}
+        self.names = names_by_id(model)
+        self.canonical: dict[int, str] = {i: ns[0] for i, ns in self.names.items()}
         sched = program.schedule
         holders, self.stage_param_ids = _readers_by_stage(program, sched)
-        for i in names_by_id:
+        for i in self.names:
             holders.setdefault(i, {0})
+        self.holders = holders
         local = set(range(sched.num_ranks)) if rank is None else {rank}
-        _drop(model, roots, {i for i, rs in holders.items() if not (rs & local)})
+        self.local_ids = {i for i, rs in holders.items() if rs & local}
+        _drop(model, roots, set(holders) - self.local_ids)
         self.ties: dict[tuple[int, ...], list[nn.Parameter]] = {}
         if rank is not None:
             for p in model.parameters():
@@ -134,6 +134,45 @@ class _Stash:
     root_grads: list[torch.Tensor] = field(default_factory=list)
 
 
+class StashMeter:
+    """The bytes of activations a rank keeps between forward and backward, counted exactly.
+
+    Every storage autograd saves for the backward (``saved_tensors_hooks``), and the
+    received inputs and sent outputs the engine keeps, each storage once per
+    (stage, microbatch), parameters excluded; released at the microbatch's last backward
+    action. ``peak`` is the most held at once during the step.
+    """
+
+    def __init__(self, exclude: set[int]) -> None:
+        self.exclude = exclude  # data pointers of this rank's parameter storages
+        self.live: dict[tuple[int, int], dict[int, int]] = {}
+        self.current = 0
+        self.peak = 0
+
+    def add(self, key: tuple[int, int], t: torch.Tensor) -> None:
+        if not isinstance(t, torch.Tensor) or t.is_meta:
+            return
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        held = self.live.setdefault(key, {})
+        if ptr in self.exclude or ptr in held:
+            return
+        held[ptr] = storage.nbytes()
+        self.current += held[ptr]
+        self.peak = max(self.peak, self.current)
+
+    def release(self, key: tuple[int, int]) -> None:
+        self.current -= sum(self.live.pop(key, {}).values())
+
+    def saving(self, key: tuple[int, int]) -> Any:
+        """A context in which autograd's saved tensors are counted for ``key``."""
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            self.add(key, t)
+            return t
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
 @dataclass
 class _StepMeta:
     """Per batch shape: every cut value's leaves, and the tags of every transfer."""
@@ -183,6 +222,7 @@ class Engine:
         self._traced_key = _shape_key(example_flat)
         self.events: list[TimelineEvent] = []
         self.executed: dict[int, list[Action]] = {}
+        self.stash_peak: dict[int, int] = {}  # rank -> peak stashed activation bytes of the last step
         self.step_start = 0.0
         self.step_end = 0.0
 
@@ -337,6 +377,11 @@ class Engine:
                         self.schedule.num_ranks, {"schedule": self.schedule.name, "microbatches": self.m})
 
 
+def _on(value: Any, device: torch.device) -> Any:
+    """A batch tensor on the device the stages run on (the batch arrives wherever the script made it)."""
+    return value.to(device) if isinstance(value, torch.Tensor) and value.device != device else value
+
+
 def _shape_key(flat: Sequence[Any]) -> tuple:
     return tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("c", repr(x)) for x in flat)
 
@@ -366,6 +411,8 @@ class _RankState:
         self.outputs: list[Any] = []
         self._outputs: dict[int, Any] = {}
         self.executed = eng.executed.setdefault(rank, [])
+        self.meter = StashMeter({p.untyped_storage().data_ptr() for p in eng.ownership.model.parameters()
+                                 if not p.is_meta})
         self.current = "the step set-up"
 
     def _local(self, key: EdgeKey) -> bool:
@@ -396,6 +443,7 @@ class _RankState:
             self.comm.wait(pend)
         self.sends = []
         self.outputs = [self._outputs[k] for k in sorted(self._outputs)]
+        self.eng.stash_peak[self.rank] = self.meter.peak
 
     # -------------------------------------------------------------- transfers
 
@@ -467,7 +515,7 @@ class _RankState:
                         ts.append(t.detach().clone() if v in prog.mutated_inputs else t.detach())
                 received[v] = vm.rebuild(ts)
             leaves_in[key] = leaves
-        args = [self.flat[mb][i] for i in prog.input_index]
+        args = [_on(self.flat[mb][i], eng.device) for i in prog.input_index]
         args += [received[v] if v in received else values[v].rebuild([]) for v in prog.external]
         return args, leaves_in
 
@@ -476,7 +524,7 @@ class _RankState:
         prog = eng.split.stages[s]
         args, leaves_in = self._inputs(s, mb)
         t0 = time.perf_counter()
-        with torch.set_grad_enabled(self.training):
+        with torch.set_grad_enabled(self.training), self.meter.saving((s, mb)):
             res = prog.gm(*args)
             loss = self._output(res, mb) if prog.has_output else None
         self._event("F", s, mb, t0)
@@ -490,6 +538,9 @@ class _RankState:
                 self.to_send_f[(key, mb)] = tensors
         if self.training:
             self.stash[(s, mb)] = _Stash(leaves_in, outs, loss)
+            for t in [x for xs in leaves_in.values() for x in xs] + [t for ts in outs.values() for t in ts]:
+                if t is not None:
+                    self.meter.add((s, mb), t)
 
     def _output(self, res: Mapping[str, Any], mb: int) -> torch.Tensor | None:
         """The model output of microbatch ``mb``: its loss when training, else kept as an output."""
@@ -501,7 +552,9 @@ class _RankState:
             self._outputs[mb] = out
             return None
         assert self.loss_fn is not None
-        loss = self.loss_fn(out, self.targets[mb] if self.targets is not None else None)
+        target = pytree.tree_map(lambda t: _on(t, self.eng.device), self.targets[mb]) if self.targets is not None \
+            else None
+        loss = self.loss_fn(out, target)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise RuntimeConfigError(
                 f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
@@ -554,10 +607,12 @@ class _RankState:
                 self.to_send_b[(key, mb)] = out
         if not self.eng.schedule.split_backward:
             del self.stash[(s, mb)]
+            self.meter.release((s, mb))
 
     def weights(self, s: int, mb: int) -> None:
         """W of a split backward: the weight gradients, from the graph B kept (costs a second backward pass)."""
         stash = self.stash.pop((s, mb))
+        self.meter.release((s, mb))
         t0 = time.perf_counter()
         ids = self.eng.ownership.stage_param_ids[s]
         params = [p for p in self.eng.ownership.model.parameters() if id(p) in ids and p.requires_grad]

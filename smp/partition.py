@@ -22,6 +22,10 @@ from partitioner.timeline import Timeline, TimelineEvent
 from partitioner.trace import fingerprint, flatten_inputs, trace
 from runtime.comm import Comm, PipelineError
 from runtime.engine import Engine, Ownership, Program, RuntimeConfigError, check_world, concat_outputs, split_batch
+from runtime.checkpoint import CheckpointError, load_pipeline, open_weights, save_pipeline
+from runtime.gradients import global_grad_norm
+from runtime.memory import rank_memory
+from runtime.materialize import MaterializeError, materialize
 from runtime.split import SplitError, carry_stages, cut_edges, state_meta_of
 
 __all__ = ["partition", "PipelinedModel", "PipelineError", "RuntimeConfigError"]
@@ -29,40 +33,41 @@ __all__ = ["partition", "PipelinedModel", "PipelineError", "RuntimeConfigError"]
 DEFAULT_TIMEOUT = 300.0
 
 
-def partition(model: nn.Module, *, stages: int | None = None, microbatches: int = 1, schedule: str = "1f1b",
-              loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, cluster: Any = None,
-              memory_limit: float | None = None, plan: Plan | str | Path | None = None,
-              timeout: float = DEFAULT_TIMEOUT, plan_options: Mapping[str, Any] | None = None) -> PipelinedModel:
+def partition(model: nn.Module, **options: Any) -> PipelinedModel:
     """Wrap ``model`` so that ``step()`` trains it as a pipeline over the ranks of the default process group.
 
-    ``stages`` defaults to the world size (1 without a process group: every stage then
-    runs in this process, through the same engine). With ``plan=None`` the plan is made
-    on the first ``step()`` (or call) from that batch: rank 0 plans (profiling is
-    measured, hence not identical across ranks) and broadcasts the plan; every rank
-    traces the model itself and checks the plan's fingerprint. ``timeout`` (seconds)
-    bounds every wait on a peer. ``plan_options`` go to ``smp.plan`` (e.g.
-    ``{"timing": "analytic"}``).
+    The options are :class:`PipelinedModel`'s: ``stages``, ``microbatches``, ``schedule``,
+    ``loss_fn``, ``cluster``, ``memory_limit``, ``plan``, ``timeout``, ``plan_options``,
+    ``device``, ``checkpoint``, ``init_fn``, ``init_seed``, ``broadcast_output``.
     """
-    return PipelinedModel(model, stages=stages, microbatches=microbatches, schedule=schedule, loss_fn=loss_fn,
-                          cluster=cluster, memory_limit=memory_limit, plan=plan, timeout=timeout,
-                          plan_options=plan_options)
+    return PipelinedModel(model, **options)
 
 
-def _init_from_launcher(model: nn.Module, timeout: float) -> None:
+def _init_from_launcher(device: torch.device, timeout: float) -> None:
     """Join the default process group when a launcher (torchrun) started this process and nobody did yet.
 
     torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; a script that does not
-    call ``init_process_group`` itself gets NCCL for a model on a GPU and gloo otherwise,
-    with ``timeout`` on the group's collectives.
+    call ``init_process_group`` itself gets NCCL when its stages run on a GPU and gloo
+    otherwise, with ``timeout`` on the group's collectives.
     """
     if not dist.is_available() or dist.is_initialized():
         return
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_ADDR" not in os.environ:
         return
-    on_gpu = any(p.is_cuda for p in model.parameters())
-    if on_gpu:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if on_gpu else "gloo", timeout=datetime.timedelta(seconds=timeout))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout))
+
+
+def _resolve_device(device: str | torch.device | None, model: nn.Module) -> torch.device:
+    """Where this rank's stages run: ``device``, else ``cuda:LOCAL_RANK`` when there is a GPU, else the model's."""
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if device is not None:
+        d = torch.device(device)
+        return torch.device("cuda", local) if d.type == "cuda" and d.index is None else d
+    if torch.cuda.is_available():
+        return torch.device("cuda", local)
+    return _model_device(model)
 
 
 class PipelinedModel:
@@ -74,18 +79,44 @@ class PipelinedModel:
     mean over microbatches (so they match one large batch) and are accumulated into
     ``parameters()``; the mean loss is returned on every rank. Call your optimizer's
     ``zero_grad()``/``step()`` around it as usual.
+
+    ``stages`` defaults to the world size (1 without a process group: every stage then
+    runs in this process, through the same engine). With ``plan=None`` the plan is made
+    on the first ``step()`` (or call, or ``prepare()``) from that batch: rank 0 plans
+    (measured profiling differs between ranks) and broadcasts the plan; every rank traces
+    the model itself and checks the plan's fingerprint. ``timeout`` (seconds) bounds every
+    wait on a peer. ``plan_options`` go to ``smp.plan`` (e.g. ``{"timing": "analytic"}``).
+
+    Placement and weights: this rank's stages run on ``device`` (default ``cuda:LOCAL_RANK``
+    with a GPU, else where the model is; CPU for a model on the meta device); only the
+    parameters and buffers its stages hold are ever put there. Tensors without values (a
+    model built on the meta device or under ``smp.delay_param_initialization()``) are
+    filled from ``checkpoint`` (a safetensors file, a Hugging Face directory, a torch.save
+    state dict or an smp checkpoint; each rank reads only its tensors), else by
+    ``init_fn(module)`` or each module's ``reset_parameters()``, seeded by ``init_seed``
+    and the module's name. A ``checkpoint`` given for a model with real weights replaces
+    them. ``broadcast_output``: ``pipe(x)`` returns the output on every rank, not only on
+    the one holding the output stage.
     """
 
     def __init__(self, model: nn.Module, *, stages: int | None = None, microbatches: int = 1,
                  schedule: str = "1f1b", loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
                  cluster: Any = None, memory_limit: float | None = None, plan: Plan | str | Path | None = None,
-                 timeout: float = DEFAULT_TIMEOUT, plan_options: Mapping[str, Any] | None = None) -> None:
+                 timeout: float = DEFAULT_TIMEOUT, plan_options: Mapping[str, Any] | None = None,
+                 device: str | torch.device | None = None, checkpoint: str | Path | None = None,
+                 init_fn: Callable[[nn.Module], None] | None = None, init_seed: int = 0,
+                 broadcast_output: bool = False) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"smp.partition takes a torch.nn.Module, got {type(model).__name__}")
         self.module = model
         self.loss_fn = loss_fn
         self.timeout = float(timeout)
-        _init_from_launcher(model, self.timeout)
+        self.device = _resolve_device(device, model)
+        self.checkpoint = open_weights(checkpoint) if checkpoint is not None else None
+        self.init_fn = init_fn
+        self.init_seed = int(init_seed)
+        self.broadcast_output = bool(broadcast_output)
+        _init_from_launcher(self.device, self.timeout)
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
@@ -160,7 +191,6 @@ class PipelinedModel:
             check_world(plan, self.world_size)
         # traced on one microbatch: an export-traced program is specialised to the shapes it runs on
         micro_args, micro_kwargs = _first_microbatch(args, kwargs, plan.microbatches)
-        device = _model_device(self.module)
         was_training = self.module.training
         programs: dict[bool, Program] = {}
         errors: dict[bool, str] = {}
@@ -185,9 +215,14 @@ class PipelinedModel:
             self.module.train(was_training)
         ownership = Ownership(self.module, programs[True], [p.gm for p in programs.values()],
                               rank=self.rank if self.distributed else None)
+        try:
+            materialize(self.module, ownership.local_ids, self.device, source=self.checkpoint, init_fn=self.init_fn,
+                        seed=self.init_seed)
+        except (MaterializeError, CheckpointError) as err:
+            raise RuntimeConfigError(f"rank {self.rank}: {err}") from None
         comm = Comm(self.rank, self.timeout, [plan.schedule.stages_of(r) for r in range(plan.num_ranks)]) \
             if self.distributed else None
-        return _SetUp(programs, errors, ownership, comm, device, flat)
+        return _SetUp(programs, errors, ownership, comm, self.device, flat)
 
     def _program(self, plan: Plan, gm: Any, train: Program | None, errors: dict[bool, str], mode: bool
                  ) -> Program | None:
@@ -237,6 +272,15 @@ class PipelinedModel:
             raise PlanError(f"rank 0 could not plan the model: {box[0]['error']}")
         return Plan.from_dict(box[0]["plan"])
 
+    def prepare(self, *args: Any, **kwargs: Any) -> PipelinedModel:
+        """Partition now, on this sample batch (plan, trace, keep and materialize this rank's stages), without a step.
+
+        For what needs this rank's parameters before the first step: an optimizer that
+        holds only them, ``load_checkpoint``. Every rank must call it (planning may broadcast).
+        """
+        self._ensure(args, kwargs)
+        return self
+
     # ------------------------------------------------------------------ running
 
     def step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
@@ -265,7 +309,12 @@ class PipelinedModel:
         micro = self._split(eng, args, kwargs, m)
         with torch.no_grad():
             _, outputs = eng.run(micro, None, None, training=False)
-        return concat_outputs(outputs) if outputs else None
+        output = concat_outputs(outputs) if outputs else None
+        if self.broadcast_output and self.distributed:
+            box = [output]
+            dist.broadcast_object_list(box, src=eng.out_rank)
+            output = box[0]
+        return output
 
     forward = __call__
 
@@ -276,6 +325,11 @@ class PipelinedModel:
             raise RuntimeConfigError(str(err)) from None
 
     # ------------------------------------------------------------------ parameters and state
+
+    def _require_setup(self, what: str) -> _SetUp:
+        if self._setup is None:
+            raise RuntimeConfigError(f"{what} needs the model partitioned: run a first step(), or prepare(*batch)")
+        return self._setup
 
     def _need_engine(self, what: str) -> Engine:
         if self._engine is None:
@@ -350,7 +404,71 @@ class PipelinedModel:
                 if k in state_dict and isinstance(t, torch.Tensor) and not t.is_meta:
                     t.copy_(state_dict[k])
 
+    # ------------------------------------------------------------------ checkpoints
+
+    def _local_state(self, what: str) -> tuple[dict[str, torch.Tensor], dict[int, str]]:
+        """This rank's state by original name (tied tensors under each of their names), and its parameters' names."""
+        setup = self._require_setup(what)
+        state = {k: v for k, v in self.module.state_dict(keep_vars=True).items()
+                 if isinstance(v, torch.Tensor) and not v.is_meta}
+        names = {i: setup.ownership.canonical[i] for i in setup.ownership.local_ids
+                 if i in setup.ownership.canonical}
+        return state, names
+
+    def save_checkpoint(self, directory: str | Path, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Every rank writes its own tensors (and its optimizer's state), in parallel, to one checkpoint directory.
+
+        A collective. Names are the original model's, so the checkpoint loads into a
+        pipeline with any stage count (``load_checkpoint``, or ``checkpoint=`` of
+        ``smp.partition``) and converts to one file for the unpartitioned model
+        (``smp.consolidate_checkpoint``). Written with torch.distributed.checkpoint.
+        """
+        state, names = self._local_state("save_checkpoint()")
+        save_pipeline(directory, {k: v.detach() for k, v in state.items()}, optimizer, names)
+
+    def load_checkpoint(self, directory: str | Path, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Read this rank's tensors (and its parameters' optimizer state) from ``save_checkpoint``'s directory.
+
+        The checkpoint may come from any number of stages; each rank reads only its keys.
+        """
+        state, names = self._local_state("load_checkpoint()")
+        try:
+            load_pipeline(directory, state, optimizer, names)
+        except CheckpointError as err:
+            raise RuntimeConfigError(f"rank {self.rank}: {err}") from None
+
+    # ------------------------------------------------------------------ gradients
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of the whole pipeline to a global norm, as ``torch.nn.utils.clip_grad_norm_`` would
+        on the unpartitioned model; returns that total norm on every rank (a collective)."""
+        setup = self._require_setup("clip_grad_norm_()")
+        # a parameter several ranks hold (a tied weight) counts once, on the lowest of them
+        mine = [p for p in self.parameters() if p.grad is not None
+                and (not self.distributed or min(setup.ownership.holders.get(id(p), {self.rank})) == self.rank)]
+        group = dist.group.WORLD if self.distributed else None
+        total = global_grad_norm([p.grad for p in mine], float(norm_type), group)
+        clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.mul_(clip_coef.to(p.grad.device, p.grad.dtype))
+        return total
+
     # ------------------------------------------------------------------ measurements
+
+    def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[int, dict[str, int]]:
+        """What each rank in this process holds, in bytes, counted exactly: parameters, gradients, optimizer
+        state, buffers, and the peak of stashed activations during the last step (``activations_peak``).
+
+        On a GPU ``cuda_max_allocated`` adds the allocator's peak. In one process every
+        rank of the plan is reported (a tied parameter under each rank that holds it).
+        """
+        setup = self._require_setup("memory_stats()")
+        eng = self._engine
+        ranks = range(self._plan.num_ranks) if not self.distributed else [self.rank]  # type: ignore[union-attr]
+        return {r: rank_memory(self.module, setup.ownership, r, optimizer,
+                               eng.stash_peak.get(r, 0) if eng is not None else 0) for r in ranks}
+
 
     def timeline(self, gather: bool = False) -> Timeline:
         """Measured start/end of every compute action of the last step (the simulator's Timeline format).

@@ -43,9 +43,11 @@ def _check_runs(model: torch.nn.Module, args: tuple, target, loss_fn, plan: smp.
     loss = pipe.step(*args, target=target)
     assert torch.allclose(loss, want_loss, rtol=1e-5, atol=1e-6), (loss, want_loss)
     got = {n: p.grad for n, p in pipe.named_parameters() if p.grad is not None}
-    assert got.keys() == want_grads.keys()
+    assert got.keys() >= want_grads.keys()
     for name, g in got.items():
-        assert torch.allclose(g, want_grads[name], rtol=1e-5, atol=1e-6), name
+        # a dead branch that crosses stages gets its (zero) gradient sent back; autograd leaves it None
+        want = want_grads.get(name, torch.zeros_like(g))
+        assert torch.allclose(g, want, rtol=1e-5, atol=1e-6), name
     with torch.no_grad():
         out, expected = pipe(*args), reference(*args)
     assert out.keys() == expected.keys()
