@@ -238,3 +238,55 @@ def user_model_worker(rank: int, world: int, *, case: str, out: str, order: str 
                          timeout=60, plan_options={"timing": "analytic"})
         res["dtype"] = str(pipe.step(x, target=torch.zeros(8, 4)).dtype)
     torch.save(res, Path(out) / f"{case}-{order}-{rank}.pt")
+
+
+def large_model_worker(rank: int, world: int, *, case: str, out: str, checkpoint: str, plan: dict,
+                       steps: int = 2, size: tuple = (64, 32, 2, 4, 16)) -> None:
+    """One rank of a model built without weights (``delay_param_initialization``), loaded from ``checkpoint``.
+
+    ``train``: ``steps`` SGD steps; saves losses, first-step grads, final parameters, memory.
+    ``resume``: ``steps`` steps, then saves a pipeline checkpoint with the optimizer to ``out``/ckpt.
+    ``continue``: loads ``checkpoint`` (an smp checkpoint) with its optimizer state, ``steps`` more steps.
+    ``clip``: one step, then clip_grad_norm_(0.5): the total norm and this rank's clipped grads.
+    ``rss``: peak resident memory before and after partitioning and one step.
+    """
+    import resource
+
+    from smp.deferred import delay_param_initialization
+    from smp.models.gpt import GPT
+
+    vocab, d, layers, heads, seq = size
+    torch.manual_seed(0)
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with delay_param_initialization():
+        model = GPT(vocab, d, layers, heads, seq)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, vocab, (4, seq + 1), generator=g)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1))
+
+    pipe = partition(model, plan=smp.Plan.from_dict(plan), loss_fn=loss_fn, checkpoint=checkpoint, timeout=60)
+    pipe.prepare(x)
+    opt = make_optimizer(pipe.parameters())
+    if case == "continue":
+        pipe.load_checkpoint(checkpoint, optimizer=opt)
+    res: dict[str, Any] = {"losses": []}
+    for step in range(steps if case != "clip" else 1):
+        res["losses"].append(pipe.step(x, target=y).detach())
+        if step == 0:
+            res["grads"] = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+        if case == "clip":
+            res["norm"] = pipe.clip_grad_norm_(0.5)
+            res["clipped"] = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+            break
+        opt.step()
+        opt.zero_grad()
+    if case == "resume":
+        pipe.save_checkpoint(Path(out) / "ckpt", optimizer=opt)
+    res["params"] = {n: p.detach().clone() for n, p in pipe.named_parameters()}
+    res["memory"] = pipe.memory_stats(opt)[rank]
+    res["rss"] = (rss0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    res["meta_params"] = sum(1 for p in model.parameters() if p.is_meta)
+    torch.save(res, Path(out) / f"{case}-{rank}.pt")
