@@ -236,6 +236,18 @@ class Problem:
                 bad = self.order[int(np.argmax((arr < 0) | ~np.isfinite(arr)))]
                 raise PlanningError(f"node {bad!r} has {name}={g.nodes[bad].get(name)}; costs must be "
                                     "finite and >= 0 (re-profile the model)")
+        # Activation memory per microbatch: what autograd keeps for the backward (the profiler's
+        # saved_bytes) when training on a graph that has it, else the op outputs (a proxy).
+        saved = isinstance(graph, OpGraph) and graph.meta.get("activations") == "saved_bytes" and training
+        self.act_bytes = attr("saved_bytes") if saved else self.out_bytes
+        # With exact activations, memory also depends on the cut: a stage keeps the tensors it
+        # receives until its backward, and the whole of each tensor it sends (the backward's
+        # roots), of which only the part some consumer saves is in the producer's saved bytes.
+        self.keeps_received = bool(saved)
+        # The storage a sent output lives in (an op's own, or the one it views) and what it adds.
+        self.root = [self.pos.get(g.nodes[v].get("view_of") or v, i) for i, v in enumerate(self.order)]
+        self.root_extra = np.maximum(attr("storage_bytes") - attr("saved_output_bytes"), 0.0) if saved \
+            else np.zeros(self.n)
         self.modules = [str(g.nodes[v].get("module", "") or "") for v in self.order]
         # The model's output node (OpGraph.OUTPUT_OP) is no op: a stage must hold a real one.
         self.is_output = [g.nodes[v].get("op") == OUTPUT_OP for v in self.order]
@@ -277,7 +289,7 @@ class Problem:
         return nbytes / self.bw[a, t] + self.lat[a, t]
 
     def node_memory(self, i: int, s: int) -> float:
-        return self.fixed_mem[i] + self.in_flight[s] * self.out_bytes[i]
+        return self.fixed_mem[i] + self.in_flight[s] * self.act_bytes[i]
 
     def is_unique_order(self) -> bool:
         """True when the graph has one topological order, so contiguous cuts are all valid assignments."""
@@ -290,12 +302,13 @@ class Problem:
         p = self.p
         comp = [0.0] * p
         mem = [0.0] * p
-        work, fixed, ob, infl = self.work, self.fixed_mem, self.out_bytes, self.in_flight
+        work, fixed, act, ob, infl = self.work, self.fixed_mem, self.act_bytes, self.out_bytes, self.in_flight
         for i, s in enumerate(assign):
             comp[s] += work[i]
-            mem[s] += fixed[i] + infl[s] * ob[i]
+            mem[s] += fixed[i] + infl[s] * act[i]
         t = [comp[s] / self.speed[s] for s in range(p)]
         k = self.directions
+        roots: set[int] = set()
         for u, succ in enumerate(self.succ):
             b = ob[u]
             if b <= 0 or not succ:
@@ -306,7 +319,26 @@ class Problem:
                     c = k * (b / self.bw[a, dst] + self.lat[a, dst])
                     t[a] += c
                     t[dst] += c
+                    roots.add(u)
+                    if self.keeps_received:
+                        mem[dst] += infl[dst] * b
+        for s, extra in enumerate(self.kept_for_sending(assign, roots)):
+            mem[s] += infl[s] * extra
         return t, mem
+
+    def kept_for_sending(self, assign: Sequence[int], sent: Iterable[int]) -> list[float]:
+        """Per stage, the bytes it keeps because it sends them (the backward's roots) beyond what autograd saves.
+
+        Each storage once: several sent views of one tensor keep one storage, and a view of
+        a tensor received from an earlier stage keeps nothing more (the received copy is counted).
+        """
+        out = [0.0] * self.p
+        if not self.keeps_received:
+            return out
+        for r in {self.root[u] for u in sent}:
+            if any(assign[r] == assign[u] for u in sent if self.root[u] == r):
+                out[assign[r]] += float(self.root_extra[r])
+        return out
 
     def bottleneck(self, assign: Sequence[int]) -> float:
         return max(self.stage_costs(assign)[0])
@@ -343,18 +375,23 @@ class Problem:
         transfers: list[Transfer] = []
         cin_b, cout_b = [0.0] * p, [0.0] * p
         cin_t, cout_t = [0.0] * p, [0.0] * p
+        sent: set[int] = set()
         for u, succ in enumerate(self.succ):
             b = float(self.out_bytes[u])
             if b <= 0 or not succ:
                 continue
             a = assign[u]
-            for dst in sorted({assign[v] for v in succ} - {a}):
+            dsts = sorted({assign[v] for v in succ} - {a})
+            for dst in dsts:
                 sec = self.transfer_seconds(a, dst, b)
                 transfers.append(Transfer(a, dst, str(self.order[u]), b, sec))
                 cout_b[a] += b
                 cin_b[dst] += b
                 cout_t[a] += k * sec
                 cin_t[dst] += k * sec
+            if dsts:
+                sent.add(u)
+        kept_sent = self.kept_for_sending(assign, sent)
         stats = []
         for s in range(p):
             idx = ops[s]
@@ -364,7 +401,7 @@ class Problem:
             compute = float(self.work[idx].sum()) / speed[s]
             params = float(self.held[idx].sum())
             buffers = float(self.buffers[idx].sum())
-            acts = float(self.out_bytes[idx].sum())
+            acts = float(self.act_bytes[idx].sum()) + (cin_b[s] + kept_sent[s] if self.keeps_received else 0.0)
             memory = float(self.fixed_mem[idx].sum()) + self.in_flight[s] * acts
             stats.append(StageStats(
                 index=s, device=s, ops=[str(self.order[i]) for i in idx],

@@ -22,6 +22,12 @@ NODE_FIELDS: dict[str, str] = {
     "params": "bytes of parameters first used by this node (a shared parameter counted once)",
     "buffers": "bytes of buffers first used by this node (BatchNorm running stats, ...)",
     "out_bytes": "bytes of all tensors the node outputs",
+    "saved_bytes": "bytes autograd keeps for the backward that this op made (its outputs others save, its own "
+                   "intermediates), each storage once; training graphs from the profiler",
+    "saved_output_bytes": "the part of saved_bytes that is the op's own output (the rest of its output is "
+                          "kept only when it is sent to another stage)",
+    "storage_bytes": "bytes of the storages the op's output owns (a view owns none)",
+    "view_of": "the op whose output storage this op's output views ('' when it owns its storage)",
     "flops": "forward floating-point operations (torch.utils.flop_counter)",
     "module": "module path the op came from, '' for the root module",
     "op": "what the op is: 'linear', 'aten.addmm.default', 'add', ...",
@@ -44,6 +50,10 @@ _DEFAULTS: dict[str, Any] = {
     "params": 0,
     "buffers": 0,
     "out_bytes": 0,
+    "saved_bytes": 0,
+    "saved_output_bytes": 0,
+    "storage_bytes": 0,
+    "view_of": "",
     "flops": 0,
     "shared_bytes": 0,
     "module": "",
@@ -212,7 +222,7 @@ class OpGraph:
             for key in ("fwd", "bwd", "bwd_w"):
                 if key in node:
                     node[key] *= factor
-            for key in ("out_bytes", "flops"):
+            for key in ("out_bytes", "saved_bytes", "saved_output_bytes", "storage_bytes", "flops"):
                 if key in node:
                     node[key] = int(round(node[key] * factor))
         return OpGraph.from_dict(data)
@@ -307,6 +317,14 @@ class OpGraph:
                 params=sum(d["params"] for d in datas),
                 buffers=sum(d["buffers"] for d in datas),
                 flops=sum(d["flops"] for d in datas),
+                saved_bytes=sum(d["saved_bytes"] for d in datas),
+                saved_output_bytes=sum(d["saved_output_bytes"] for d, m in zip(datas, group)
+                                       if any(group_of(s) != rep for s in self.nx.successors(m))),
+                # what leaves the group: the storages of members read outside it that are not views
+                storage_bytes=sum(d["storage_bytes"] for d, m in zip(datas, group)
+                                  if not d["view_of"] and any(group_of(s) != rep for s in self.nx.successors(m))),
+                view_of=next((members[group_of(d["view_of"])][0] for d in datas if d["view_of"]
+                              and d["view_of"] in self.nx and group_of(d["view_of"]) != rep), ""),
                 # The group's output is what leaves it: bytes of members read outside.
                 out_bytes=sum(
                     d["out_bytes"] for m, d in zip(group, datas)

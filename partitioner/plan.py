@@ -133,6 +133,28 @@ class Plan:
     def speedup(self) -> float:
         return self.single_device_time / self.step_time if self.step_time > 0 else math.inf
 
+    @property
+    def stage_memory(self) -> list[float]:
+        """Each stage's predicted peak bytes (its state, plus its activations times its microbatches in flight)."""
+        return [s.memory for s in self.partition.stages]
+
+    @property
+    def rank_memory(self) -> list[float]:
+        """Each rank's predicted peak bytes: its stages' state plus the simulated peak of their activations.
+
+        With several stages per rank (interleaved) the activations peak together only as
+        the schedule's order makes them, which the simulator follows; the stages' own
+        peaks summed (``stage_memory``) are an upper bound.
+        """
+        per_rank = self.simulated.peak_activation_bytes_per_rank
+        out = []
+        for r in range(self.num_ranks):
+            stages = [self.partition.stages[s] for s in self.schedule.stages_of(r)]
+            fixed = sum(s.memory - s.in_flight * s.activations for s in stages)
+            acts = per_rank[r] if per_rank is not None else sum(s.in_flight * s.activations for s in stages)
+            out.append(fixed + acts)
+        return out
+
     @cached_property
     def fx_to_op(self) -> dict[str, str]:
         """Each traced fx node's OpGraph node (several fx nodes per op after coarsening)."""

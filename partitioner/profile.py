@@ -194,6 +194,8 @@ class _OpRunner:
             if progress is not None:
                 progress(done[0], total)
 
+        saved = _SavedTensors([t for t in inputs if isinstance(t, torch.Tensor)]
+                              + list(self.gm.parameters()) + list(self.gm.buffers()))
         for node in self.gm.graph.nodes:
             if node.op == "placeholder":
                 env[node] = next(placeholders)
@@ -206,12 +208,14 @@ class _OpRunner:
                 continue
             args, kwargs = self._args(node, env)
             if owner[node] is not node:  # getitem: plumbing that belongs to its producer
-                with torch.set_grad_enabled(self.training):
+                with torch.set_grad_enabled(self.training), saved.during(owner[node].name):
                     env[node] = self._call(node, args, kwargs)
+                saved.made(owner[node].name, env[node])  # a getitem's piece of its producer's output
                 g.nodes[owner[node].name]["fx_nodes"] += (node.name,)
                 continue
-            with torch.set_grad_enabled(self.training):
+            with torch.set_grad_enabled(self.training), saved.during(node.name):
                 out = self._call(node, args, kwargs)
+            view_of, storage_bytes = saved.made(node.name, out)
             env[node] = out
             costs = self._cost(node, args, kwargs, out)
             params, buffers, shared, shared_from, param_bytes, buffer_bytes, shared_bytes = self._state(node, seen_state)
@@ -233,6 +237,8 @@ class _OpRunner:
                 shared_params=shared,
                 shared_from=shared_from,
                 fx_nodes=(node.name,),
+                view_of=view_of,
+                storage_bytes=storage_bytes,
             )
             index += 1
             for producer in node.all_input_nodes:
@@ -240,13 +246,16 @@ class _OpRunner:
                     g.add_edge(owner[producer].name, node.name)
             calls.append((node, args, kwargs, out))
             tick()
+        for name, data in g.nodes(data=True):
+            data["saved_bytes"] = saved.bytes.get(name, 0) + (data.pop("returned_bytes", 0) if self.training else 0)
+            data["saved_output_bytes"] = saved.output_bytes.get(name, 0)
         if self.timing == "measured":
             fwd, bwd, bwd_input = self._measure_in_context(calls, tick)
             for node, *_ in calls:
                 data = g.nodes[node.name]
                 data["fwd"], data["bwd"] = fwd[node], bwd[node]
                 data["bwd_w"] = max(bwd[node] - bwd_input[node], 0.0)
-        return OpGraph(g)
+        return OpGraph(g, {"activations": "saved_bytes"})
 
     @staticmethod
     def _add_output(g: nx.DiGraph, node: fx.Node, owner: Mapping[fx.Node, fx.Node], index: int) -> None:
@@ -258,6 +267,9 @@ class _OpRunner:
         g.add_node(node.name, fwd=0.0, bwd=0.0, bwd_w=0.0, params=0, shared_bytes=0, buffers=0, out_bytes=0,
                    flops=0, module="", op="output", index=index, param_names=(), buffer_names=(),
                    shared_params=(), shared_from=(), fx_nodes=(node.name,))
+        # the loss keeps what the model returns for its own backward, on the output stage
+        g.nodes[node.name]["returned_bytes"] = sum(g.nodes[owner[p].name]["out_bytes"]
+                                                   for p in {owner[p] for p in node.all_input_nodes if p in owner})
         for producer in node.all_input_nodes:
             if producer in owner:
                 g.add_edge(owner[producer].name, node.name)
@@ -455,6 +467,69 @@ class _OpRunner:
 
 
 # ------------------------------------------------------------------ helpers
+
+
+class _SavedTensors:
+    """The bytes autograd keeps for the backward, each storage once, charged to the op that made it.
+
+    A storage an op saves is charged to the op whose output it is (a layer's input is
+    charged to the layer before, which keeps it alive for its own backward too), or to the
+    saving op itself when it is new (an intermediate such as a dropout mask). Parameters,
+    buffers and the model's inputs are not activations.
+    """
+
+    def __init__(self, not_activations: list[torch.Tensor]) -> None:
+        self.owner: dict[int, str | None] = {_storage_key(t): None for t in not_activations}
+        self.size: dict[int, int] = {}  # storages saved so far, each counted once
+        self.outputs: set[int] = set()
+        self.bytes: dict[str, int] = {}
+        self.output_bytes: dict[str, int] = {}  # the part of bytes[op] that is op's own output
+
+    def made(self, name: str, value: Any) -> tuple[str, int]:
+        """``value`` is ``name``'s output (an op that saves its own output saved it before it was returned).
+
+        Returns (the op whose storage the output is a view of, '' when its own; the bytes of
+        the storages it owns): what a stage keeps when it sends this output on.
+        """
+        view_of, own = "", 0
+        for t in pytree.tree_leaves(value):
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = _storage_key(t)
+            owner = self.owner.setdefault(key, name)
+            if owner != name:
+                view_of = view_of or (owner or "")
+                continue
+            if key not in self.outputs:
+                self.outputs.add(key)
+                own += t.untyped_storage().nbytes()
+                if key in self.size:
+                    self.output_bytes[name] = self.output_bytes.get(name, 0) + self.size[key]
+        return view_of, own
+
+    def during(self, name: str) -> Any:
+        """Count what autograd saves while ``name`` runs. The graph is only measured, never run
+        backward (the profiler times backwards on graphs of their own), so nothing is kept:
+        holding the saved tensors would keep the model's parameters referenced."""
+        def pack(t: torch.Tensor) -> int:
+            key = _storage_key(t)
+            owner = self.owner.setdefault(key, name)
+            if owner is not None and key not in self.size:
+                self.size[key] = t.untyped_storage().nbytes()
+                self.bytes[owner] = self.bytes.get(owner, 0) + self.size[key]
+                if key in self.outputs:
+                    self.output_bytes[owner] = self.output_bytes.get(owner, 0) + self.size[key]
+            return key
+
+        def unpack(key: int) -> torch.Tensor:
+            raise RuntimeError("the profiler's measuring pass keeps no tensors for a backward")
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    """One key per storage, shared by its views (works on meta tensors, whose data pointers are all 0)."""
+    return t.untyped_storage()._cdata
 
 
 def _count_flops(fn: Callable[[], Any]) -> int:

@@ -411,8 +411,11 @@ class _RankState:
         self.outputs: list[Any] = []
         self._outputs: dict[int, Any] = {}
         self.executed = eng.executed.setdefault(rank, [])
-        self.meter = StashMeter({p.untyped_storage().data_ptr() for p in eng.ownership.model.parameters()
-                                 if not p.is_meta})
+        # parameters, buffers and the batch (inputs and targets, which the script holds anyway) are no activations
+        model = eng.ownership.model
+        batch = [t for t in pytree.tree_leaves((micro_flat, targets)) if isinstance(t, torch.Tensor)]
+        self.meter = StashMeter({t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), *batch]
+                                 if not t.is_meta})
         self.current = "the step set-up"
 
     def _local(self, key: EdgeKey) -> bool:

@@ -5,7 +5,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from partitioner import OpGraph, TraceError, flatten_inputs, profile, trace
+from partitioner import OpGraph, ProfileError, TraceError, flatten_inputs, profile, trace
 from partitioner.graph import OUTPUT_OP
 from partitioner.profile import op_nodes, time_whole_model
 from smp.models import build
@@ -143,7 +143,7 @@ def test_profile_errors():
         profile(meta.model, meta.example_args)
     with pytest.raises(ValueError, match="timing"):
         profile(bundle.model, bundle.example_args, timing="guess")
-    with pytest.raises(FileNotFoundError, match="built-in names"):
+    with pytest.raises(ProfileError, match="built-in names"):
         profile(bundle.model, bundle.example_args, timing="analytic", device_profile="tpu-v9")
 
 

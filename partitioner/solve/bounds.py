@@ -72,7 +72,7 @@ def memory_lower_bound(prob: Problem) -> tuple[float, float]:
     stages share the total: max_s memory_s >= (Σ fixed + min in-flight × Σ activations) / p.
     """
     least = min(prob.in_flight)
-    per_op = prob.fixed_mem + least * prob.out_bytes
+    per_op = prob.fixed_mem + least * prob.act_bytes
     largest = float(per_op.max())
     share = float(per_op.sum()) / prob.p
     return max(largest, share), largest

@@ -97,7 +97,7 @@ def _lower_dp(prob: Problem, allowed: np.ndarray, limit: float) -> tuple[float, 
     k = prob.directions
     cw = np.concatenate([[0.0], np.cumsum(prob.work)])
     cf = np.concatenate([[0.0], np.cumsum(prob.fixed_mem)])
-    ca = np.concatenate([[0.0], np.cumsum(prob.out_bytes)])
+    ca = np.concatenate([[0.0], np.cumsum(prob.act_bytes)])
     fastest = float(prob.speed.max())
     lo = np.searchsorted(cw, cw - limit * fastest * (1 + 1e-9), side="left")
     lo = np.maximum.accumulate(lo)
@@ -182,7 +182,7 @@ def _branch_and_bound(prob: Problem, allowed: np.ndarray, assign0: list[int], va
     mc = [s[-1] if s else -1 for s in prob.succ]
     cw = np.concatenate([[0.0], np.cumsum(work)]).tolist()
     cf = np.concatenate([[0.0], np.cumsum(prob.fixed_mem)]).tolist()
-    ca = np.concatenate([[0.0], np.cumsum(ob)]).tolist()
+    ca = np.concatenate([[0.0], np.cumsum(prob.act_bytes)]).tolist()
     lim = [math.inf if x is None else x * (1 + 1e-12) for x in prob.mem_limit]
     bw, lat = prob.bw, prob.lat
     best_assign, best_val = list(assign0), value0
