@@ -484,6 +484,7 @@ class _SavedTensors:
         self.outputs: set[int] = set()
         self.bytes: dict[str, int] = {}
         self.output_bytes: dict[str, int] = {}  # the part of bytes[op] that is op's own output
+        self.alive: list[torch.UntypedStorage] = []
 
     def made(self, name: str, value: Any) -> tuple[str, int]:
         """``value`` is ``name``'s output (an op that saves its own output saved it before it was returned).
@@ -509,12 +510,14 @@ class _SavedTensors:
 
     def during(self, name: str) -> Any:
         """Count what autograd saves while ``name`` runs. The graph is only measured, never run
-        backward (the profiler times backwards on graphs of their own), so nothing is kept:
-        holding the saved tensors would keep the model's parameters referenced."""
+        backward (the profiler times backwards on graphs of their own), so it keeps no tensors
+        (which would keep the model's parameters referenced); counted storages are kept alive
+        until profiling ends, so that no key is reused."""
         def pack(t: torch.Tensor) -> int:
             key = _storage_key(t)
             owner = self.owner.setdefault(key, name)
             if owner is not None and key not in self.size:
+                self.alive.append(t.untyped_storage())  # a freed storage's key could come back for another
                 self.size[key] = t.untyped_storage().nbytes()
                 self.bytes[owner] = self.bytes.get(owner, 0) + self.size[key]
                 if key in self.outputs:
