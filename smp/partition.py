@@ -184,17 +184,20 @@ class PipelinedModel:
     # ------------------------------------------------------------------ running
 
     def step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
-        """One training step on the full batch; returns the mean loss over microbatches on every rank."""
+        """One training step on the full batch; returns the mean loss over microbatches on every rank.
+
+        The loss of a microbatch is ``loss_fn(output, target)`` on its slice of ``target``, or
+        ``loss_fn(output, None)`` when no target is given (a loss that needs none).
+        """
         if self.loss_fn is None:
             raise RuntimeConfigError("step() trains and needs a loss: pass loss_fn=... to smp.partition "
                                      "(a function (output, target) -> scalar tensor)")
-        if target is None:
-            raise RuntimeConfigError("step() needs the target of the batch: pipe.step(*inputs, target=labels)")
         eng = self._ensure(args, kwargs)
         m = self._plan.microbatches  # type: ignore[union-attr]
         micro = self._split(eng, args, kwargs, m)
         try:
-            targets = [piece[0][0] for piece in split_microbatches((target,), None, m)]
+            targets = [None] * m if target is None else [piece[0][0]
+                                                         for piece in split_microbatches((target,), None, m)]
         except MicrobatchError as err:
             raise RuntimeConfigError(f"the target cannot be split like the batch: {err}") from None
         loss, _ = eng.run(micro, targets, self.loss_fn, training=True)
