@@ -484,8 +484,8 @@ def user_code_message(err: BaseException, what: str, *, model: nn.Module | None 
     return text
 
 
-def untangle_return_dict(model: nn.Module) -> bool:
-    """Let only the top-level model of a Hugging Face model return tuples; True when something changed.
+def untangle_return_dict(model: nn.Module) -> None:
+    """Let only the top-level model of a Hugging Face model return tuples (a no-op for any other model).
 
     With ``return_dict=False`` in its config, transformers 5 makes the inner models (the
     GPT2Model inside GPT2LMHeadModel, the T5 stacks) return tuples too, and the heads,
@@ -495,16 +495,13 @@ def untangle_return_dict(model: nn.Module) -> bool:
     """
     top = getattr(model, "config", None)
     if top is None or getattr(top, "return_dict", None) is not False:
-        return False
+        return
     inner = {id(c): c for m in model.modules() if m is not model
              for c in [getattr(m, "config", None)] if c is not None and getattr(c, "return_dict", None) is False}
-    if not inner:
-        return False
     if id(top) in inner:
         model.config = copy.copy(top)
     for config in inner.values():
         config.return_dict = True
-    return True
 
 
 def _on_meta(model: nn.Module) -> bool:

@@ -85,7 +85,7 @@ def warnings_for(plan: Plan) -> list[dict[str, Any]]:
             out.append({"kind": "imbalance", "stage": row["stage"],
                         "message": f"stage {row['stage']} is busy {row['share']:.0%} of the bottleneck stage's time "
                                    f"(below {IMBALANCE_SHARE:.0%}): the pipeline is unbalanced; "
-                                   + _imbalance_advice(plan, rows[part.bottleneck_stage])})
+                                   + _imbalance_advice(rows[part.bottleneck_stage])})
         limit = row["memory_limit"]
         if limit is not None and not math.isinf(limit) and limit > 0:
             frac = row["memory"] / limit
@@ -112,7 +112,8 @@ def _link_latency(plan: Plan) -> float | None:
     return min((float(lk.get("latency") or 0.0) for lk in links), default=None)
 
 
-def _imbalance_advice(plan: Plan, bottleneck: dict[str, Any]) -> str:
+def _imbalance_advice(bottleneck: dict[str, Any]) -> str:
+    """What would even an unbalanced pipeline out, judged by where the bottleneck stage spends its time."""
     comm = bottleneck["comm_in"] + bottleneck["comm_out"]
     if bottleneck["time"] > 0 and comm / bottleneck["time"] > COMM_HEAVY_SHARE:
         return (f"communication is {comm / bottleneck['time']:.0%} of the bottleneck stage's time, so fewer stages "
@@ -130,11 +131,14 @@ def _no_gain(plan: Plan) -> str | None:
         return (f"{head}, with the stages balanced but the pipeline idle {plan.bubble:.0%} of the step "
                 f"({plan.microbatches} microbatches): use more microbatches, or fewer stages")
     latency = _link_latency(plan)
-    if latency is not None:
+    if latency is not None and part.optimal:  # proven: no split of these costs does better
         each_way = " each way (the activation forward, its gradient back)" if part.training else ""
         return (f"{head}: communication dominates: a tensor sent between stages costs at least "
                 f"{format_time(latency)} of link latency{each_way}, more than moving ops off the busiest stage "
                 "saves; use fewer stages, or a faster link")
+    if not part.optimal:
+        return (f"{head}, and the plan is not proven optimal: solve with --method auto (or a longer --time-limit) "
+                "before concluding that fewer stages would do")
     op, seconds = max(((n, d["fwd"] + (d["bwd"] if part.training else 0.0)) for n, d in plan.graph.nx.nodes(data=True)),
                       key=lambda item: item[1])
     return (f"{head}: op {op} alone takes {format_time(seconds)} per microbatch and no split can run faster "

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -60,6 +59,9 @@ def run_train(spec: str, *, stages: int, microbatches: int, schedule: str, steps
         plan = check_plan_matches(plan_file, spec, batch_size=batch_size, seq_len=seq_len, microbatches=microbatches)
         if plan.num_ranks != stages:
             raise CLIUsageError(f"{plan_file} is a plan for {plan.num_ranks} ranks, but --stages is {stages}")
+        if plan.microbatches != microbatches:
+            raise CLIUsageError(f"{plan_file} is a plan for {plan.microbatches} microbatches, but --microbatches is "
+                                f"{microbatches}: drop --microbatches, or re-plan with it")
     import torch
 
     if device is None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import sys
 import time
@@ -405,7 +404,6 @@ def profile_cmd(
     timing_, profile_name = _timing_for(timing, meta, cluster)
     from partitioner.profile import profile
     from partitioner.trace import fingerprint, trace
-
     from smp.models import build
 
     bundle = build(model, batch_size=batch_size, seq_len=seq_len, meta=meta)
@@ -498,6 +496,7 @@ def _make_plan(model: str, *, stages: int, microbatches: int, schedule: str, clu
                repeats: int, virtual_stages: int, show_progress: bool, objective: str = "bottleneck"):
     """A Plan from a model spec (trace + profile + solve) or from an op graph JSON (solve only)."""
     import smp
+    from smp.models import build_step
     from smp.plan import plan_from_graph
 
     _check_cluster(cluster)
@@ -515,8 +514,6 @@ def _make_plan(model: str, *, stages: int, microbatches: int, schedule: str, clu
                                    time_limit=time_limit, virtual_stages=virtual_stages, objective=objective)
     device = _choice(device, DEVICE_CHOICES, "--device")
     timing_, profile_name = _timing_for(timing, meta, cluster)
-    from smp.models import build_step
-
     bundle = build_step(model, microbatches=microbatches, batch_size=batch_size, seq_len=seq_len, meta=meta)
     with _progress("profiling", show_progress) as cb:
         def progress(done: int, total: int) -> None:
@@ -945,6 +942,8 @@ def train_cmd(
     """Train MODEL on synthetic data with the pipeline runtime: torchrun on this machine, one process per stage."""
     from smp._cli_train import run_train
 
+    if plan_file is not None and microbatches is None:  # the step the plan was made for
+        microbatches = _load_plan(plan_file).microbatches
     m, note, sched, _, _ = _plan_args(stages, microbatches, batch_size, schedule, "auto", None, None, 1)
     _positive(steps, "--steps")
     device = _choice(device, DEVICE_CHOICES, "--device")

@@ -255,6 +255,13 @@ def test_plan_for_another_model_is_refused(plan_file):
     _fails(1, "train", GPT, "--stages", 2, "--plan", plan_file, match="made for another model")
 
 
+def test_train_with_a_plan_takes_its_microbatches(plan_file):
+    # plan_file: 4 microbatches. The default count was 2 x stages whatever the plan said.
+    _fails(2, "train", SMALL, "--stages", 2, "--plan", plan_file, "--batch-size", 6,
+           match="--batch-size 6 does not split into --microbatches 4")
+    _fails(2, "train", SMALL, "--stages", 2, "--plan", plan_file, "-m", 2, match="is a plan for 4 microbatches")
+
+
 def test_debug_shows_the_traceback(work):
     from smp.plan import PlanError
 
@@ -358,14 +365,22 @@ def test_batch_size_sets_the_step_batch_of_a_file_model(file_model):
 # ------------------------------------------------------------------ output details
 
 
-def test_closed_pipe_ends_quietly(plan_file):
-    # `smp ... | head -1` exited 1 (rich's broken-pipe handler), and a JSON write raised BrokenPipeError.
+def test_closed_pipe_ends_quietly(plan_file, monkeypatch):
+    # `smp ... | head -1` exited 1 silently: rich's broken-pipe handler.
     exe = Path(sys.executable).parent / "smp"
-    for args in (["inspect", str(plan_file)], ["inspect", str(plan_file), "--json"]):  # rich and JSON output
-        proc = subprocess.Popen([str(exe), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        proc.stdout.close()  # the reader is gone before the first write
-        err = proc.stderr.read()
-        assert proc.wait(timeout=120) == 0 and err == b"", (args, err)
+    proc = subprocess.Popen([str(exe), "inspect", str(plan_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the first write
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0 and err == b"", err
+    # --json writes with sys.stdout.write, which raises BrokenPipeError itself.
+    from smp import cli
+
+    def closed(data):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli, "_print_json", closed)
+    res = smp("inspect", plan_file, "--json")
+    assert res.exit_code == 0 and res.stderr == ""
 
 
 def test_cut_tensor_table_marks_skips_and_link_times_are_explained(work):
@@ -397,6 +412,37 @@ def test_splitting_that_does_not_pay_says_so(work):
     assert "no_gain" in kinds and "imbalance" not in kinds  # not "more ops or a finer graph would even it out"
     message = next(w["message"] for w in data["warnings"] if w["kind"] == "no_gain")
     assert "communication dominates" in message and "use fewer stages" in message and "1.00 s" in message
+
+
+def test_splitting_that_does_not_pay_for_other_reasons_says_why(work):
+    # One microbatch: balanced stages, but the pipeline idles half the step.
+    data = as_json(ok("plan", GPT, "--stages", 2, "-m", 1, "--timing", "analytic", "--json"))
+    message = next(w["message"] for w in data["warnings"] if w["kind"] == "no_gain")
+    assert "stages balanced but the pipeline idle" in message and "use more microbatches" in message
+    # One op holds nearly all the work: on free links no split can beat it.
+    path = work / "one_big_op.py"
+    path.write_text("import torch\nfrom torch import nn\n\n\ndef make():\n"
+                    "    net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2048), nn.Linear(2048, 2048), nn.Linear(2048, 8))\n"
+                    "    return net, (torch.randn(4, 8),)\n")
+    data = as_json(ok("plan", f"{path}:make", "--stages", 2, "-m", 2, "--timing", "analytic", "--json"))
+    message = next(w["message"] for w in data["warnings"] if w["kind"] == "no_gain")
+    assert "alone takes" in message and "use fewer stages" in message and "communication" not in message
+
+
+def test_imbalance_advice_follows_where_the_bottleneck_spends_its_time(work):
+    profile = json.loads((ROOT / "profiles" / "cpu.json").read_text())
+    for link in profile["links"].values():
+        link["latency"], link["bandwidth"] = 1e-4, 1e9
+    link_file = work / "slowish-link.json"
+    link_file.write_text(json.dumps(profile))
+    data = as_json(ok("plan", "gpt:layers=2,d_model=64", "--stages", 3, "-m", 6, "--timing", "analytic",
+                      "--cluster", link_file, "--method", "params", "--json"))
+    worst = data["stages"][data["bottleneck_stage"]]
+    share = (worst["comm_in_s"] + worst["comm_out_s"]) / worst["time_s"]
+    assert share > 0.25 and data["speedup"] > 1.1
+    advice = [w["message"] for w in data["warnings"] if w["kind"] == "imbalance"]
+    assert advice and all(f"communication is {share:.0%} of the bottleneck stage's time, so fewer stages or a "
+                          "faster link would help more than a finer graph" in m for m in advice)
 
 
 def test_stage_labels_do_not_span_layers_a_stage_lacks():
