@@ -24,8 +24,9 @@ demo: $(STAMP)
 	$(BIN)/smp plan gpt:size=base --meta --cluster h100-sxm --dtype bf16 --stages 4 --microbatches 8 -o demo-plan.json
 	$(BIN)/smp inspect demo-plan.json --timeline demo-timeline.png
 
+# SMP_REQUIRE_DEV=1: a test that would skip for a missing dev extra fails instead (tests/conftest.py).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	SMP_REQUIRE_DEV=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) demo-plan.json demo-timeline.png

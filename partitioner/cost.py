@@ -442,27 +442,44 @@ class Problem:
 
 
 def module_range(modules: Sequence[str]) -> str:
-    """A short human label for a list of module paths, e.g. "embed, layers.0–5" (best effort)."""
-    groups: dict[str, list[int]] = {}
+    """A short human label for the module paths of a stage's ops, e.g. "embed, layers.0–5".
+
+    Numbered modules (``layers.3.attn``) are grouped by prefix into runs of consecutive
+    numbers. A range never spans numbers the stage does not hold: when a prefix has several
+    runs, the run with the most ops is the label and the others are listed with their op
+    count, "layers.0–1 (+1 op of 3)", because a stray op (a parameterless mask or rotary
+    computation of a later layer) must not read as the layers in between.
+    """
+    groups: dict[str, dict[int, int]] = {}  # prefix -> layer number -> ops
     for m in modules:
         if not m:
             continue
         parts = m.split(".")
         k = next((j for j, x in enumerate(parts) if x.isdigit()), None)
         if k is None:
-            groups.setdefault(parts[0], [])
+            groups.setdefault(parts[0], {})
         else:
-            groups.setdefault(".".join(parts[:k]), []).append(int(parts[k]))
+            counts = groups.setdefault(".".join(parts[:k]), {})
+            counts[int(parts[k])] = counts.get(int(parts[k]), 0) + 1
     labels: list[str] = []
     numbered: list[bool] = []
-    for prefix, nums in groups.items():
-        numbered.append(bool(nums))
-        if not nums:
+    for prefix, counts in groups.items():
+        numbered.append(bool(counts))
+        if not counts:
             labels.append(prefix)
-        else:
-            lo, hi = min(nums), max(nums)
-            head = f"{prefix}." if prefix else ""
-            labels.append(f"{head}{lo}" if lo == hi else f"{head}{lo}–{hi}")
+            continue
+        runs: list[list[int]] = []
+        for n in sorted(counts):
+            if runs and n == runs[-1][-1] + 1:
+                runs[-1].append(n)
+            else:
+                runs.append([n])
+        main = max(runs, key=lambda run: sum(counts[n] for n in run))
+        head = f"{prefix}." if prefix else ""
+        label = head + _span(main)
+        strays = [f"{sum(counts[n] for n in run)} op{'s' if sum(counts[n] for n in run) > 1 else ''} of {_span(run)}"
+                  for run in runs if run is not main]
+        labels.append(label + (f" (+{', '.join(strays)})" if strays else ""))
     if len(labels) <= 3:
         return ", ".join(labels)
     # Layer ranges say most about a stage: keep them all, plus the first and last label,
@@ -474,6 +491,10 @@ def module_range(modules: Sequence[str]) -> str:
             parts.append("…")
         parts.append(labels[i])
     return ", ".join(parts)
+
+
+def _span(run: Sequence[int]) -> str:
+    return f"{run[0]}" if len(run) == 1 else f"{run[0]}–{run[-1]}"
 
 
 def evaluate(graph: OpGraph | nx.DiGraph, stage_of: Mapping[Hashable, int], *,

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import inspect
 import io
 import linecache
 import logging
 import operator
+import sysconfig
 import traceback
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +28,10 @@ __all__ = [
     "trace",
     "TraceInfo",
     "TraceError",
+    "UserCodeError",
+    "user_code_message",
+    "raised_by_user_code",
+    "untangle_return_dict",
     "flatten_inputs",
     "node_module",
     "node_state_names",
@@ -47,6 +54,14 @@ _EXPORT_CHECK_TARGETS = {
 
 class TraceError(ValueError):
     """A model could not be traced; the message says which front end failed where, and what to try."""
+
+
+class UserCodeError(TraceError):
+    """The user's own code raised (a model's forward on its sample inputs, a model factory).
+
+    The message names the exception, the file and line, the module and the input shapes;
+    the original exception is the ``__cause__``.
+    """
 
 
 @dataclass
@@ -106,6 +121,15 @@ def trace(
     args = _as_args(example_args)
     kwargs = dict(example_kwargs or {})
     bound = _bind(model, args, kwargs)
+    untangle_return_dict(model)
+    # The model runs once as it is: an error there is the model's (or its inputs'), not the tracer's,
+    # and its output is what the traced program must reproduce.
+    expected = None
+    if check:
+        if _on_meta(model):  # nothing to compare on meta, but wrong shapes fail there too
+            _raise_model_failure(model, args, kwargs, bound)
+        else:
+            expected = _run_model(model, args, kwargs, bound)
 
     fx_error: str | None = None
     gm: fx.GraphModule | None = None
@@ -123,7 +147,7 @@ def trace(
                 ) from None
             gm = None
         if gm is not None and check:
-            mismatch = _output_mismatch(model, gm, args, kwargs, rtol, atol)
+            mismatch = _output_mismatch(model, gm, args, kwargs, expected, rtol, atol)
             if mismatch is not None:
                 fx_error = f"torch.fx traced, but the traced program disagrees with the model: {mismatch}"
                 if frontend == "fx":
@@ -133,6 +157,8 @@ def trace(
         try:
             gm = _trace_export(model, args, kwargs)
         except Exception as err:  # noqa: BLE001
+            if not check:  # the model has not run yet: is it the model that fails?
+                _raise_model_failure(model, args, kwargs, bound)
             export_error = _describe_failure(err, model)
             first = f"torch.fx failed: {fx_error}\n" if fx_error else ""
             raise TraceError(
@@ -144,7 +170,7 @@ def trace(
             ) from None
         frontend_used = "export"
         if check:
-            mismatch = _output_mismatch(model, gm, args, kwargs, rtol, atol)
+            mismatch = _output_mismatch(model, gm, args, kwargs, expected, rtol, atol)
             if mismatch is not None:
                 raise TraceError(f"torch.export traced {type(model).__name__}, but the traced program "
                                  f"disagrees with the model on the sample: {mismatch}")
@@ -280,7 +306,7 @@ def _describe_failure(err: BaseException, model: nn.Module, limit: int = 500) ->
         if isinstance(owner, nn.Module) and id(owner) in modules:
             module_path = modules[id(owner)]
         filename = frame.f_code.co_filename
-        if "/torch/" not in filename and not filename.endswith("partitioner/trace.py"):
+        if _is_user_file(filename):
             user_frame = (filename, lineno, frame.f_code.co_name)
     lines = [line for line in str(err).strip().splitlines() if line.strip()]
     head = lines[0][:limit] if lines else ""
@@ -295,49 +321,73 @@ def _describe_failure(err: BaseException, model: nn.Module, limit: int = 500) ->
 
 
 @contextlib.contextmanager
-def _quiet_torch_logs():
-    """torch.export logs whole graphs at WARNING on failure; our error says what matters."""
-    loggers = [logging.getLogger(name) for name in ("torch", "torch._dynamo", "torch.fx", "torch.export",
-                                                      "torch.fx.experimental.symbolic_shapes")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
+def _quiet_torch_logs() -> Iterator[None]:
+    """torch.export logs whole graphs and fake-tensor tracebacks on failure; our error says what matters."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)  # its loggers hold their own handlers: levels on "torch" do not reach them
     try:
         # export prints the partial graph of a failed trace straight to stderr.
         with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
             yield
     finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
+        logging.disable(previous)
 
 
-def _output_mismatch(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: dict,
-                     rtol: float, atol: float) -> str | None:
-    """None when the traced program reproduces the model's output on the sample."""
-    if _on_meta(model):
-        return None  # nothing to compare on the meta device
+def _fresh(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A copy of the inputs: a model may write into them, and the caller's stay as they were."""
+    return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, (args, kwargs))
+
+
+@contextlib.contextmanager
+def _side_effect_free(model: nn.Module) -> Iterator[None]:
+    """Run the model without a trace of it: no gradients, seeded, buffers and RNG restored after."""
     state = _snapshot_buffers(model)
     rng = torch.get_rng_state()
-
-    def fresh() -> tuple[tuple, dict]:
-        # A model may write into its inputs: each run gets its own copy, the caller's stays as it was.
-        return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, (args, kwargs))
-
     try:
         with torch.no_grad():
             torch.manual_seed(0)
-            call_args, call_kwargs = fresh()
-            expected = model(*call_args, **call_kwargs)
-            _restore_buffers(model, state)
-            torch.manual_seed(0)
-            call_args, call_kwargs = fresh()
-            got = gm(*call_args, **call_kwargs)
-    except Exception as err:  # noqa: BLE001
-        return f"running it raised {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            yield
     finally:
         _restore_buffers(model, state)
         torch.set_rng_state(rng)
+
+
+def _run_model(model: nn.Module, args: tuple, kwargs: dict, bound: inspect.BoundArguments) -> Any:
+    """The model's output on the sample; UserCodeError when the model itself raises."""
+    try:
+        with _side_effect_free(model):
+            call_args, call_kwargs = _fresh(args, kwargs)
+            return model(*call_args, **call_kwargs)
+    except Exception as err:  # noqa: BLE001 - whatever the model raises is the model's
+        raise UserCodeError(user_code_message(
+            err, f"{type(model).__name__} raised", model=model, inputs=bound.arguments)) from err
+
+
+def _raise_model_failure(model: nn.Module, args: tuple, kwargs: dict, bound: inspect.BoundArguments) -> None:
+    """Run the model eagerly; raise UserCodeError when it fails for a reason of its own (not the meta device)."""
+    try:
+        _run_model(model, args, kwargs, bound)
+    except UserCodeError as err:
+        cause = err.__cause__
+        # Some models cannot run eagerly on meta tensors (data-dependent code, .item()) and yet export:
+        # such a failure says nothing about the model.
+        if _on_meta(model) and (isinstance(cause, NotImplementedError) or "meta" in str(cause).lower()):
+            return
+        raise
+
+
+def _output_mismatch(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: dict, expected: Any,
+                     rtol: float, atol: float) -> str | None:
+    """None when the traced program reproduces the model's output (``expected``) on the sample."""
+    if _on_meta(model) or expected is None:
+        return None  # nothing to compare on the meta device, or no check asked for
+    try:
+        with _side_effect_free(model):
+            call_args, call_kwargs = _fresh(args, kwargs)
+            got = gm(*call_args, **call_kwargs)
+    except Exception as err:  # noqa: BLE001
+        return f"running it raised {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
     exp_leaves, exp_spec = pytree.tree_flatten(expected)
     got_leaves, got_spec = pytree.tree_flatten(got)
     if len(exp_leaves) != len(got_leaves):
@@ -353,6 +403,105 @@ def _output_mismatch(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: 
             elif not torch.equal(e, g):
                 return f"output {i} differs"
     return None
+
+
+# ------------------------------------------------------------------ the user's own errors
+
+# Code that is not the user's: torch and the Python standard library, and smp's own packages.
+_LIBRARY_DIRS = tuple(str(d) + "/" for d in (Path(torch.__file__).resolve().parent,
+                                             Path(sysconfig.get_paths()["stdlib"]).resolve()))
+_SMP_DIRS = tuple(str(Path(__file__).resolve().parent.parent / pkg) + "/" for pkg in ("partitioner", "smp", "runtime"))
+
+
+def _is_user_file(filename: str) -> bool:
+    # "<frozen importlib._bootstrap>", "<string>": no file to point at.
+    return not filename.startswith("<") and not str(Path(filename).resolve()).startswith(_LIBRARY_DIRS + _SMP_DIRS)
+
+
+def raised_by_user_code(err: BaseException) -> bool:
+    """Whether the deepest frame of ``err`` outside torch and the standard library is the user's, not smp's."""
+    frames = [f.f_code.co_filename for f, _ in traceback.walk_tb(err.__traceback__)]
+    own = [f for f in frames if not f.startswith("<") and not str(Path(f).resolve()).startswith(_LIBRARY_DIRS)]
+    return bool(own) and _is_user_file(own[-1])
+
+
+def _shape(value: Any) -> str:
+    return "x".join(map(str, value.shape)) if value.dim() else "scalar"
+
+
+def _tensor_shapes(named: Mapping[str, Any]) -> list[str]:
+    """``name (shape)`` for every tensor in ``named`` (nested containers by path)."""
+    out = []
+    for name, value in named.items():
+        leaves, _ = pytree.tree_flatten_with_path(value)
+        for path, leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                out.append(f"{name}{pytree.keystr(path)} {_shape(leaf)}")
+    return out
+
+
+def user_code_message(err: BaseException, what: str, *, model: nn.Module | None = None,
+                      inputs: Mapping[str, Any] | None = None, file: str | None = None) -> str:
+    """One line for an exception raised by the user's code: what raised, the message, where, which shapes.
+
+    ``what`` starts the sentence ("Net raised", "factory 'make' in my.py raised"). The place is
+    the deepest frame in ``file`` when given, else the deepest frame outside torch, the
+    standard library and smp; with a ``model``, the deepest of its modules on the stack is
+    named with the shapes of the tensors its ``forward`` was given; ``inputs`` are listed
+    with their shapes.
+    """
+    lines = [line for line in str(err).strip().splitlines() if line.strip()]
+    text = f"{what} {type(err).__name__}" + (f": {lines[0][:500].rstrip('.')}" if lines else "")
+    module_names = {id(m): name for name, m in model.named_modules()} if model is not None else {}
+    module_at: tuple[str, nn.Module, list[str]] | None = None
+    place: tuple[str, int, str] | None = None
+    frames = list(traceback.walk_tb(err.__traceback__))
+    if isinstance(err, SyntaxError) and err.filename:
+        place = (err.filename, err.lineno or 0, "<module>")
+    for frame, lineno in frames:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in module_names and frame.f_code.co_name == "forward":
+            code = frame.f_code
+            arg_names = code.co_varnames[1:code.co_argcount + code.co_kwonlyargcount]
+            given = _tensor_shapes({n: frame.f_locals[n] for n in arg_names if n in frame.f_locals})
+            module_at = (module_names[id(owner)], owner, given)
+        filename = frame.f_code.co_filename
+        if (Path(filename).resolve() == Path(file).resolve()) if file else _is_user_file(filename):
+            place = (filename, lineno, frame.f_code.co_name)
+    if module_at is not None and module_at[0]:
+        path, module, given = module_at
+        desc = repr(module) if "\n" not in repr(module) else type(module).__name__
+        text += f"; in module '{path}' = {desc}" + (f" given {', '.join(given)}" if given else "")
+    if place is not None:
+        filename, lineno, func = place
+        linecache.checkcache(filename)  # the file may have changed since it was last read
+        code_line = linecache.getline(filename, lineno).strip() if lineno else ""
+        text += f"; at {filename}:{lineno} in {func}" + (f": `{code_line}`" if code_line else "")
+    if inputs:
+        shapes = _tensor_shapes(inputs)
+        if shapes:
+            text += f"; sample inputs: {', '.join(shapes)}"
+    return text
+
+
+def untangle_return_dict(model: nn.Module) -> None:
+    """Let only the top-level model of a Hugging Face model return tuples (a no-op for any other model).
+
+    With ``return_dict=False`` in its config, transformers 5 makes the inner models (the
+    GPT2Model inside GPT2LMHeadModel, the T5 stacks) return tuples too, and the heads,
+    which read ``outputs.last_hidden_state``, fail: the model cannot run at all. The top
+    level gets its own copy of the config with ``return_dict=False`` and the inner configs
+    return dicts again, so the model returns the tuple its config asks for.
+    """
+    top = getattr(model, "config", None)
+    if top is None or getattr(top, "return_dict", None) is not False:
+        return
+    inner = {id(c): c for m in model.modules() if m is not model
+             for c in [getattr(m, "config", None)] if c is not None and getattr(c, "return_dict", None) is False}
+    if id(top) in inner:
+        model.config = copy.copy(top)
+    for config in inner.values():
+        config.return_dict = True
 
 
 def _on_meta(model: nn.Module) -> bool:

@@ -11,14 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from rich import box
+from rich.markup import escape
 from rich.table import Table
 
 from smp.plan import Plan
 from smp.units import format_bytes, format_time
 
 __all__ = [
-    "REPORT_SCHEMA", "report", "stage_table", "headline", "cut_tensors", "warnings_for", "render_stage_graph",
-    "IMBALANCE_SHARE", "MEMORY_WARN_FRACTION", "GAP_WARN",
+    "REPORT_SCHEMA", "report", "stage_table", "comm_legend", "headline", "cut_tensors", "warnings_for", "render_stage_graph",
+    "IMBALANCE_SHARE", "MEMORY_WARN_FRACTION", "GAP_WARN", "NO_GAIN_SPEEDUP", "COMM_HEAVY_SHARE",
 ]
 
 #: Version of the JSON that ``smp plan/inspect/simulate --json`` print (see docs/cli.md).
@@ -29,6 +30,10 @@ IMBALANCE_SHARE = 0.70
 MEMORY_WARN_FRACTION = 0.90
 #: A gap to the lower bound above this, not proven optimal, is reported.
 GAP_WARN = 0.05
+#: A plan less than this many times faster than one device is reported: splitting does not pay.
+NO_GAIN_SPEEDUP = 1.10
+#: Communication above this share of the bottleneck stage's time makes it the first thing to fix.
+COMM_HEAVY_SHARE = 0.25
 
 
 # ------------------------------------------------------------------ data
@@ -67,15 +72,20 @@ def cut_tensors(plan: Plan) -> list[dict[str, Any]]:
 
 
 def warnings_for(plan: Plan) -> list[dict[str, Any]]:
-    """Things worth a second look: under-loaded stages, memory near or over the limit, a large unproven gap."""
+    """Things worth a second look: splitting that does not pay, under-loaded stages, memory near or over the
+    limit, a large unproven gap."""
     part = plan.partition
     out: list[dict[str, Any]] = []
-    for row in plan.stage_rows():
-        if part.bottleneck > 0 and row["share"] < IMBALANCE_SHARE:
+    no_gain = _no_gain(plan)
+    if no_gain is not None:
+        out.append({"kind": "no_gain", "stage": None, "message": no_gain})
+    rows = plan.stage_rows()
+    for row in rows:
+        if part.bottleneck > 0 and row["share"] < IMBALANCE_SHARE and no_gain is None:
             out.append({"kind": "imbalance", "stage": row["stage"],
                         "message": f"stage {row['stage']} is busy {row['share']:.0%} of the bottleneck stage's time "
-                                   f"(below {IMBALANCE_SHARE:.0%}): the pipeline is unbalanced; more ops or a finer "
-                                   "graph would even it out"})
+                                   f"(below {IMBALANCE_SHARE:.0%}): the pipeline is unbalanced; "
+                                   + _imbalance_advice(rows[part.bottleneck_stage])})
         limit = row["memory_limit"]
         if limit is not None and not math.isinf(limit) and limit > 0:
             frac = row["memory"] / limit
@@ -93,6 +103,46 @@ def warnings_for(plan: Plan) -> list[dict[str, Any]]:
                     "message": f"the plan is {part.gap:.1%} above the lower bound and not proven optimal: "
                                "give the solver more time (--time-limit) or try --method cpsat"})
     return out
+
+
+def _link_latency(plan: Plan) -> float | None:
+    """The lowest latency of the cluster's links between stages, or None when the links are free."""
+    links = [lk for lk in plan.partition.cluster.get("links") or []
+             if lk.get("bandwidth") is not None or (lk.get("latency") or 0) > 0]  # bandwidth None: infinite
+    return min((float(lk.get("latency") or 0.0) for lk in links), default=None)
+
+
+def _imbalance_advice(bottleneck: dict[str, Any]) -> str:
+    """What would even an unbalanced pipeline out, judged by where the bottleneck stage spends its time."""
+    comm = bottleneck["comm_in"] + bottleneck["comm_out"]
+    if bottleneck["time"] > 0 and comm / bottleneck["time"] > COMM_HEAVY_SHARE:
+        return (f"communication is {comm / bottleneck['time']:.0%} of the bottleneck stage's time, so fewer stages "
+                "or a faster link would help more than a finer graph")
+    return "more ops or a finer graph would even it out"
+
+
+def _no_gain(plan: Plan) -> str | None:
+    """Why splitting into these stages does not pay (speed-up below NO_GAIN_SPEEDUP), and what to do; else None."""
+    if plan.num_ranks < 2 or plan.speedup >= NO_GAIN_SPEEDUP:
+        return None
+    part = plan.partition
+    head = f"splitting into {plan.num_stages} stages does not pay ({plan.speedup:.2f}x the speed of one device)"
+    if all(row["share"] >= IMBALANCE_SHARE for row in plan.stage_rows()):
+        return (f"{head}, with the stages balanced but the pipeline idle {plan.bubble:.0%} of the step "
+                f"({plan.microbatches} microbatches): use more microbatches, or fewer stages")
+    latency = _link_latency(plan)
+    if latency is not None and part.optimal:  # proven: no split of these costs does better
+        each_way = " each way (the activation forward, its gradient back)" if part.training else ""
+        return (f"{head}: communication dominates: a tensor sent between stages costs at least "
+                f"{format_time(latency)} of link latency{each_way}, more than moving ops off the busiest stage "
+                "saves; use fewer stages, or a faster link")
+    if not part.optimal:
+        return (f"{head}, and the plan is not proven optimal: solve with --method auto (or a longer --time-limit) "
+                "before concluding that fewer stages would do")
+    op, seconds = max(((n, d["fwd"] + (d["bwd"] if part.training else 0.0)) for n, d in plan.graph.nx.nodes(data=True)),
+                      key=lambda item: item[1])
+    return (f"{head}: op {op} alone takes {format_time(seconds)} per microbatch and no split can run faster "
+            "than its stage; use fewer stages")
 
 
 def report(plan: Plan, *, plan_file: str | Path | None = None, files: dict[str, str | None] | None = None,
@@ -169,7 +219,7 @@ def stage_table(plan: Plan, *, title: str | None = None) -> Table:
               padding=(0, 1), collapse_padding=True)
     num = {"justify": "right", "no_wrap": True}
     for name, kw in (("stage", num), ("rank", num),
-                     ("modules", {"no_wrap": True, "overflow": "ellipsis", "max_width": 26}),
+                     ("modules", {"no_wrap": True, "overflow": "ellipsis", "max_width": 40}),
                      ("ops", num), ("params", num), ("act/mb", num), ("fwd", num), ("bwd", num),
                      ("comm in", num), ("comm out", num), ("memory / limit", num), ("share", num)):
         t.add_column(name, **kw)
@@ -186,6 +236,14 @@ def stage_table(plan: Plan, *, title: str | None = None) -> Table:
                   _comm(r["comm_in"], r["comm_in_bytes"]), _comm(r["comm_out"], r["comm_out_bytes"]),
                   mem, f"{r['share']:.0%}{mark}")
     return t
+
+
+def comm_legend(plan: Plan) -> str | None:
+    """What the stage table's comm columns count, when it differs from the cut-tensor list (training)."""
+    if not (plan.partition.training and plan.partition.transfers):
+        return None
+    return ("comm in/out: cut-tensor bytes per microbatch, and their link time both ways (activation forward, "
+            "gradient back)")
 
 
 def _comm(seconds: float, nbytes: float) -> str:
@@ -233,12 +291,12 @@ def headline(plan: Plan, *, solved: Plan | None = None) -> list[str]:
 def cut_table(plan: Plan) -> Table:
     t = Table(header_style="bold", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for name, kw in (("producer op", {}), ("module", {"overflow": "fold", "max_width": 30}), ("from", {"justify": "right"}),
-                     ("to stages", {}), ("bytes/mb", {"justify": "right"}), ("time", {"justify": "right"})):
+                     ("to stages", {}), ("bytes/mb", {"justify": "right"}), ("time each way", {"justify": "right"})):
         t.add_column(name, **kw)
     for c in cut_tensors(plan):
         kind = "skip" if any(d > c["src_stage"] + 1 for d in c["dst_stages"]) else ""
         t.add_row(f"{c['producer']} ({c['op']})" if c["op"] else c["producer"], c["module"] or "-",
-                  str(c["src_stage"]), ", ".join(map(str, c["dst_stages"])) + (f"  [{kind}]" if kind else ""),
+                  str(c["src_stage"]), ", ".join(map(str, c["dst_stages"])) + (escape(f"  [{kind}]") if kind else ""),
                   format_bytes(c["bytes"]), format_time(max(c["seconds"]) if c["seconds"] else 0.0))
     return t
 

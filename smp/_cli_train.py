@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -28,11 +27,11 @@ def check_plan_matches(plan_file: Path, spec: str, *, batch_size: int | None, se
                        microbatches: int):
     """Load ``plan_file`` and refuse it when it was made for another model (fingerprints differ)."""
     from partitioner.trace import fingerprint, trace
-    from smp.cli import _build
+    from smp.models import build_step
     from smp.plan import Plan, PlanError
 
     plan = Plan.load(plan_file)
-    bundle = _build(spec, batch_size=batch_size, seq_len=seq_len, meta=False, microbatches=microbatches)
+    bundle = build_step(spec, microbatches=microbatches, batch_size=batch_size, seq_len=seq_len)
     gm = trace(bundle.model, bundle.example_args, bundle.example_kwargs)
     fp = fingerprint(gm, bundle.model)
     want = plan.model.fingerprint
@@ -45,8 +44,12 @@ def check_plan_matches(plan_file: Path, spec: str, *, batch_size: int | None, se
 
 def run_train(spec: str, *, stages: int, microbatches: int, schedule: str, steps: int, batch_size: int | None,
               seq_len: int | None, lr: float, plan_file: Path | None, device: str | None, timeout: float,
-              json_out: bool, console: Any, err_console: Any) -> int:
-    """Check, launch, follow and summarise a training run; returns the exit code."""
+              json_out: bool, console: Any, err_console: Any, note: str | None = None, debug: bool = False) -> int:
+    """Check, launch, follow and summarise a training run; returns the exit code.
+
+    A failed run raises TrainError with the failing rank's own message; with ``debug`` the
+    workers' whole stderr (their tracebacks, torchrun's report) is copied to ours first.
+    """
     from smp.cli import CLIUsageError
     from smp.models import build
 
@@ -56,6 +59,9 @@ def run_train(spec: str, *, stages: int, microbatches: int, schedule: str, steps
         plan = check_plan_matches(plan_file, spec, batch_size=batch_size, seq_len=seq_len, microbatches=microbatches)
         if plan.num_ranks != stages:
             raise CLIUsageError(f"{plan_file} is a plan for {plan.num_ranks} ranks, but --stages is {stages}")
+        if plan.microbatches != microbatches:
+            raise CLIUsageError(f"{plan_file} is a plan for {plan.microbatches} microbatches, but --microbatches is "
+                                f"{microbatches}: drop --microbatches, or re-plan with it")
     import torch
 
     if device is None:
@@ -71,12 +77,15 @@ def run_train(spec: str, *, stages: int, microbatches: int, schedule: str, steps
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // stages)))
     env["PYTHONUNBUFFERED"] = "1"
     if not json_out:
+        if note:
+            err_console.print(f"[dim]{note}[/]")
         err_console.print(f"[dim]launching: torchrun --standalone --nproc_per_node={stages} -m smp._train_worker "
                           f"({device}, {'NCCL' if device == 'cuda' else 'gloo'})[/]")
     t_start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             cwd=os.getcwd())
     events: list[dict[str, Any]] = []
+    errors: list[dict[str, Any]] = []
     summary: dict[str, Any] = {}
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -103,7 +112,9 @@ def run_train(spec: str, *, stages: int, microbatches: int, schedule: str, steps
             if not line.startswith(EVENT_PREFIX):
                 continue
             event = json.loads(line[len(EVENT_PREFIX):])
-            if event.get("event") == "step":
+            if event.get("event") == "error":
+                errors.append(event)
+            elif event.get("event") == "step":
                 events.append(event)
                 bar.update(task, completed=event["step"],
                            info=f"loss {event['loss']:.4f} · {event['samples_per_s']:.1f} samples/s")
@@ -116,10 +127,9 @@ def run_train(spec: str, *, stages: int, microbatches: int, schedule: str, steps
             raise TimeoutError_(f"the training run passed --timeout {timeout:g} s and was stopped") from None
     reader.join(timeout=5)
     if code != 0 or not summary:
-        tail = "".join(err_lines[-15:]).strip()
-        from smp.plan import PlanError
-
-        raise PlanError(f"the training run failed (torchrun exit code {code}); last lines of its output:\n{tail}")
+        if debug:
+            sys.stderr.write("".join(err_lines))
+        raise TrainError(_failure(code, errors))
     if json_out:
         sys.stdout.write(json.dumps({"kind": "smp.train", "schema": 1, "job": job, "steps": events,
                                      "summary": summary}, indent=2) + "\n")
@@ -136,6 +146,24 @@ def run_train(spec: str, *, stages: int, microbatches: int, schedule: str, steps
         line += f"; predicted {format_time(predicted)} ({measured / predicted:.2f}x the prediction)"
     console.print(line)
     return 0
+
+
+def _failure(code: int, errors: list[dict[str, Any]]) -> str:
+    """One line on why a run failed: the first rank to report an error, in its own words."""
+    if not errors:
+        return (f"the training run failed (torchrun exit code {code}) before any rank could report why; "
+                "rerun with `smp --debug train ...` to see the ranks' output")
+    first = errors[0]
+    others = sorted({e["rank"] for e in errors} - {first["rank"]})
+    also = f" (rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} failed too)" if others else ""
+    if first.get("user_error"):
+        return f"rank {first['rank']}: {first['message']}{also}"
+    return (f"rank {first['rank']}: internal error ({first['message']}){also}; this is a bug in smp: rerun with "
+            "`smp --debug train ...` and report the traceback")
+
+
+class TrainError(ValueError):
+    """A training run that failed: the failing rank's own message (a user-facing error: exit 1, one line)."""
 
 
 class TimeoutError_(ValueError):

@@ -3,6 +3,8 @@
 Builds the model from its spec (same seed on every rank, so every rank holds the same
 initial weights), wraps it with ``smp.partition`` and trains on the spec's synthetic
 batch. Every rank gets the loss back from ``step()``; rank 0 prints ``SMP_TRAIN_EVENT {json}`` lines.
+A rank that fails prints an ``error`` event with its own message (the parent shows it as one
+line instead of torchrun's summary) and its traceback on stderr (shown with ``smp --debug``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 
 EVENT_PREFIX = "SMP_TRAIN_EVENT "
 
@@ -23,15 +26,29 @@ def _emit(event: dict) -> None:
 
 def main(argv: list[str]) -> int:
     job = json.loads(argv[0])
+    try:
+        return _train(job)
+    except Exception as err:  # noqa: BLE001 - every failure reaches the user as this rank's own message
+        from partitioner.trace import raised_by_user_code, user_code_message
+        from smp.cli import _user_error
+
+        message = user_code_message(err, "your code raised") if raised_by_user_code(err) else _user_error(err)
+        _emit({"event": "error", "rank": int(os.environ.get("RANK", "0")), "user_error": message is not None,
+               "message": " ".join((message or f"{type(err).__name__}: {err}").split())})
+        traceback.print_exc()
+        return 1
+
+
+def _train(job: dict) -> int:
     import torch
     import torch.distributed as dist
     from torch.utils._pytree import tree_map
 
     import smp
-    from smp.cli import _build
+    from smp.models import build_step
 
-    bundle = _build(job["spec"], batch_size=job["batch_size"], seq_len=job["seq_len"], meta=False,
-                    microbatches=job["microbatches"])
+    bundle = build_step(job["spec"], microbatches=job["microbatches"], batch_size=job["batch_size"],
+                        seq_len=job["seq_len"])
     device = torch.device(job["device"])
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

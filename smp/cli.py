@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+from rich.console import Console
 
 __all__ = ["app", "main", "CLIUsageError"]
 
@@ -51,13 +51,20 @@ class CLIUsageError(ValueError):
 # ------------------------------------------------------------------ consoles and errors
 
 
-def _console(stderr: bool = False):
-    from rich.console import Console
+class _Console(Console):
+    """A rich console that ends quietly with exit code 0 when its reader goes away (``smp ... | head -1``)."""
 
+    def on_broken_pipe(self) -> None:  # rich's own exits with 1
+        self.quiet = True
+        _silence_stdout()
+        raise SystemExit(0)
+
+
+def _console(stderr: bool = False) -> Console:
     stream = sys.stderr if stderr else sys.stdout
     tty = hasattr(stream, "isatty") and stream.isatty()
     width = None if tty else int(os.environ.get("COLUMNS", "160"))
-    return Console(file=stream, width=width, highlight=False, soft_wrap=False)
+    return _Console(file=stream, width=width, highlight=False, soft_wrap=False)
 
 
 def _echo_err(message: str) -> None:
@@ -98,6 +105,9 @@ def _command(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort):
             raise
+        except BrokenPipeError:  # `smp ... | head -1`: the reader has all it wanted
+            _silence_stdout()
+            raise typer.Exit(0) from None
         except KeyboardInterrupt:
             if _STATE["debug"]:
                 raise
@@ -117,6 +127,15 @@ def _command(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise typer.Exit(_exit_code(err)) from None
 
     return wrapper
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null after its reader went away, so that the flush at exit cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # not a real file (a test runner's capture): nothing to flush
+        pass
 
 
 def _choice(value: str | None, choices: tuple[str, ...], option: str) -> str | None:
@@ -197,7 +216,8 @@ ModelArg = Annotated[str, typer.Argument(
                           "`smp models` lists the zoo")]
 StagesOpt = Annotated[int, typer.Option("--stages", "-p", help="pipeline ranks (devices)")]
 MicrobatchesOpt = Annotated[Optional[int], typer.Option(
-    "--microbatches", "-m", help="microbatches per step \\[default: 2 x stages]")]
+    "--microbatches", "-m", help="microbatches per step \\[default: 2 x stages; with --batch-size, the largest "
+                                 "divisor of the batch not above that]")]
 ScheduleOpt = Annotated[str, typer.Option("--schedule", "-s", help="gpipe | 1f1b | interleaved | zb-h1")]
 ClusterOpt = Annotated[Optional[str], typer.Option(
     "--cluster", "-c", help="device profile: a built-in name (cpu, h100-sxm, a100-sxm, h100-pcie) or a path "
@@ -208,7 +228,9 @@ MemoryOpt = Annotated[Optional[str], typer.Option(
 MethodOpt = Annotated[str, typer.Option("--method", help="auto | dp | cpsat | uniform | params | blocks")]
 TimeLimitOpt = Annotated[Optional[float], typer.Option(
     "--time-limit", help="seconds the solver may spend \\[default: 10]")]
-BatchOpt = Annotated[Optional[int], typer.Option("--batch-size", "-b", help="batch size")]
+StepBatchOpt = Annotated[Optional[int], typer.Option(
+    "--batch-size", "-b", help="the whole batch of one step, split into the microbatches (a file model's sample "
+                               "rows are repeated or cut to it) \\[default: microbatches x the spec's sample batch]")]
 SeqOpt = Annotated[Optional[int], typer.Option("--seq-len", help="sequence length (sequence models)")]
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu | cuda: where measured timing runs")]
 TimingOpt = Annotated[Optional[str], typer.Option(
@@ -267,20 +289,6 @@ def _load_graph(path: str):
     except (KeyError, TypeError, AttributeError) as err:
         raise ValueError(f"{p} is a damaged op graph file ({type(err).__name__}: {err}); re-create it with "
                          "`smp profile`") from None
-
-
-def _build(spec: str, *, batch_size: int | None, seq_len: int | None, meta: bool,
-           microbatches: int = 1, whole_batch: bool = True):
-    """Build a zoo/file model. With ``whole_batch``, ``batch_size`` is the step's batch; without it,
-    one microbatch is the spec's ``batch`` and the step's batch is ``microbatches`` times that."""
-    from smp.models import build
-
-    if batch_size is None and microbatches > 1:
-        probe = build(spec, meta=True, seq_len=seq_len)
-        per_mb = probe.config.get("batch")
-        if isinstance(per_mb, int):
-            batch_size = per_mb * microbatches
-    return build(spec, batch_size=batch_size, seq_len=seq_len, meta=meta)
 
 
 def _timing_for(timing: str | None, meta: bool, cluster: str | None) -> tuple[str, str | None]:
@@ -375,7 +383,8 @@ def models_cmd(json_out: JsonOpt = False) -> None:
 def profile_cmd(
     model: ModelArg,
     batch_size: Annotated[Optional[int], typer.Option(
-        "--batch-size", "-b", help="batch profiled (one microbatch) \\[default: the spec's batch]")] = None,
+        "--batch-size", "-b", help="batch profiled (one microbatch; a file model's sample rows are repeated or cut "
+                                   "to it) \\[default: the spec's sample batch]")] = None,
     seq_len: SeqOpt = None,
     device: DeviceOpt = None,
     timing: TimingOpt = None,
@@ -396,8 +405,9 @@ def profile_cmd(
     timing_, profile_name = _timing_for(timing, meta, cluster)
     from partitioner.profile import profile
     from partitioner.trace import fingerprint, trace
+    from smp.models import build
 
-    bundle = _build(model, batch_size=batch_size, seq_len=seq_len, meta=meta)
+    bundle = build(model, batch_size=batch_size, seq_len=seq_len, meta=meta)
     t0 = time.perf_counter()
     gm = trace(bundle.model, bundle.example_args, bundle.example_kwargs)
     with _progress("profiling", not json_out) as cb:
@@ -487,6 +497,7 @@ def _make_plan(model: str, *, stages: int, microbatches: int, schedule: str, clu
                repeats: int, virtual_stages: int, show_progress: bool, objective: str = "bottleneck"):
     """A Plan from a model spec (trace + profile + solve) or from an op graph JSON (solve only)."""
     import smp
+    from smp.models import build_step
     from smp.plan import plan_from_graph
 
     _check_cluster(cluster)
@@ -504,7 +515,7 @@ def _make_plan(model: str, *, stages: int, microbatches: int, schedule: str, clu
                                    time_limit=time_limit, virtual_stages=virtual_stages, objective=objective)
     device = _choice(device, DEVICE_CHOICES, "--device")
     timing_, profile_name = _timing_for(timing, meta, cluster)
-    bundle = _build(model, batch_size=batch_size, seq_len=seq_len, meta=meta, microbatches=microbatches)
+    bundle = build_step(model, microbatches=microbatches, batch_size=batch_size, seq_len=seq_len, meta=meta)
     with _progress("profiling", show_progress) as cb:
         def progress(done: int, total: int) -> None:
             if cb is not None:
@@ -518,15 +529,38 @@ def _make_plan(model: str, *, stages: int, microbatches: int, schedule: str, clu
                         repeats=repeats, name=model, objective=objective, progress=progress)
 
 
-def _plan_args(stages: int, microbatches: int | None, schedule: str, method: str, memory_limit: str | None,
-               time_limit: float | None, repeats: int) -> tuple[int, str, str, int | None]:
+def _microbatches(stages: int, microbatches: int | None, batch_size: int | None) -> tuple[int, str | None]:
+    """The microbatch count, and a note for the output when it was chosen for the user.
+
+    Without --batch-size a microbatch is the spec's sample batch and any count works: 2 x
+    stages. With --batch-size B the count must divide B: the largest divisor of B not above
+    2 x stages.
+    """
+    _positive(batch_size, "--batch-size")
+    if microbatches is not None:
+        if batch_size is not None and batch_size % microbatches:
+            raise CLIUsageError(f"--batch-size {batch_size} does not split into --microbatches {microbatches}: "
+                                f"use a batch that is a multiple of {microbatches}, or a count that divides "
+                                f"{batch_size}")
+        return microbatches, None
+    if batch_size is None:
+        return 2 * stages, None
+    m = max(d for d in range(1, min(batch_size, 2 * stages) + 1) if batch_size % d == 0)
+    return m, (f"--microbatches defaults to {m}: the largest divisor of the batch ({batch_size}) "
+               f"not above 2 x {stages} stages")
+
+
+def _plan_args(stages: int, microbatches: int | None, batch_size: int | None, schedule: str, method: str,
+               memory_limit: str | None, time_limit: float | None,
+               repeats: int) -> tuple[int, str | None, str, str, int | None]:
+    """(microbatches, a note on how they were chosen, schedule, method, memory limit) from the options."""
     _positive(stages, "--stages")
     _positive(microbatches, "--microbatches")
     _positive(repeats, "--repeats")
     if time_limit is not None and time_limit <= 0:
         raise CLIUsageError(f"--time-limit must be more than 0 seconds, got {time_limit:g}")
-    m = microbatches if microbatches is not None else 2 * stages
-    return (m, _choice(schedule, SCHEDULE_CHOICES, "--schedule"), _choice(method, METHOD_CHOICES, "--method"),
+    m, note = _microbatches(stages, microbatches, batch_size)
+    return (m, note, _choice(schedule, SCHEDULE_CHOICES, "--schedule"), _choice(method, METHOD_CHOICES, "--method"),
             _size(memory_limit, "--memory-limit"))
 
 
@@ -541,7 +575,8 @@ def _header(plan) -> str:
     elif m.profiled_on:
         how += f" on {m.profiled_on}"
     batch = m.batch_size
-    mb = f"batch {batch} in {plan.microbatches} microbatches" if batch else f"{plan.microbatches} microbatches"
+    mb = (f"batch {batch} in {plan.microbatches} microbatches of {batch // plan.microbatches}" if batch
+          else f"{plan.microbatches} microbatches")
     params = f", {format_count(m.num_params)} parameters" if m.num_params else ""
     limit = part.memory_limit if part.memory_limit is not None else next(
         (s.memory_limit for s in part.stages if s.memory_limit), None)
@@ -554,12 +589,17 @@ def _header(plan) -> str:
 
 
 def _print_plan(plan, *, cuts: bool = False, files: dict[str, str | None] | None = None, title: str | None = None,
-                solved=None) -> None:
-    from smp._cli_render import cut_table, headline, stage_table, warnings_for
+                solved=None, note: str | None = None) -> None:
+    from smp._cli_render import comm_legend, cut_table, headline, stage_table, warnings_for
 
     con = _console()
     con.print(_header(plan))
+    if note:
+        con.print(note)
     con.print(stage_table(plan, title=title))
+    legend = comm_legend(plan)
+    if legend:
+        con.print(legend)
     con.print()
     for line in headline(plan, solved=solved):
         con.print(line)
@@ -609,9 +649,7 @@ def plan_cmd(
     memory_limit: MemoryOpt = None,
     method: MethodOpt = "auto",
     time_limit: TimeLimitOpt = None,
-    batch_size: Annotated[Optional[int], typer.Option(
-        "--batch-size", "-b", help="the whole batch of one step, split into the microbatches "
-                                   "\\[default: microbatches x the spec's batch]")] = None,
+    batch_size: StepBatchOpt = None,
     seq_len: SeqOpt = None,
     timing: TimingOpt = None,
     device: DeviceOpt = None,
@@ -628,7 +666,8 @@ def plan_cmd(
 ) -> None:
     """Partition a model into pipeline stages: per-stage table, predicted step time, bubble, lower bound, gap."""
     objective = _choice(objective.replace("-", "_"), ("bottleneck", "step_time"), "--objective")
-    m, sched, meth, limit = _plan_args(stages, microbatches, schedule, method, memory_limit, time_limit, repeats)
+    m, note, sched, meth, limit = _plan_args(stages, microbatches, batch_size, schedule, method, memory_limit,
+                                             time_limit, repeats)
     _positive(virtual_stages, "--virtual-stages")
     p = _make_plan(model, stages=stages, microbatches=m, schedule=sched, cluster=cluster, memory_limit=limit,
                    method=meth, time_limit=time_limit, batch_size=batch_size, seq_len=seq_len, timing=timing,
@@ -644,7 +683,7 @@ def plan_cmd(
 
         _print_json(report(p, plan_file=output, files=files))
         return
-    _print_plan(p, files=files)
+    _print_plan(p, files=files, note=note)
 
 
 # ------------------------------------------------------------------ inspect
@@ -753,8 +792,7 @@ def compare_cmd(
     time_limit: TimeLimitOpt = None,
     methods: Annotated[str, typer.Option("--methods", help="comma-separated methods to compare")] =
     ",".join(METHOD_CHOICES),
-    batch_size: Annotated[Optional[int], typer.Option(
-        "--batch-size", "-b", help="the whole batch of one step \\[default: microbatches x the spec's batch]")] = None,
+    batch_size: StepBatchOpt = None,
     seq_len: SeqOpt = None,
     timing: TimingOpt = None,
     device: DeviceOpt = None,
@@ -768,7 +806,8 @@ def compare_cmd(
     from smp.plan import plan_from_graph
     from smp.units import format_bytes, format_time
 
-    m, sched, _, limit = _plan_args(stages, microbatches, schedule, "auto", memory_limit, time_limit, repeats)
+    m, note, sched, _, limit = _plan_args(stages, microbatches, batch_size, schedule, "auto", memory_limit,
+                                          time_limit, repeats)
     wanted = [x.strip().lower() for x in methods.split(",") if x.strip()]
     for w in wanted:
         _choice(w, METHOD_CHOICES, "--methods")
@@ -812,7 +851,9 @@ def compare_cmd(
     from rich.table import Table
 
     con = _console()
-    con.print(_header(base).replace(" · cluster", " · cluster", 1))
+    con.print(_header(base))
+    if note:
+        con.print(note)
     t = Table(header_style="bold", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for col, kw in (("method", {}), ("bottleneck", {"justify": "right"}), ("step time", {"justify": "right"}),
                     ("bubble", {"justify": "right"}), ("memory peak", {"justify": "right"}),
@@ -889,8 +930,7 @@ def train_cmd(
     microbatches: MicrobatchesOpt = None,
     schedule: ScheduleOpt = "1f1b",
     steps: Annotated[int, typer.Option("--steps", help="training steps")] = 10,
-    batch_size: Annotated[Optional[int], typer.Option(
-        "--batch-size", "-b", help="the whole batch of one step \\[default: microbatches x the spec's batch]")] = None,
+    batch_size: StepBatchOpt = None,
     seq_len: SeqOpt = None,
     lr: Annotated[float, typer.Option("--lr", help="learning rate (Adam)")] = 1e-3,
     plan_file: Annotated[Optional[Path], typer.Option(
@@ -903,12 +943,15 @@ def train_cmd(
     """Train MODEL on synthetic data with the pipeline runtime: torchrun on this machine, one process per stage."""
     from smp._cli_train import run_train
 
-    m, sched, _, _ = _plan_args(stages, microbatches, schedule, "auto", None, None, 1)
+    if plan_file is not None and microbatches is None:  # the step the plan was made for
+        microbatches = _load_plan(plan_file).microbatches
+    m, note, sched, _, _ = _plan_args(stages, microbatches, batch_size, schedule, "auto", None, None, 1)
     _positive(steps, "--steps")
     device = _choice(device, DEVICE_CHOICES, "--device")
     code = run_train(model, stages=stages, microbatches=m, schedule=sched, steps=steps, batch_size=batch_size,
                      seq_len=seq_len, lr=lr, plan_file=plan_file, device=device, timeout=timeout,
-                     json_out=json_out, console=_console(), err_console=_console(stderr=True))
+                     json_out=json_out, console=_console(), err_console=_console(stderr=True), note=note,
+                     debug=_STATE["debug"])
     if code:
         raise typer.Exit(code)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-import torch
 from torch import nn
 
 __all__ = ["delay_param_initialization"]

@@ -284,7 +284,11 @@ class PipelinedModel:
     # ------------------------------------------------------------------ running
 
     def step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
-        """One training step on the full batch; returns the mean loss over microbatches on every rank."""
+        """One training step on the full batch; returns the mean loss over microbatches on every rank.
+
+        The loss of a microbatch is ``loss_fn(output, target)`` on its slice of ``target``, or
+        ``loss_fn(output, None)`` when no target is given (a loss that needs none).
+        """
         if self.loss_fn is None:
             raise RuntimeConfigError("step() trains and needs a loss: pass loss_fn=... to smp.partition "
                                      "(a function (output, target) -> scalar tensor)")

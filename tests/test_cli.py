@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from smp.cli import app
@@ -254,6 +255,13 @@ def test_plan_for_another_model_is_refused(plan_file):
     _fails(1, "train", GPT, "--stages", 2, "--plan", plan_file, match="made for another model")
 
 
+def test_train_with_a_plan_takes_its_microbatches(plan_file):
+    # plan_file: 4 microbatches. The default count was 2 x stages whatever the plan said.
+    _fails(2, "train", SMALL, "--stages", 2, "--plan", plan_file, "--batch-size", 6,
+           match="--batch-size 6 does not split into --microbatches 4")
+    _fails(2, "train", SMALL, "--stages", 2, "--plan", plan_file, "-m", 2, match="is a plan for 4 microbatches")
+
+
 def test_debug_shows_the_traceback(work):
     from smp.plan import PlanError
 
@@ -307,3 +315,194 @@ def test_train_runs_with_torchrun():
     # a real pipeline: two gloo ranks, rank 0 holding only its share of the model
     assert summary["world_size"] == 2 and summary["backend"] == "gloo"
     assert 0 < summary["rank0_params"] < summary["model_params"]
+
+
+# ------------------------------------------------------------------ batches of file models
+
+_FILE_MODEL = '''
+import torch
+from torch import nn
+
+
+def make():
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    return net, (torch.randn(8, 16),)
+'''
+
+
+@pytest.fixture(scope="module")
+def file_model(work) -> str:
+    path = work / "mine.py"
+    path.write_text(_FILE_MODEL)
+    return f"{path}:make"
+
+
+def test_file_model_sample_batch_is_one_microbatch(file_model, work):
+    # Was: the factory's 8 rows were the whole step, so the default 2 x 3 = 6 microbatches failed.
+    data = as_json(ok("plan", file_model, "--stages", 3, "--timing", "analytic", "--json"))
+    assert data["microbatches"] == 6 and data["model"]["batch_size"] == 6 * 8
+    # ... and planning from the saved op graph gave another step batch (48 there, 8 from the spec).
+    graph = work / "mine-graph.json"
+    ok("profile", file_model, "--timing", "analytic", "-o", graph)
+    from_graph = as_json(ok("plan", graph, "--stages", 3, "--json"))
+    assert from_graph["microbatches"] == 6 and from_graph["model"]["batch_size"] == data["model"]["batch_size"]
+
+
+def test_batch_size_sets_the_step_batch_of_a_file_model(file_model):
+    # Was silently ignored: the plan said batch 8 whatever --batch-size said.
+    data = as_json(ok("plan", file_model, "--stages", 2, "-m", 4, "--batch-size", 64, "--timing", "analytic",
+                      "--json"))
+    assert data["model"]["batch_size"] == 64 and data["microbatches"] == 4
+    res = ok("plan", file_model, "--stages", 3, "--batch-size", 20, "--timing", "analytic")
+    assert "batch 20 in 5 microbatches of 4" in res.stdout  # 5: the largest divisor of 20 not above 2 x 3
+    assert "--microbatches defaults to 5: the largest divisor of the batch (20) not above 2 x 3 stages" in res.stdout
+    data = as_json(ok("profile", file_model, "--batch-size", 3, "--timing", "analytic", "--json"))
+    assert data["batch_size"] == 3
+    _fails(2, "plan", file_model, "--stages", 2, "-m", 4, "--batch-size", 10, match="does not split into")
+    _fails(2, "plan", file_model, "--stages", 2, "--seq-len", 16, match=":make:seq_len=16")
+
+
+# ------------------------------------------------------------------ output details
+
+
+def test_closed_pipe_ends_quietly(plan_file, monkeypatch):
+    # `smp ... | head -1` exited 1 silently: rich's broken-pipe handler.
+    exe = Path(sys.executable).parent / "smp"
+    proc = subprocess.Popen([str(exe), "inspect", str(plan_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the first write
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0 and err == b"", err
+    # --json writes with sys.stdout.write, which raises BrokenPipeError itself.
+    from smp import cli
+
+    def closed(data):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli, "_print_json", closed)
+    res = smp("inspect", plan_file, "--json")
+    assert res.exit_code == 0 and res.stderr == ""
+
+
+def test_cut_tensor_table_marks_skips_and_link_times_are_explained(work):
+    # t5's encoder output feeds every decoder layer: on 3 stages it jumps from stage 0 to stage 2.
+    path = work / "t5.json"
+    data = as_json(ok("plan", "t5", "--stages", 3, "-m", 3, "--timing", "analytic", "--cluster", "cpu",
+                      "-o", path, "--json"))
+    skip = next(c for c in data["cut_tensors"] if max(c["dst_stages"]) > c["src_stage"] + 1)
+    out = ok("inspect", path).stdout
+    row = next(line for line in out.splitlines() if line.startswith(f"{skip['producer']} "))
+    assert "[skip]" in row  # rich used to eat "[skip]" as markup
+    # The stage table's link time counts the activation and its gradient: twice the cut list's one-way time.
+    stage = data["stages"][0]
+    one_way = sum(s for c in data["cut_tensors"] if c["src_stage"] == 0 for s in c["seconds"])
+    assert stage["comm_out_s"] == pytest.approx(2 * one_way, rel=1e-9)
+    assert "link time both ways (activation forward, gradient back)" in out and "time each way" in out
+
+
+def test_splitting_that_does_not_pay_says_so(work):
+    # A link whose latency dwarfs the model's work: the solver keeps (almost) everything on one stage.
+    profile = json.loads((ROOT / "profiles" / "cpu.json").read_text())
+    for link in profile["links"].values():
+        link["latency"], link["bandwidth"] = 1.0, 1e6
+    slow = work / "slow-link.json"
+    slow.write_text(json.dumps(profile))
+    data = as_json(ok("plan", GPT, "--stages", 2, "-m", 2, "--timing", "analytic", "--cluster", slow, "--json"))
+    assert data["speedup"] < 1.1
+    kinds = [w["kind"] for w in data["warnings"]]
+    assert "no_gain" in kinds and "imbalance" not in kinds  # not "more ops or a finer graph would even it out"
+    message = next(w["message"] for w in data["warnings"] if w["kind"] == "no_gain")
+    assert "communication dominates" in message and "use fewer stages" in message and "1.00 s" in message
+
+
+def test_splitting_that_does_not_pay_for_other_reasons_says_why(work):
+    # One microbatch: balanced stages, but the pipeline idles half the step.
+    data = as_json(ok("plan", GPT, "--stages", 2, "-m", 1, "--timing", "analytic", "--json"))
+    message = next(w["message"] for w in data["warnings"] if w["kind"] == "no_gain")
+    assert "stages balanced but the pipeline idle" in message and "use more microbatches" in message
+    # One op holds nearly all the work: on free links no split can beat it.
+    path = work / "one_big_op.py"
+    path.write_text("import torch\nfrom torch import nn\n\n\ndef make():\n"
+                    "    net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2048), nn.Linear(2048, 2048), nn.Linear(2048, 8))\n"
+                    "    return net, (torch.randn(4, 8),)\n")
+    data = as_json(ok("plan", f"{path}:make", "--stages", 2, "-m", 2, "--timing", "analytic", "--json"))
+    message = next(w["message"] for w in data["warnings"] if w["kind"] == "no_gain")
+    assert "alone takes" in message and "use fewer stages" in message and "communication" not in message
+
+
+def test_imbalance_advice_follows_where_the_bottleneck_spends_its_time(work):
+    profile = json.loads((ROOT / "profiles" / "cpu.json").read_text())
+    for link in profile["links"].values():
+        link["latency"], link["bandwidth"] = 1e-4, 1e9
+    link_file = work / "slowish-link.json"
+    link_file.write_text(json.dumps(profile))
+    data = as_json(ok("plan", "gpt:layers=2,d_model=64", "--stages", 3, "-m", 6, "--timing", "analytic",
+                      "--cluster", link_file, "--method", "params", "--json"))
+    worst = data["stages"][data["bottleneck_stage"]]
+    share = (worst["comm_in_s"] + worst["comm_out_s"]) / worst["time_s"]
+    assert share > 0.25 and data["speedup"] > 1.1
+    advice = [w["message"] for w in data["warnings"] if w["kind"] == "imbalance"]
+    assert advice and all(f"communication is {share:.0%} of the bottleneck stage's time, so fewer stages or a "
+                          "faster link would help more than a finer graph" in m for m in advice)
+
+
+def test_stage_labels_do_not_span_layers_a_stage_lacks():
+    from partitioner.cost import module_range
+
+    # A Llama stage holding layers 0-1 and one parameterless op of layer 3 read "model.layers.0–3".
+    label = module_range(["model.embed_tokens"] + ["model.layers.0.mlp"] * 9 + ["model.layers.1.mlp"] * 9
+                         + ["model.layers.3.self_attn"])
+    assert label == "model, model.layers.0–1 (+1 op of 3)"
+    assert module_range(["blocks.2.x"] * 3 + ["blocks.3.y"] * 4 + ["blocks.5.z"] * 2 + ["blocks.6.z"]) == \
+        "blocks.2–3 (+3 ops of 5–6)"
+
+
+# ------------------------------------------------------------------ train: file models, failures on ranks
+
+_NO_TARGET_NO_LOSS = '''
+import torch
+from torch import nn
+
+
+def make():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)), (torch.randn(4, 6),)
+
+
+def _bad_loss(output, target):
+    raise ValueError("this loss is not ready")
+
+
+def bad_loss():
+    model, args = make()
+    return {"model": model, "args": args, "loss_fn": _bad_loss}
+'''
+
+
+@pytest.fixture(scope="module")
+def train_file(work) -> Path:
+    path = work / "train_me.py"
+    path.write_text(_NO_TARGET_NO_LOSS)
+    return path
+
+
+@pytest.mark.slow
+def test_train_a_factory_that_returns_model_and_args(train_file):
+    # Was: the ranks stopped at "step() needs the target", and only torchrun's summary reached the user.
+    from smp.models import build_step
+
+    data = as_json(ok("train", f"{train_file}:make", "--stages", 2, "-m", 2, "--steps", 2, "--json",
+                      "--timeout", 300))
+    bundle = build_step(f"{train_file}:make", microbatches=2)  # the batch every rank trains on
+    with torch.no_grad():
+        mean_of_output = bundle.model(*bundle.example_args).float().mean().item()
+    assert data["summary"]["batch_size"] == 8  # 2 microbatches of the factory's 4 rows
+    assert data["steps"][0]["loss"] == pytest.approx(mean_of_output, rel=1e-5, abs=1e-6)  # docs/models.md's default
+
+
+@pytest.mark.slow
+def test_a_failing_rank_reports_its_own_error(train_file):
+    err = _fails(1, "train", f"{train_file}:bad_loss", "--stages", 2, "-m", 2, "--steps", 1, "--timeout", 300, "--json",
+                 match="your code raised ValueError: this loss is not ready")
+    line = next(i for i, text in enumerate(_NO_TARGET_NO_LOSS.splitlines(), 1) if "not ready" in text)
+    assert err.startswith("error: rank 1: ") and f"{train_file}:{line} in _bad_loss" in err
+    assert "torchrun" not in err and "To enable traceback" not in err

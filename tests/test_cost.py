@@ -102,7 +102,7 @@ def test_free_cluster_and_bounds():
 
 
 def test_module_range():
-    assert module_range(["embed", "layers.0.attn", "layers.5.mlp"]) == "embed, layers.0–5"
+    assert module_range(["embed", "layers.0.attn", "layers.5.mlp"]) == "embed, layers.0 (+1 op of 5)"
     assert module_range(["", "layers.3"]) == "layers.3"
     assert module_range([]) == ""
     # long lists keep every layer range, the first and last label, and mark the gap

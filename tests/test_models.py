@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 
 import smp.models as models
+from partitioner.trace import UserCodeError
 from smp.models import ModelBundle, SpecError, build, list_models, parse_spec
 
 ZOO_SPECS = [
@@ -315,9 +316,55 @@ def test_file_spec_missing_file(tmp_path: Path) -> None:
 
 def test_file_spec_import_error(tmp_path: Path) -> None:
     path = tmp_path / "broken.py"
-    path.write_text("raise RuntimeError('boom')\n")
-    with pytest.raises(SpecError, match=r"importing .* failed: RuntimeError: boom"):
+    path.write_text("import torch\n\nraise RuntimeError('boom')\n")
+    with pytest.raises(UserCodeError, match=rf"importing .* raised RuntimeError: boom; at {path}:3 in <module>"):
         build(f"{path}:make")
+    path.write_text("def make(:\n    pass\n")
+    with pytest.raises(UserCodeError, match=rf"raised SyntaxError: .*; at {path}:1 .*`def make\(:`"):
+        build(f"{path}:make")
+
+
+def test_a_factory_that_raises_is_reported_as_the_users_error(tmp_path: Path) -> None:
+    # Was a bare RuntimeError, which the CLI called "internal error ...; this is a bug in smp".
+    path = tmp_path / "mine.py"
+    path.write_text("def helper():\n    return {}['width']\n\n\ndef make():\n    return helper()\n")
+    with pytest.raises(UserCodeError) as info:
+        build(f"{path}:make")
+    message = str(info.value)
+    assert message.startswith(f"factory 'make' in '{path}' raised KeyError: 'width'")
+    assert f"at {path}:2 in helper: `return {{}}['width']`" in message  # the deepest line of the user's file
+    assert isinstance(info.value.__cause__, KeyError)
+
+
+# --------------------------------------------------------------------------- batches of file models
+
+
+def test_with_batch_repeats_or_cuts_the_rows_of_every_batched_tensor(factory_file: Path) -> None:
+    bundle = build(f"{factory_file}:as_dict")  # args (3, 4), target (3, 2)
+    big = models.with_batch(bundle, 7)
+    x, = big.example_args
+    assert x.shape == (7, 4) and big.target.shape == (7, 2)
+    assert torch.equal(x[:3], bundle.example_args[0]) and torch.equal(x[3:6], bundle.example_args[0])
+    small = models.with_batch(bundle, 2)
+    assert torch.equal(small.example_args[0], bundle.example_args[0][:2]) and small.target.shape == (2, 2)
+    assert models.with_batch(bundle, 3) is bundle
+
+
+def test_file_models_take_batch_size_and_refuse_seq_len(factory_file: Path) -> None:
+    # batch_size was silently ignored for file specs: the factory's batch of 3 came back.
+    assert build(f"{factory_file}:pair", batch_size=12).example_args[0].shape == (12, 4)
+    assert build(f"{factory_file}:pair", batch_size=12, meta=True).example_args[0].shape == (12, 4)
+    with pytest.raises(SpecError, match=r"file model.*:pair:seq_len=16"):
+        build(f"{factory_file}:pair", seq_len=16)
+
+
+def test_build_step_one_rule_for_zoo_and_file_models(factory_file: Path) -> None:
+    """The spec's sample batch is one microbatch; a step is `microbatches` of them unless batch_size says."""
+    step = models.build_step(f"{factory_file}:pair", microbatches=4)
+    assert step.example_args[0].shape == (12, 4)  # 4 microbatches of the factory's 3 rows
+    assert models.build_step(f"{factory_file}:pair", microbatches=4, batch_size=8).example_args[0].shape == (8, 4)
+    zoo = models.build_step("gpt:batch=2", microbatches=3)
+    assert zoo.example_args[0].shape[0] == 6 and zoo.config["batch"] == 6
 
 
 # --------------------------------------------------------------------------- Hugging Face builders

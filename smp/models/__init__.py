@@ -10,10 +10,12 @@ from smp.models.spec import (
     Option,
     SpecError,
     build,
+    build_step,
     get_model_info,
     list_models,
     parse_spec,
     register_model,
+    with_batch,
 )
 
 # Importing the zoo modules registers their models; the order here is the order `smp models` lists.
@@ -27,6 +29,8 @@ from smp.models.mlp import MLP  # noqa: E402
 
 __all__ = [
     "build",
+    "build_step",
+    "with_batch",
     "parse_spec",
     "list_models",
     "get_model_info",

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 from typing import Any, Iterator
 
 import torch
 
+from partitioner.trace import untangle_return_dict
 from smp.models.common import token_cross_entropy
 from smp.models.spec import BuildContext, Built, Option, SpecError, register_model
 
@@ -49,22 +49,11 @@ def require_transformers(model: str) -> Any:
     return transformers
 
 
-# Config keys shared by all three: no KV cache keeps the graphs free of cache objects, and
-# "eager" attention avoids SDPA/flash dispatch that torch.export handles less well.
-_COMMON = {"use_cache": False, "attn_implementation": "eager"}
-
-
-def _tuple_outputs(model: torch.nn.Module) -> torch.nn.Module:
-    """Make the top-level model return a tuple ``(logits, ...)`` instead of a ModelOutput.
-
-    ``return_dict=False`` cannot go into the shared config: in transformers 5 the inner
-    model (GPT2Model, BertModel) then returns a tuple too, and the outer head, which reads
-    ``outputs.last_hidden_state``, fails. So only the outer model gets its own copy of the
-    config with ``return_dict=False``; the submodules keep the original.
-    """
-    model.config = copy.copy(model.config)
-    model.config.return_dict = False
-    return model
+# Config keys shared by all three: no KV cache keeps the graphs free of cache objects,
+# "eager" attention avoids SDPA/flash dispatch that torch.export handles less well, and the
+# top-level model returns a tuple (logits, ...) (made to work under transformers 5 by
+# untangle_return_dict, as for any user's model).
+_COMMON = {"use_cache": False, "attn_implementation": "eager", "return_dict": False}
 
 
 def _check_heads(model: str, d_model: int, heads: int) -> None:
@@ -113,7 +102,8 @@ def build_hf_gpt2(cfg: dict[str, Any], ctx: BuildContext) -> Built:
         **_COMMON,
     )
     with _offline():
-        model = _tuple_outputs(tf.GPT2LMHeadModel(config))
+        model = tf.GPT2LMHeadModel(config)
+        untangle_return_dict(model)
     tokens = ctx.randint(cfg["vocab"], (cfg["batch"], cfg["seq_len"] + 1))
     input_ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     # Labels go to our loss_fn, not to the model: the model returns (logits,) only.
@@ -146,7 +136,8 @@ def build_hf_bert(cfg: dict[str, Any], ctx: BuildContext) -> Built:
         **_COMMON,
     )
     with _offline():
-        model = _tuple_outputs(tf.BertForMaskedLM(config))
+        model = tf.BertForMaskedLM(config)
+        untangle_return_dict(model)
     batch, seq = cfg["batch"], cfg["seq_len"]
     input_ids = ctx.randint(cfg["vocab"], (batch, seq))
     attention_mask = torch.ones(batch, seq, dtype=torch.long, device=ctx.input_device)
@@ -188,7 +179,8 @@ def build_hf_t5(cfg: dict[str, Any], ctx: BuildContext) -> Built:
         **_COMMON,
     )
     with _offline():
-        model = _tuple_outputs(tf.T5ForConditionalGeneration(config))
+        model = tf.T5ForConditionalGeneration(config)
+        untangle_return_dict(model)
     batch, seq = cfg["batch"], cfg["seq_len"]
     dec_seq = cfg["dec_seq_len"] or seq
     input_ids = ctx.randint(cfg["vocab"], (batch, seq))

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import hashlib
 import importlib.util
 import inspect
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
+
+from partitioner.microbatch import batch_size as sample_batch_size
+from partitioner.trace import UserCodeError, user_code_message
 
 __all__ = [
     "SpecError",
@@ -27,6 +32,8 @@ __all__ = [
     "list_models",
     "get_model_info",
     "build",
+    "build_step",
+    "with_batch",
 ]
 
 
@@ -454,12 +461,20 @@ def build(
 
     ``spec`` is a zoo name with options (``gpt:layers=24,d_model=1024``, ``gpt:size=1b``,
     ``gpt-1b``) or ``path/to/file.py:factory[:k=v,...]``. ``batch_size``/``seq_len`` win
-    over the spec's ``batch``/``seq_len``. ``meta=True`` puts model and inputs on the meta
+    over the spec's ``batch``/``seq_len``; a file model's sample inputs are cut or repeated
+    along dim 0 to ``batch_size`` rows (see ``with_batch``), and its sizes come from its
+    factory's options, not ``seq_len``. ``meta=True`` puts model and inputs on the meta
     device (no memory; for analytic planning). ``seed`` makes weights and inputs repeatable.
     """
     name, raw, factory = _split_spec(spec)
     if factory is not None:
+        if seq_len is not None:
+            raise SpecError(f"{spec!r} is a file model: its sizes come from its factory's options, not from a "
+                            f"sequence length; write '{name}:{factory}:seq_len={seq_len}' if {factory}() takes "
+                            "seq_len")
         bundle = _build_from_file(spec, name, factory, raw, meta=meta, seed=seed)
+        if batch_size is not None:
+            bundle = with_batch(bundle, batch_size)
     else:
         _ensure_zoo_loaded()
         entry, alias_opts = _lookup(name)
@@ -508,6 +523,54 @@ def build(
     return bundle
 
 
+def with_batch(bundle: ModelBundle, batch: int) -> ModelBundle:
+    """``bundle`` with a batch of ``batch`` rows: its sample inputs and target cut or repeated along dim 0.
+
+    Only tensors whose dim 0 is the sample's batch size change (as when a batch is split
+    into microbatches); repeated rows are copies, which is all planning needs (shapes)
+    and all synthetic training data is.
+    """
+    size = sample_batch_size(bundle.example_args, bundle.example_kwargs)
+    if size is None:
+        raise SpecError(f"cannot give {bundle.name!r} a batch of {batch}: none of its sample inputs is a tensor "
+                        "with a batch dimension (dim 0)")
+    if batch < 1:
+        raise SpecError(f"a batch must have at least one row, got {batch}")
+    if batch == size:
+        return bundle
+
+    def fit(leaf: Any) -> Any:
+        if not (isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == size):
+            return leaf
+        if batch < size:
+            return leaf[:batch]
+        return leaf.repeat(-(-batch // size), *([1] * (leaf.dim() - 1)))[:batch]
+
+    args, kwargs, target = tree_map(fit, (bundle.example_args, bundle.example_kwargs, bundle.target))
+    return replace(bundle, example_args=tuple(args), example_kwargs=dict(kwargs), target=target)
+
+
+def build_step(spec: str, *, microbatches: int, batch_size: int | None = None, seq_len: int | None = None,
+               meta: bool = False, seed: int = 0) -> ModelBundle:
+    """A bundle whose sample is the whole batch of one pipeline step, by the CLI's one rule.
+
+    The sample batch a spec builds (a zoo model's ``batch`` option, a factory's inputs) is
+    one microbatch, so a step's batch is ``microbatches`` times it; ``batch_size`` gives the
+    step's batch instead. A zoo model draws fresh rows for the larger batch; a file model's
+    rows are repeated (``with_batch``).
+    """
+    factory = _split_spec(spec)[2]
+    if batch_size is not None or microbatches == 1:
+        return build(spec, batch_size=batch_size, seq_len=seq_len, meta=meta, seed=seed)
+    if factory is None:  # the zoo: read the sample batch on meta (no memory), then build once at the step's batch
+        probe = build(spec, seq_len=seq_len, meta=True, seed=seed)
+        size = sample_batch_size(probe.example_args, probe.example_kwargs)
+        return build(spec, batch_size=size * microbatches if size else None, seq_len=seq_len, meta=meta, seed=seed)
+    bundle = build(spec, seq_len=seq_len, meta=meta, seed=seed)
+    size = sample_batch_size(bundle.example_args, bundle.example_kwargs)
+    return with_batch(bundle, size * microbatches) if size else bundle
+
+
 # --------------------------------------------------------------------------- file specs
 
 
@@ -522,9 +585,10 @@ def _load_module(path: Path, spec: str) -> Any:
     sys.modules[module_name] = module
     try:
         mod_spec.loader.exec_module(module)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever the file raises is the file's
         sys.modules.pop(module_name, None)
-        raise SpecError(f"importing {str(path)!r} (from spec {spec!r}) failed: {type(exc).__name__}: {exc}") from exc
+        raise UserCodeError(user_code_message(exc, f"importing {str(path)!r} (from spec {spec!r}) raised",
+                                              file=str(path))) from exc
     return module
 
 
@@ -607,13 +671,14 @@ def _build_from_file(
         inspect.signature(fn).bind(**kwargs)
     except TypeError as exc:
         raise SpecError(f"factory {factory!r} in {path_text!r} does not accept options {sorted(kwargs)}: {exc}") from None
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        if meta:
-            with torch.device("meta"):
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            with torch.device("meta") if meta else contextlib.nullcontext():
                 result = fn(**kwargs)
-        else:
-            result = fn(**kwargs)
+    except Exception as exc:  # noqa: BLE001 - whatever the factory raises is the factory's
+        raise UserCodeError(user_code_message(exc, f"factory {factory!r} in {path_text!r} raised",
+                                              file=str(path))) from exc
     return _bundle_from_factory_result(result, spec, path_text, factory, kwargs)
 
 
