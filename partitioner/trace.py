@@ -122,6 +122,7 @@ def trace(
     kwargs = dict(example_kwargs or {})
     bound = _bind(model, args, kwargs)
     untangle_return_dict(model)
+    drop_generation_cache(model)
     # The model runs once as it is: an error there is the model's (or its inputs'), not the tracer's,
     # and its output is what the traced program must reproduce.
     expected = None
@@ -502,6 +503,19 @@ def untangle_return_dict(model: nn.Module) -> None:
         model.config = copy.copy(top)
     for config in inner.values():
         config.return_dict = True
+
+
+def drop_generation_cache(model: nn.Module) -> None:
+    """Turn a Hugging Face model's key/value cache off (a no-op for any other model).
+
+    ``use_cache=True`` (transformers' default) makes the model return a ``DynamicCache``,
+    which torch.export cannot trace through; the cache serves generation, not training
+    steps or the forward passes smp runs, so it is switched off in the model's config.
+    """
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "use_cache", None) is True:
+            config.use_cache = False
 
 
 def _on_meta(model: nn.Module) -> bool:

@@ -67,11 +67,36 @@ class Ownership:
         self.holders = holders
         local = set(range(sched.num_ranks)) if rank is None else {rank}
         self.local_ids = {i for i, rs in holders.items() if rs & local}
-        _drop(model, roots, set(holders) - self.local_ids)
+        # Facts here are keyed by tensor id: the tensors replaced below are kept alive so that no
+        # new tensor can reuse an id (an emptied or meta tensor holds no memory).
+        self._retired = _drop(model, roots, set(holders) - self.local_ids)
+        self.rank = rank
+        self._find_ties()
+
+    def rekey(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Follow tensors that materialization replaced (a meta tensor by a real one): same facts, new ids."""
+        if not pairs:
+            return
+        new_id = {id(old): id(new) for old, new in pairs}
+        self._retired.extend(old for old, _ in pairs)
+
+        def ids(xs: set[int]) -> set[int]:
+            return {new_id.get(i, i) for i in xs}
+
+        self.names = {new_id.get(i, i): n for i, n in self.names.items()}
+        self.canonical = {new_id.get(i, i): n for i, n in self.canonical.items()}
+        self.holders = {new_id.get(i, i): rs for i, rs in self.holders.items()}
+        self.local_ids = ids(self.local_ids)
+        self.stage_param_ids = {s: ids(v) for s, v in self.stage_param_ids.items()}
+        self._find_ties()
+
+    def _find_ties(self) -> None:
+        """Parameters this rank holds together with other ranks (a tied embedding and LM head on two stages)."""
         self.ties: dict[tuple[int, ...], list[nn.Parameter]] = {}
+        rank = self.rank
         if rank is not None:
-            for p in model.parameters():
-                rs = tuple(sorted(holders.get(id(p), {0})))
+            for p in self.model.parameters():
+                rs = tuple(sorted(self.holders.get(id(p), {0})))
                 if len(rs) > 1 and rank in rs:
                     self.ties.setdefault(rs, []).append(p)
 
@@ -103,10 +128,11 @@ def _readers_by_stage(program: Program, sched: Schedule) -> tuple[dict[int, set[
     return holders, per_stage
 
 
-def _drop(model: nn.Module, roots: Sequence[nn.Module], drop: set[int]) -> None:
-    """Replace the tensors with ids in ``drop`` by meta tensors of the same shape in the model and every root."""
+def _drop(model: nn.Module, roots: Sequence[nn.Module], drop: set[int]) -> list[torch.Tensor]:
+    """Replace the tensors with ids in ``drop`` by meta tensors of the same shape in the model and every root;
+    returns the replaced tensors (emptied)."""
     if not drop:
-        return
+        return []
     dropped: dict[int, torch.Tensor] = {}
     for root in [model, *roots]:
         for mod in root.modules():
@@ -121,6 +147,7 @@ def _drop(model: nn.Module, roots: Sequence[nn.Module], drop: set[int]) -> None:
     # those references hold no memory (they get no gradient, so optimizers skip them).
     for t in dropped.values():
         t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+    return list(dropped.values())
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -58,17 +58,21 @@ def local_tensors(model: nn.Module, local_ids: set[int]) -> list[LocalTensor]:
     return list(found.values())
 
 
-def materialize(model: nn.Module, local_ids: set[int], device: torch.device, *, source: WeightSource | None = None,
-                init_fn: Callable[[nn.Module], None] | None = None, seed: int = 0) -> list[LocalTensor]:
+def materialize(model: nn.Module, roots: Sequence[nn.Module], local_ids: set[int], device: torch.device, *,
+                source: WeightSource | None = None, init_fn: Callable[[nn.Module], None] | None = None,
+                seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Put this rank's tensors on ``device`` and give the ones that had no values (meta) their values.
 
-    With ``source`` every parameter and persistent buffer is read from the checkpoint (by
-    any of its names; a tied weight on every stage that holds it); a non-persistent buffer
-    keeps its value unless it had none. Without one, each module owning a tensor that was
-    on the meta device is initialized by ``init_fn(module)``, else its own
-    ``reset_parameters()``, else a Hugging Face model's ``_init_weights(module)``; the
-    random numbers are seeded by ``seed`` and the module's name, so a module gets the same
-    weights on every rank and under every partition.
+    A tensor on the meta device is replaced by a new one on ``device`` in the model and in
+    every ``roots`` module (the traced programs); the (replaced, replacement) pairs are
+    returned. A real tensor moves in place (``.data``), so references to
+    it, an optimizer's for one, stay valid. With ``source`` every parameter and persistent
+    buffer is read from the checkpoint (by any of its names; a tied weight on every stage
+    that holds it); a non-persistent buffer keeps its value unless it had none. Without
+    one, each module owning a tensor that was on the meta device is initialized by
+    ``init_fn(module)``, else by its own ``reset_parameters()`` followed by a Hugging Face
+    model's ``_init_weights(module)`` (either alone when there is one); the random numbers are seeded by ``seed`` and the module's
+    name, so a module gets the same weights on every rank and under every partition.
     """
     tensors = local_tensors(model, local_ids)
     for lt in tensors:
@@ -78,25 +82,39 @@ def materialize(model: nn.Module, local_ids: set[int], device: torch.device, *, 
         fill = _checkpoint_names(tensors, source)
     else:
         inits = _initializers(model, [lt for lt in tensors if lt.was_meta], init_fn)
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     for lt in tensors:
         t = lt.tensor
         if t.is_meta:
             new = torch.empty_like(t, device=device)
+            if isinstance(t, nn.Parameter):
+                new = nn.Parameter(new, requires_grad=t.requires_grad)
+            pairs.append((t, new))
+            lt.tensor = new
         elif t.device != device:
-            new = t.detach().to(device)
-        else:
-            continue
-        if isinstance(t, nn.Parameter):
-            new = nn.Parameter(new, requires_grad=t.requires_grad)
-        torch.utils.swap_tensors(t, new)
+            t.data = t.data.to(device)
+    replaced = {id(old): new for old, new in pairs}
+    _replace(model, roots, replaced)
     if source is not None:
-        source.read(fill)
+        source.read({name: replaced.get(id(t), t) for name, t in fill.items()})
     else:
         for path, init in inits:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
                 torch.manual_seed(seed + zlib.crc32(path.encode()))
                 init()
-    return tensors
+    return pairs
+
+
+def _replace(model: nn.Module, roots: Sequence[nn.Module], replaced: Mapping[int, torch.Tensor]) -> None:
+    """Swap each replaced tensor for its replacement wherever a module of the model or of a root holds it."""
+    if not replaced:
+        return
+    for root in [model, *roots]:
+        for module in root.modules():
+            for store in (module._parameters, module._buffers):
+                for key, t in list(store.items()):
+                    if t is not None and id(t) in replaced:
+                        store[key] = replaced[id(t)]
 
 
 def _checkpoint_names(tensors: list[LocalTensor], source: WeightSource) -> dict[str, torch.Tensor]:
@@ -128,12 +146,14 @@ def _initializers(model: nn.Module, fresh: list[LocalTensor], init_fn: Callable[
         modules.setdefault(lt.module_path, (lt.module, []))[1].append(lt.names[0])
     out: list[tuple[str, Callable[[], object]]] = []
     for path, (module, names) in sorted(modules.items()):
+        reset = getattr(module, "reset_parameters", None)
         if init_fn is not None:
             out.append((path, lambda m=module: init_fn(m)))
-        elif callable(getattr(module, "reset_parameters", None)):
-            out.append((path, module.reset_parameters))
-        elif hf_init is not None:
-            out.append((path, lambda m=module: hf_init(m)))
+        elif callable(reset) or hf_init is not None:
+            # the module's own reset, then the model's policy (Hugging Face's std 0.02 where it has one)
+            steps = [f for f in (reset if callable(reset) else None,
+                                 (lambda m=module: hf_init(m)) if hf_init is not None else None) if f is not None]
+            out.append((path, lambda steps=steps: [f() for f in steps]))
         else:
             raise MaterializeError(
                 f"module {path or '(root)'!r} ({type(module).__name__}) holds {names[:3]} on the meta device and has "

@@ -14,7 +14,9 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,11 +52,39 @@ def run_train(spec: str, *, stages: int, microbatches: int, schedule: str, steps
     A failed run raises TrainError with the failing rank's own message; with ``debug`` the
     workers' whole stderr (their tracebacks, torchrun's report) is copied to ours first.
     """
-    from smp.cli import CLIUsageError
+    device = _check_job(spec, stages=stages, microbatches=microbatches, batch_size=batch_size, seq_len=seq_len,
+                        plan_file=plan_file, device=device)
+    job = {"spec": spec, "stages": stages, "microbatches": microbatches, "schedule": schedule, "steps": steps,
+           "batch_size": batch_size, "seq_len": seq_len, "lr": lr, "device": device, "timeout": timeout,
+           "plan": str(plan_file) if plan_file is not None else None}
+    if not json_out:
+        if note:
+            err_console.print(f"[dim]{note}[/]")
+        err_console.print(f"[dim]launching: torchrun --standalone --nproc_per_node={stages} -m smp._train_worker "
+                          f"({device}, {'NCCL' if device == 'cuda' else 'gloo'})[/]")
+    run = _follow(job, timeout=timeout, err_console=err_console, show=not json_out)
+    if run.code != 0 or not run.summary:
+        if debug:
+            sys.stderr.write("".join(run.err_lines))
+        raise TrainError(_failure(run.code, run.errors))
+    if json_out:
+        sys.stdout.write(json.dumps({"kind": "smp.train", "schema": 1, "job": job, "steps": run.steps,
+                                     "summary": run.summary}, indent=2) + "\n")
+        return 0
+    _print_run(run, console)
+    return 0
+
+
+def _check_job(spec: str, *, stages: int, microbatches: int, batch_size: int | None, seq_len: int | None,
+               plan_file: Path | None, device: str | None) -> str:
+    """Refuse a bad spec, a plan for another model or shape, or GPUs that are not there, before any process starts;
+    returns the device the ranks run on."""
+    import torch
+
+    from smp._cli_errors import CLIUsageError
     from smp.models import build
 
-    build(spec, meta=True, seq_len=seq_len)  # a bad spec fails here, before any process starts
-    plan = None
+    build(spec, meta=True, seq_len=seq_len)
     if plan_file is not None:
         plan = check_plan_matches(plan_file, spec, batch_size=batch_size, seq_len=seq_len, microbatches=microbatches)
         if plan.num_ranks != stages:
@@ -62,90 +92,88 @@ def run_train(spec: str, *, stages: int, microbatches: int, schedule: str, steps
         if plan.microbatches != microbatches:
             raise CLIUsageError(f"{plan_file} is a plan for {plan.microbatches} microbatches, but --microbatches is "
                                 f"{microbatches}: drop --microbatches, or re-plan with it")
-    import torch
-
     if device is None:
         device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= stages else "cpu"
     if device == "cuda" and torch.cuda.device_count() < stages:
         raise CLIUsageError(f"--device cuda needs {stages} GPUs, this machine has {torch.cuda.device_count()}")
-    job = {"spec": spec, "stages": stages, "microbatches": microbatches, "schedule": schedule, "steps": steps,
-           "batch_size": batch_size, "seq_len": seq_len, "lr": lr, "device": device, "timeout": timeout,
-           "plan": str(plan_file) if plan_file is not None else None}
+    return device
+
+
+@dataclass
+class _Run:
+    """What torchrun's ranks reported: exit code, step events, the summary, errors, and their stderr."""
+
+    code: int
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+    errors: list[dict[str, Any]] = field(default_factory=list)
+    err_lines: list[str] = field(default_factory=list)
+
+
+def _follow(job: dict[str, Any], *, timeout: float, err_console: Any, show: bool) -> _Run:
+    """Run torchrun with the job and follow its event lines (a progress bar on a terminal) until it ends."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    stages = job["stages"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={stages}",
            "-m", "smp._train_worker", json.dumps(job)]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // stages)))
     env["PYTHONUNBUFFERED"] = "1"
-    if not json_out:
-        if note:
-            err_console.print(f"[dim]{note}[/]")
-        err_console.print(f"[dim]launching: torchrun --standalone --nproc_per_node={stages} -m smp._train_worker "
-                          f"({device}, {'NCCL' if device == 'cuda' else 'gloo'})[/]")
     t_start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             cwd=os.getcwd())
-    events: list[dict[str, Any]] = []
-    errors: list[dict[str, Any]] = []
-    summary: dict[str, Any] = {}
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    import threading
-
-    err_lines: list[str] = []
+    run = _Run(code=-1)
 
     def pump_stderr() -> None:
         assert proc.stderr is not None
         for line in proc.stderr:
-            err_lines.append(line)
+            run.err_lines.append(line)
 
     reader = threading.Thread(target=pump_stderr, daemon=True)
     reader.start()
+    stopped = f"the training run passed --timeout {timeout:g} s and was stopped"
     with Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                   TimeElapsedColumn(), console=err_console, transient=True,
-                  disable=json_out or not err_console.is_terminal) as bar:
-        task = bar.add_task("train", total=steps, info="")
+                  disable=not show or not err_console.is_terminal) as bar:
+        task = bar.add_task("train", total=job["steps"], info="")
         assert proc.stdout is not None
         for line in proc.stdout:
             if time.perf_counter() - t_start > timeout:
                 proc.kill()
-                raise TimeoutError_(f"the training run passed --timeout {timeout:g} s and was stopped")
+                raise TimeoutError_(stopped)
             if not line.startswith(EVENT_PREFIX):
                 continue
             event = json.loads(line[len(EVENT_PREFIX):])
             if event.get("event") == "error":
-                errors.append(event)
+                run.errors.append(event)
             elif event.get("event") == "step":
-                events.append(event)
+                run.steps.append(event)
                 bar.update(task, completed=event["step"],
                            info=f"loss {event['loss']:.4f} · {event['samples_per_s']:.1f} samples/s")
             elif event.get("event") == "summary":
-                summary = event
+                run.summary = event
         try:
-            code = proc.wait(timeout=max(1.0, timeout - (time.perf_counter() - t_start)))
+            run.code = proc.wait(timeout=max(1.0, timeout - (time.perf_counter() - t_start)))
         except subprocess.TimeoutExpired:
             proc.kill()
-            raise TimeoutError_(f"the training run passed --timeout {timeout:g} s and was stopped") from None
+            raise TimeoutError_(stopped) from None
     reader.join(timeout=5)
-    if code != 0 or not summary:
-        if debug:
-            sys.stderr.write("".join(err_lines))
-        raise TrainError(_failure(code, errors))
-    if json_out:
-        sys.stdout.write(json.dumps({"kind": "smp.train", "schema": 1, "job": job, "steps": events,
-                                     "summary": summary}, indent=2) + "\n")
-        return 0
+    return run
+
+
+def _print_run(run: _Run, console: Any) -> None:
     from smp.units import format_time
 
-    for e in events:
+    for e in run.steps:
         console.print(f"step {e['step']:>4}  loss {e['loss']:.4f}  {format_time(e['seconds'])}  "
                       f"{e['samples_per_s']:.1f} samples/s")
-    measured = summary.get("measured_step_time")
-    predicted = summary.get("predicted_step_time")
+    measured = run.summary.get("measured_step_time")
+    predicted = run.summary.get("predicted_step_time")
     line = f"measured step time {format_time(measured)} (median after the first step)"
     if predicted:
         line += f"; predicted {format_time(predicted)} ({measured / predicted:.2f}x the prediction)"
     console.print(line)
-    return 0
 
 
 def _failure(code: int, errors: list[dict[str, Any]]) -> str:

@@ -30,7 +30,7 @@ def main(argv: list[str]) -> int:
         return _train(job)
     except Exception as err:  # noqa: BLE001 - every failure reaches the user as this rank's own message
         from partitioner.trace import raised_by_user_code, user_code_message
-        from smp.cli import _user_error
+        from smp._cli_errors import user_error as _user_error
 
         message = user_code_message(err, "your code raised") if raised_by_user_code(err) else _user_error(err)
         _emit({"event": "error", "rank": int(os.environ.get("RANK", "0")), "user_error": message is not None,

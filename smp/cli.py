@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+
+from smp._cli_errors import CLIUsageError, exit_code as _exit_code, user_error as _user_error
 from rich.console import Console
 
 __all__ = ["app", "main", "CLIUsageError"]
@@ -44,10 +46,6 @@ app = typer.Typer(
 _STATE: dict[str, Any] = {"debug": False}
 
 
-class CLIUsageError(ValueError):
-    """Bad command-line usage (a bad option value): exit code 2."""
-
-
 # ------------------------------------------------------------------ consoles and errors
 
 
@@ -69,31 +67,6 @@ def _console(stderr: bool = False) -> Console:
 
 def _echo_err(message: str) -> None:
     typer.echo(message, err=True)
-
-
-def _exit_code(err: BaseException) -> int:
-    from partitioner.microbatch import MicrobatchError
-    from smp.models import SpecError
-
-    return 2 if isinstance(err, (CLIUsageError, SpecError, MicrobatchError)) else 1
-
-
-def _user_error(err: BaseException) -> str | None:
-    """The one-line message for an error a user can fix, or None for a bug."""
-    from partitioner.errors import PlanningError
-    from partitioner.trace import TraceError
-    from smp.models import SpecError
-    from smp.plan import PlanError
-
-    if isinstance(err, (CLIUsageError, SpecError, PlanError, PlanningError, TraceError)):
-        return str(err)
-    if isinstance(err, FileNotFoundError):
-        return str(err) if not err.filename else f"no such file: {err.filename}"
-    if isinstance(err, (IsADirectoryError, PermissionError)):
-        return f"cannot use {err.filename}: {err.strerror}"
-    if isinstance(err, (ValueError, json.JSONDecodeError)):
-        return str(err)
-    return None
 
 
 def _command(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -26,7 +26,7 @@ from runtime.checkpoint import CheckpointError, load_pipeline, open_weights, sav
 from runtime.gradients import global_grad_norm
 from runtime.memory import rank_memory
 from runtime.materialize import MaterializeError, materialize
-from runtime.split import SplitError, carry_stages, cut_edges, state_meta_of
+from runtime.split import SplitError, carry_stages, cut_edges, retarget_device, state_meta_of
 
 __all__ = ["partition", "PipelinedModel", "PipelineError", "RuntimeConfigError"]
 
@@ -191,6 +191,7 @@ class PipelinedModel:
             check_world(plan, self.world_size)
         # traced on one microbatch: an export-traced program is specialised to the shapes it runs on
         micro_args, micro_kwargs = _first_microbatch(args, kwargs, plan.microbatches)
+        on_meta = any(t.is_meta for t in [*self.module.parameters(), *self.module.buffers()])
         was_training = self.module.training
         programs: dict[bool, Program] = {}
         errors: dict[bool, str] = {}
@@ -207,6 +208,8 @@ class PipelinedModel:
                             raise
                         errors[mode] = f"tracing it failed ({type(err).__name__}: {str(err).splitlines()[0]})"
                         continue
+                    if on_meta:  # "the model's device" is this rank's device, not meta
+                        retarget_device(gm, torch.device("meta"), self.device)
                     program = self._program(plan, gm, programs.get(True), errors, mode)
                     if program is not None:
                         programs[mode] = program
@@ -216,10 +219,11 @@ class PipelinedModel:
         ownership = Ownership(self.module, programs[True], [p.gm for p in programs.values()],
                               rank=self.rank if self.distributed else None)
         try:
-            materialize(self.module, ownership.local_ids, self.device, source=self.checkpoint, init_fn=self.init_fn,
-                        seed=self.init_seed)
+            replaced = materialize(self.module, [p.gm for p in programs.values()], ownership.local_ids, self.device,
+                                   source=self.checkpoint, init_fn=self.init_fn, seed=self.init_seed)
         except (MaterializeError, CheckpointError) as err:
             raise RuntimeConfigError(f"rank {self.rank}: {err}") from None
+        ownership.rekey(replaced)
         comm = Comm(self.rank, self.timeout, [plan.schedule.stages_of(r) for r in range(plan.num_ranks)]) \
             if self.distributed else None
         return _SetUp(programs, errors, ownership, comm, self.device, flat)

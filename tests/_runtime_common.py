@@ -290,3 +290,19 @@ def large_model_worker(rank: int, world: int, *, case: str, out: str, checkpoint
     res["rss"] = (rss0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     res["meta_params"] = sum(1 for p in model.parameters() if p.is_meta)
     torch.save(res, Path(out) / f"{case}-{rank}.pt")
+
+
+def hf_meta_worker(rank: int, world: int, *, spec: str, checkpoint: str, out: str, steps: int = 2) -> None:
+    """One rank of a Hugging Face zoo model built under ``delay_param_initialization`` and loaded from a file."""
+    from smp.deferred import delay_param_initialization
+
+    with delay_param_initialization():
+        b = build(spec, seed=0)
+    held_before = sum(p.numel() for p in b.model.parameters() if not p.is_meta)
+    pipe = partition(b.model, stages=world, microbatches=2, loss_fn=b.loss_fn, checkpoint=checkpoint, timeout=60,
+                     plan_options={"timing": "analytic"})
+    res = pipeline_run(pipe, spec, steps)
+    res["held_before"] = held_before
+    res["held"] = sum(p.numel() for p in b.model.parameters() if not p.is_meta)
+    res["total"] = sum(p.numel() for p in b.model.parameters())
+    torch.save(res, Path(out) / f"hf-{rank}.pt")

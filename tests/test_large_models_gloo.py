@@ -147,3 +147,22 @@ def test_no_rank_holds_the_whole_model(tmp_path: Path) -> None:
         assert held < 0.5 * total, (r, held, total)
         # parameters + gradients of this rank's stages, activations and the runtime: well under the model
         assert grown < 0.8 * total, f"rank {r} grew by {grown / 2**20:.0f} MiB for a {total / 2**20:.0f} MiB model"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["hf-llama:size=tiny,batch=4", "hf-gpt2:size=tiny,batch=4"])
+def test_hugging_face_models_built_without_weights_train_on_two_ranks(spec: str, tmp_path: Path) -> None:
+    from smp.models import build
+
+    from _runtime_common import check_against_reference, reference_run
+
+    path = tmp_path / "model.safetensors"
+    save_model(build(spec, seed=0).model, str(path))
+    results = launch(f"{HERE / '_runtime_common.py'}:hf_meta_worker", 2,
+                     {"spec": spec, "checkpoint": str(path), "out": str(tmp_path)}, timeout=300)
+    for r in results:
+        assert r.returncode == 0, f"rank {r.rank}: {r.stdout[-1500:]}\n{r.stderr[-3000:]}"
+    ranks = [torch.load(tmp_path / f"hf-{r}.pt", weights_only=False) for r in range(2)]
+    for res in ranks:
+        assert res["held_before"] == 0 and 0 < res["held"] < res["total"]
+    check_against_reference(ranks, reference_run(spec, 2, 2), f"{spec} on meta")

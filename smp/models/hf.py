@@ -190,3 +190,38 @@ def build_hf_t5(cfg: dict[str, Any], ctx: BuildContext) -> Built:
     decoder_input_ids = torch.cat([start, target[:, :-1]], dim=1)
     kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "decoder_input_ids": decoder_input_ids}
     return Built(model, (), kwargs, target, token_cross_entropy)
+
+
+@register_model(
+    "hf-llama",
+    "Hugging Face LlamaForCausalLM from LlamaConfig (RMSNorm, rotary positions, SwiGLU, grouped KV heads), "
+    "random weights; input input_ids (B, T); needs transformers",
+    options=_SIZE_OPTIONS + [Option("kv_heads", None, int, "key/value heads (default: heads)", min=1)],
+    presets={
+        "tiny": {"layers": 2, "d_model": 64, "heads": 4, "vocab": 256, "seq_len": 32},
+        "1b": {"layers": 16, "d_model": 2048, "heads": 32, "kv_heads": 8, "vocab": 128256, "seq_len": 2048},
+    },
+    validate=lambda cfg: _check_heads("hf-llama", cfg["d_model"], cfg["heads"]),
+)
+def build_hf_llama(cfg: dict[str, Any], ctx: BuildContext) -> Built:
+    tf = require_transformers("hf-llama")
+    config = tf.LlamaConfig(
+        num_hidden_layers=cfg["layers"],
+        hidden_size=cfg["d_model"],
+        num_attention_heads=cfg["heads"],
+        num_key_value_heads=cfg["kv_heads"] or cfg["heads"],
+        intermediate_size=(8 * cfg["d_model"]) // 3,
+        vocab_size=cfg["vocab"],
+        max_position_embeddings=cfg["seq_len"],
+        attention_dropout=cfg["dropout"],
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        **_COMMON,
+    )
+    with _offline():
+        model = tf.LlamaForCausalLM(config)
+        untangle_return_dict(model)
+    tokens = ctx.randint(cfg["vocab"], (cfg["batch"], cfg["seq_len"] + 1))
+    input_ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    return Built(model, (input_ids,), {}, labels, token_cross_entropy)
