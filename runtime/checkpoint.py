@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 __all__ = ["CheckpointError", "WeightSource", "open_weights", "save_pipeline", "load_pipeline", "consolidate",
-           "MODEL_PREFIX", "OPTIM_PREFIX"]
+           "save_sharded", "MODEL_PREFIX", "OPTIM_PREFIX"]
 
 #: Keys of an smp checkpoint: ``model/<name>`` for weights, ``optim/<name>/<state>`` for optimizer state.
 MODEL_PREFIX = "model/"
@@ -164,6 +164,41 @@ def _from_dcp(directory: Path) -> WeightSource:
             source._shapes[k[len(MODEL_PREFIX):]] = tuple(v.size)
             source._dtypes[k[len(MODEL_PREFIX):]] = v.properties.dtype
     return source
+
+
+def save_sharded(state: Mapping[str, torch.Tensor], directory: str | Path, shard_bytes: int = 2 << 30) -> Path:
+    """Write ``state`` as a Hugging Face sharded safetensors directory (shards of at most ``shard_bytes``
+    plus ``model.safetensors.index.json``), the layout ``open_weights`` and ``from_pretrained`` read.
+
+    Tied tensors (one storage under several names) are written once, under their first name.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    seen: set[int] = set()
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in state.items():
+        key = t.untyped_storage().data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.detach().contiguous()
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / file))
+        weight_map.update(dict.fromkeys(shard, file))
+    total = sum(t.numel() * t.element_size() for shard in shards for t in shard.values())
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    return out
 
 
 # ---------------------------------------------------------------------- pipeline checkpoints

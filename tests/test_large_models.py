@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import json
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ from safetensors.torch import save_file, save_model
 from torch import nn
 
 import smp
-from runtime.checkpoint import CheckpointError, consolidate, open_weights
+from runtime.checkpoint import CheckpointError, consolidate, open_weights, save_sharded
 from runtime.engine import RuntimeConfigError
 from smp.deferred import delay_param_initialization
 from smp.models.gpt import GPT
@@ -98,13 +97,9 @@ def _write_checkpoint(model: nn.Module, fmt: str, tmp_path):
     if fmt == "safetensors":
         save_model(model, str(tmp_path / "model.safetensors"))
         return tmp_path / "model.safetensors"
-    if fmt == "sharded":  # a Hugging Face style directory: two shards and an index
-        names = sorted(state)
-        shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
-        for file, keys in shards.items():
-            save_file({k: state[k] for k in keys}, str(tmp_path / file))
-        index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
-        (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    if fmt == "sharded":  # a Hugging Face style directory: shards and an index
+        save_sharded(state, tmp_path, shard_bytes=20_000)
+        assert len(list(tmp_path.glob("model-*.safetensors"))) > 2
         return tmp_path
     if fmt == "torch":
         torch.save(state, tmp_path / "model.pt")
