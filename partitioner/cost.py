@@ -10,6 +10,7 @@ from typing import Any
 import networkx as nx
 import numpy as np
 
+from partitioner.bounds import named_lower_bounds
 from partitioner.cluster import Cluster
 from partitioner.errors import InvalidAssignmentError, PlanningError, StageCountError
 from partitioner.graph import OpGraph
@@ -23,6 +24,10 @@ __all__ = [
 #: two moments, all in the parameters' dtype (fp32 training, or the fp32 part of mixed
 #: precision counted at the stored dtype) -> 1 + 1 + 2.
 DEFAULT_STATE_FACTOR = 4.0
+
+#: A plan is called optimal when a proven lower bound is within this fraction of its value
+#: (one part per million: CP-SAT's integer scaling rounds each term by under 1e-9 of it).
+OPTIMAL_RTOL = 1e-6
 
 #: Schedule names the memory model knows, and their aliases.
 SCHEDULES: dict[str, str] = {
@@ -131,6 +136,15 @@ class Partition:
     memory_limit: float | None
     state_factor: float
     notes: list[str] = field(default_factory=list)
+    #: What the plan was chosen for: "bottleneck" (the solvers' min-max), or "step_time"
+    #: (then picked and refined by simulated step time, see partitioner/refine.py).
+    objective: str = "bottleneck"
+    #: The quantity ``lower_bound``, ``gap`` and ``optimal`` speak of; no other is proven.
+    bound_on: str = "bottleneck"
+    #: Which bound ``lower_bound`` is (e.g. "cpsat", "dp (single order)", "work").
+    bound_by: str = ""
+    #: Simulated step time under ``schedule`` (seconds), when the solver simulated it.
+    simulated_step: float | None = None
 
     @property
     def num_stages(self) -> int:
@@ -150,16 +164,25 @@ class Partition:
         """bottleneck / lower_bound (1.0 = proven optimal by the bound)."""
         return self.bottleneck / self.lower_bound if self.lower_bound > 0 else math.inf
 
-    def with_report(self, *, lower_bound: float | None = None, optimal: bool | None = None,
-                    method: str | None = None, solve_seconds: float | None = None,
-                    notes: Iterable[str] = ()) -> Partition:
-        """Set the solver's part of the report (bound, optimality, method, time) in place."""
+    def with_report(self, *, lower_bound: float | None = None, bound_by: str = "",
+                    optimal: bool | None = None, method: str | None = None,
+                    solve_seconds: float | None = None, notes: Iterable[str] = ()) -> Partition:
+        """Set the solver's part of the report (bound, optimality, method, time) in place.
+
+        ``lower_bound`` raises the bound when larger (``bound_by`` names it); a bound above
+        the plan's own bottleneck is an internal inconsistency and raises, beyond float
+        noise. A bound within ``OPTIMAL_RTOL`` of the bottleneck proves ``optimal``.
+        """
         if lower_bound is not None:
-            # A bound above the achieved value can only come from float rounding.
-            self.lower_bound = min(max(self.lower_bound, lower_bound), self.bottleneck)
+            if lower_bound > self.bottleneck * (1 + OPTIMAL_RTOL) + 1e-300:
+                raise RuntimeError(
+                    f"internal inconsistency: the lower bound {lower_bound!r} ({bound_by or 'given'}) exceeds the "
+                    f"bottleneck {self.bottleneck!r} of the plan it bounds; this is a bug in smp, please report it")
+            if lower_bound > self.lower_bound:
+                self.lower_bound, self.bound_by = min(lower_bound, self.bottleneck), bound_by
         if optimal is not None:
             self.optimal = optimal
-        if self.bottleneck > 0 and self.lower_bound >= self.bottleneck * (1 - 1e-12):
+        if self.bottleneck > 0 and self.lower_bound >= self.bottleneck * (1 - OPTIMAL_RTOL):
             self.optimal = True
         self.gap = 0.0 if self.optimal or self.bottleneck <= 0 else max(
             0.0, (self.bottleneck - self.lower_bound) / self.bottleneck)
@@ -369,8 +392,6 @@ class Problem:
 
     def partition(self, assign: Sequence[int], *, method: str = "manual",
                   solve_seconds: float = 0.0) -> Partition:
-        from partitioner.solve.bounds import trivial_lower_bound  # solve imports cost
-
         p, k = self.p, self.directions
         speed = self.speed
         ops: list[list[int]] = [[] for _ in range(p)]
@@ -419,7 +440,8 @@ class Problem:
             lower_bound=0.0, optimal=False, gap=1.0, method=method, solve_seconds=solve_seconds,
             cluster=self.cluster.to_dict(), microbatches=self.microbatches, schedule=self.schedule,
             training=self.training, memory_limit=self.memory_limit_arg, state_factor=self.state_factor)
-        part.with_report(lower_bound=trivial_lower_bound(self))
+        name, bound = max(named_lower_bounds(self).items(), key=lambda kv: kv[1])
+        part.with_report(lower_bound=bound, bound_by=name)
         over = [st.index for st in stats if not st.fits]
         if over:
             part.notes.append(f"stages {over} exceed their memory limit")

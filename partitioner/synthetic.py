@@ -307,10 +307,7 @@ def brute_force(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | 
                    training=training, memory_limit=memory_limit, state_factor=state_factor,
                    order=order)
     n, p, k = prob.n, prob.p, prob.directions
-    group_of: dict[int, int] = {}
-    for gi, group in enumerate(colocate):
-        for name in group:
-            group_of[prob.pos[name]] = gi
+    group_of = _group_ids(prob, colocate)
     lim = [math.inf if x is None else x * (1 + 1e-12) for x in prob.mem_limit]
     best_val, best = math.inf, None
 
@@ -381,6 +378,20 @@ def brute_force(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | 
     if order is None:
         part.with_report(lower_bound=part.bottleneck, optimal=True)
     return part
+
+
+def _group_ids(prob: Problem, colocate: Iterable[Iterable[Hashable]]) -> dict[int, int]:
+    """Group id per position of a colocated op; groups sharing an op are one group."""
+    group_of: dict[int, int] = {}
+    for gi, group in enumerate(colocate):
+        members = [prob.pos[name] for name in group]
+        joined = {group_of[m] for m in members if m in group_of}
+        for pos, g in list(group_of.items()):
+            if g in joined:
+                group_of[pos] = gi
+        for m in members:
+            group_of[m] = gi
+    return group_of
 
 
 # ---------------------------------------------------------------------- assertions

@@ -9,27 +9,33 @@ import numpy as np
 if TYPE_CHECKING:
     from partitioner.cost import Problem
 
-__all__ = ["trivial_lower_bound", "comm_lower_bound", "memory_lower_bound"]
+__all__ = ["trivial_lower_bound", "named_lower_bounds", "comm_lower_bound", "memory_lower_bound"]
+
+
+def named_lower_bounds(prob: Problem) -> dict[str, float]:
+    """Each closed-form bound by name; every one holds for every valid assignment.
+
+    - ``work``: Σ_s compute_s · speed_s = total work, so some stage has compute >= total / Σ speed
+      (communication only adds to a stage's time);
+    - ``largest op``: the largest op sits on some device, at best the fastest;
+    - ``pigeonhole``: among the p + 1 largest ops two share a stage, so some stage holds at
+      least the p-th and (p+1)-th largest;
+    - ``communication``: :func:`comm_lower_bound`.
+    """
+    work = prob.work
+    fastest = float(prob.speed.max())
+    top = np.sort(work)[::-1]
+    bounds = {"work": float(work.sum()) / float(prob.speed.sum()),
+              "largest op": float(top[0]) / fastest if prob.n else 0.0,
+              "communication": comm_lower_bound(prob)}
+    if prob.n > prob.p:
+        bounds["pigeonhole"] = float(top[prob.p - 1] + top[prob.p]) / fastest
+    return bounds
 
 
 def trivial_lower_bound(prob: Problem) -> float:
-    """max(total work / Σ speeds, largest op / fastest speed, pigeonhole on the p+1 largest ops).
-
-    Valid for every assignment because communication only adds to a stage's time:
-    Σ_s compute_s · speed_s = total work, so some stage has compute >= total / Σ speed;
-    the largest op sits on some device, at best the fastest; among the p + 1 largest ops
-    two share a stage, so some stage holds at least the p-th and (p+1)-th largest.
-    """
-    work = prob.work
-    total = float(work.sum())
-    fastest = float(prob.speed.max())
-    bound = max(total / float(prob.speed.sum()), comm_lower_bound(prob))
-    if prob.n:
-        top = sorted(work.tolist(), reverse=True)
-        bound = max(bound, top[0] / fastest)
-        if prob.n > prob.p:
-            bound = max(bound, (top[prob.p - 1] + top[prob.p]) / fastest)
-    return bound
+    """The largest of :func:`named_lower_bounds`."""
+    return max(named_lower_bounds(prob).values())
 
 
 def comm_lower_bound(prob: Problem) -> float:
