@@ -145,6 +145,9 @@ class Partition:
     bound_by: str = ""
     #: Simulated step time under ``schedule`` (seconds), when the solver simulated it.
     simulated_step: float | None = None
+    #: With ``objective="step_time"``: the solver's bottleneck plan this one was weighed
+    #: against ({"method", "bottleneck", "simulated_step", "optimal"}); None otherwise.
+    bottleneck_plan: dict[str, Any] | None = None
 
     @property
     def num_stages(self) -> int:
@@ -218,9 +221,13 @@ class Partition:
             rows.append(f"{s.index:>4}{mark} {len(s.ops):>5} {s.modules[:24]:<24} {s.compute * 1e3:>11.3f} "
                         f"{(s.comm_in_time + s.comm_out_time) * 1e3:>9.3f} {s.time * 1e3:>9.3f} "
                         f"{format_bytes(s.memory):>11} {format_bytes(s.memory_limit):>11}")
-        rows.append(f"bottleneck {self.bottleneck * 1e3:.3f} ms, lower bound {self.lower_bound * 1e3:.3f} ms, "
-                    f"gap {self.gap:.2%}{' (optimal)' if self.optimal else ''}, {self.method}, "
+        rows.append(f"bottleneck {self.bottleneck * 1e3:.3f} ms, lower bound {self.lower_bound * 1e3:.3f} ms "
+                    f"({self.bound_by or 'none'}), gap {self.gap:.2%}"
+                    f"{' (bottleneck proven optimal)' if self.optimal else ''}, {self.method}, "
                     f"{self.solve_seconds:.2f} s")
+        if self.simulated_step is not None:
+            rows.append(f"simulated step {self.simulated_step * 1e3:.3f} ms ({self.schedule}, "
+                        f"{self.microbatches} microbatches); plan chosen for the {self.objective}")
         return "\n".join(rows)
 
 

@@ -216,6 +216,8 @@ def _refine(prob: Problem, blocks: Blocks, part: Partition, ranks: int | None) -
     out = prob.partition(refined, method=label)
     out.with_report(lower_bound=part.lower_bound, bound_by=part.bound_by, notes=[*part.notes, *notes])
     out.objective, out.simulated_step = "step_time", after
+    out.bottleneck_plan = {"method": part.method, "bottleneck": part.bottleneck,
+                           "simulated_step": steps.get(part.method), "optimal": part.optimal}
     return out
 
 
