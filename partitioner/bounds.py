@@ -9,7 +9,8 @@ import numpy as np
 if TYPE_CHECKING:
     from partitioner.cost import Problem
 
-__all__ = ["trivial_lower_bound", "named_lower_bounds", "comm_lower_bound", "memory_lower_bound"]
+__all__ = ["trivial_lower_bound", "named_lower_bounds", "comm_lower_bound", "neighbourhood_lower_bound",
+           "memory_lower_bound"]
 
 
 def named_lower_bounds(prob: Problem) -> dict[str, float]:
@@ -20,14 +21,15 @@ def named_lower_bounds(prob: Problem) -> dict[str, float]:
     - ``largest op``: the largest op sits on some device, at best the fastest;
     - ``pigeonhole``: among the p + 1 largest ops two share a stage, so some stage holds at
       least the p-th and (p+1)-th largest;
-    - ``communication``: :func:`comm_lower_bound`.
+    - ``communication``: :func:`comm_lower_bound`;
+    - ``neighbourhood``: :func:`neighbourhood_lower_bound`.
     """
     work = prob.work
     fastest = float(prob.speed.max())
     top = np.sort(work)[::-1]
     bounds = {"work": float(work.sum()) / float(prob.speed.sum()),
               "largest op": float(top[0]) / fastest if prob.n else 0.0,
-              "communication": comm_lower_bound(prob)}
+              "communication": comm_lower_bound(prob), "neighbourhood": neighbourhood_lower_bound(prob)}
     if prob.n > prob.p:
         bounds["pigeonhole"] = float(top[prob.p - 1] + top[prob.p]) / fastest
     return bounds
@@ -69,6 +71,34 @@ def comm_lower_bound(prob: Problem) -> float:
     free_sinks = prob.n - len(paid_out)
     comm = max(0, prob.p - free_sources) * min(paid_in) + max(0, prob.p - free_sinks) * min(paid_out)
     return (float(prob.work.sum()) + float(prob.speed.min()) * comm) / float(prob.speed.sum())
+
+
+def neighbourhood_lower_bound(prob: Problem) -> float:
+    """max over ops v of what the stage holding v pays for v and its neighbours, at least.
+
+    Each producer u of v is either on v's stage (its work counts there) or not (then v's
+    stage receives u's output: a transfer priced on the fastest link); and either every
+    consumer of v is on v's stage (their work counts) or v's output is sent at least once.
+    These are distinct terms of that stage's time, so it is at least
+    work(v) + Σ_u min(work(u), recv(u)) + min(Σ_w work(w), send(v)), work at the fastest
+    device's speed. The largest op plus what it cannot shed: it lifts the bound where one
+    op (an LM head, an embedding) dominates the bottleneck.
+    """
+    fastest = float(prob.speed.max())
+    work = prob.work / fastest
+    if prob.p > 1:
+        upper = np.triu_indices(prob.p, 1)
+        max_bw, min_lat = float(prob.bw[upper].max()), float(prob.lat[upper].min())
+        out = prob.out_bytes
+        transfer = np.where(out > 0, prob.directions * (out / max_bw + min_lat), 0.0)
+    else:
+        transfer = np.full(prob.n, np.inf)  # one stage: nothing can leave it
+    best = 0.0
+    for v in range(prob.n):
+        producers = sum(min(work[u], transfer[u]) for u in prob.pred[v])
+        consumers = min(sum(work[w] for w in prob.succ[v]), transfer[v]) if prob.succ[v] else 0.0
+        best = max(best, work[v] + producers + consumers)
+    return float(best)
 
 
 def memory_lower_bound(prob: Problem) -> tuple[float, float]:

@@ -10,9 +10,10 @@ from hypothesis import strategies as st
 
 from partitioner import synthetic
 from partitioner.cluster import Cluster
-from partitioner.cost import evaluate, graph_order
+from partitioner.cost import Problem, evaluate, graph_order
 from partitioner.errors import ColocationError, MemoryLimitError, StageCountError
 from partitioner.solve import solve
+from partitioner.solve.ideals import ideal_dp
 
 
 @st.composite
@@ -237,3 +238,20 @@ def test_evaluate_matches_solver_report():
     part = solve(g, 3, cluster=cl, time_limit=2)
     again = evaluate(g, part.stage_of, cluster=cl)
     assert again.bottleneck == pytest.approx(part.bottleneck)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_ideal_dp_bounds_every_assignment(case):
+    g, p, opts = case
+    best = oracle(g, p, **opts)
+    prob = Problem(g, p, **opts)
+    res = ideal_dp(prob)
+    if best is None:
+        assert res is None  # nothing fits memory
+        return
+    assert res.lower_bound <= best.bottleneck * (1 + 1e-9)
+    assert res.value == pytest.approx(prob.bottleneck(res.assign)) and not prob.check(res.assign)
+    assert prob.fits(prob.stage_costs(res.assign)[1])
+    if opts["cluster"] is None:  # free links: the lower model is exact, so its chain is the optimum
+        assert res.value == pytest.approx(best.bottleneck, rel=1e-9)

@@ -10,7 +10,7 @@ import networkx as nx
 
 from partitioner.bounds import memory_lower_bound
 from partitioner.cluster import Cluster
-from partitioner.cost import DEFAULT_STATE_FACTOR, Partition, Problem, format_bytes, graph_order
+from partitioner.cost import DEFAULT_STATE_FACTOR, OPTIMAL_RTOL, Partition, Problem, format_bytes, graph_order
 from partitioner.errors import MemoryLimitError, PlanningError
 from partitioner.graph import OpGraph
 from partitioner.refine import refine_step_time, simulated_step_time
@@ -18,6 +18,7 @@ from partitioner.solve.baselines import BASELINES, baseline_assign
 from partitioner.solve.colocate import Blocks, colocation_blocks
 from partitioner.solve.cpsat import cpsat_size, cpsat_solve
 from partitioner.solve.dp import DP_SEARCH_WORK, dp_solve
+from partitioner.solve.ideals import MAX_IDEALS, ideal_dp
 
 __all__ = ["solve", "METHODS", "OBJECTIVES", "AUTO_CPSAT_MAX_NODES", "AUTO_CPSAT_MAX_VARS", "DEFAULT_TIME_LIMIT",
            "DP_SEARCH_WORK", "wall_limit_for"]
@@ -57,6 +58,10 @@ class _Search:
 
     def bound(self, name: str, value: float) -> None:
         self.bounds[name] = max(value, self.bounds.get(name, 0.0))
+
+    @property
+    def proven(self) -> bool:
+        return self.assign is not None and max(self.bounds.values(), default=0.0) >= self.value * (1 - OPTIMAL_RTOL)
 
 
 def solve(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None = None,
@@ -118,7 +123,9 @@ def _optimise(prob: Problem, blocks: Blocks, method: str, budget: float, deadlin
     search = _Search(prob)
     single = blocks.single_order(prob.succ)
     _run_dp(search, blocks, single, deadline)
-    if _wants_cpsat(search, method, single):
+    if method == "auto" and not search.proven:
+        _run_ideals(search, blocks)
+    if _wants_cpsat(search, method):
         _run_cpsat(search, blocks, budget, deadline, workers)
     if search.assign is None:
         raise _memory_error(prob, proven=search.infeasible)
@@ -151,12 +158,25 @@ def _run_dp(search: _Search, blocks: Blocks, single: bool, deadline: float) -> N
                             "cuts are every valid assignment")
 
 
-def _wants_cpsat(search: _Search, method: str, single: bool) -> bool:
+def _run_ideals(search: _Search, blocks: Blocks) -> None:
+    """The DP over all ideals: a bound valid for every assignment, and often the optimum."""
+    if blocks.groups:
+        return  # its ideals would have to respect the blocks; CP-SAT handles colocation
+    res = ideal_dp(search.prob)
+    if res is None:
+        search.notes.append(f"ideal dp: skipped (more than {MAX_IDEALS:,} ideals or too many segment pairs)")
+        return
+    search.notes.append(f"ideal dp: lower bound {res.lower_bound:.6g} s over every valid assignment "
+                        f"({res.pairs:,} segment pairs); its plan {res.value:.6g} s")
+    search.bound("ideal dp", res.lower_bound)
+    search.offer(res.assign, res.value, "ideals")
+
+
+def _wants_cpsat(search: _Search, method: str) -> bool:
     prob = search.prob
     if method == "cpsat":
         return True
-    if method != "auto" or (single and search.assign is not None
-                            and search.bounds.get("dp (single order)", 0.0) >= search.value):
+    if method != "auto" or search.proven:
         return False
     if prob.n <= AUTO_CPSAT_MAX_NODES and cpsat_size(prob) <= AUTO_CPSAT_MAX_VARS:
         return True

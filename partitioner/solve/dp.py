@@ -37,7 +37,7 @@ from partitioner.cost import Problem
 from partitioner.solve.baselines import BASELINES, baseline_assign, cuts_to_assign
 from partitioner.bounds import trivial_lower_bound
 
-__all__ = ["DPResult", "dp_solve", "DP_SEARCH_WORK"]
+__all__ = ["DPResult", "dp_solve", "DP_SEARCH_WORK", "link_prices"]
 
 _REL = 1e-12
 
@@ -54,10 +54,28 @@ class DPResult:
     wall_stopped: bool
 
 
+def link_prices(prob: Problem) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per stage, the least a received and a sent tensor can cost: (in per byte, in per tensor,
+    out per byte, out per tensor).
+
+    A tensor into stage s from any earlier stage crosses the link s-1 -> s, and a multi-hop
+    link is as slow as its slowest hop and as late as its latest, so that link's price is a
+    lower bound; likewise s -> s+1 for a tensor leaving s.
+    """
+    p, k = prob.p, prob.directions
+    in_b, in_l, out_b, out_l = (np.zeros(p) for _ in range(4))
+    for s in range(1, p):
+        in_b[s] = k / prob.bw[s - 1, s]
+        in_l[s] = k * prob.lat[s - 1, s]
+    for s in range(p - 1):
+        out_b[s] = k / prob.bw[s, s + 1]
+        out_l[s] = k * prob.lat[s, s + 1]
+    return in_b, in_l, out_b, out_l
+
+
 def _lower_dp(prob: Problem, allowed: np.ndarray, limit: float) -> tuple[float, list[int] | None]:
     """Min over cuts of max segment lower cost, scanning only segments with compute <= limit."""
     n, p = prob.n, prob.p
-    k = prob.directions
     cw = np.concatenate([[0.0], np.cumsum(prob.work)])
     cf = np.concatenate([[0.0], np.cumsum(prob.fixed_mem)])
     ca = np.concatenate([[0.0], np.cumsum(prob.out_bytes)])
@@ -67,18 +85,8 @@ def _lower_dp(prob: Problem, allowed: np.ndarray, limit: float) -> tuple[float, 
     b = prob.out_bytes
     nz = (b > 0).astype(float)
     mc = np.array([s[-1] if s else -1 for s in prob.succ])
-    # Per-stage prices of a byte and of a tensor on the way in (from s-1) and out (to s+1).
     inv_speed = 1.0 / prob.speed
-    in_b = np.zeros(p)
-    in_l = np.zeros(p)
-    out_b = np.zeros(p)
-    out_l = np.zeros(p)
-    for s in range(1, p):
-        in_b[s] = k / prob.bw[s - 1, s]
-        in_l[s] = k * prob.lat[s - 1, s]
-    for s in range(p - 1):
-        out_b[s] = k / prob.bw[s, s + 1]
-        out_l[s] = k * prob.lat[s, s + 1]
+    in_b, in_l, out_b, out_l = link_prices(prob)
     infl = np.array(prob.in_flight, dtype=float)
     lim = np.array([math.inf if x is None else x * (1 + 1e-12) for x in prob.mem_limit])
     has_limit = bool(np.isfinite(lim).any())
@@ -271,8 +279,8 @@ def _best_seed(prob: Problem, allowed: np.ndarray, assign: list[int], value: flo
 
 #: Work units (branch-and-bound nodes plus ops scanned per node) dp may spend closing its
 #: order gap: a count, not seconds, so the same input gets the same plan and proof on any
-#: machine (about 1-2 s on one core of the reference machine, see docs/optimizer.md).
-DP_SEARCH_WORK = 3_000_000
+#: machine (about 2 s at most on one core of this 2-core machine; ~5 us a unit).
+DP_SEARCH_WORK = 400_000
 
 
 def dp_solve(prob: Problem, allowed: np.ndarray, *, work: int = DP_SEARCH_WORK,
