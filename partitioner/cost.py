@@ -345,10 +345,6 @@ class Problem:
     def node_memory(self, i: int, s: int) -> float:
         return self.fixed_mem[i] + self.in_flight[s] * self.out_bytes[i]
 
-    def is_unique_order(self) -> bool:
-        """True when the graph has one topological order, so contiguous cuts are all valid assignments."""
-        return all(i + 1 in self.succ[i] for i in range(self.n - 1))
-
     # ---------------------------------------------------------------- fast costs
 
     def stage_costs(self, assign: Sequence[int]) -> tuple[list[float], list[float]]:

@@ -31,8 +31,11 @@ __all__ = ["IdealResult", "ideal_dp", "MAX_IDEALS", "MAX_PAIRS"]
 
 #: Ideals enumerated at most; wider graphs are left to CP-SAT.
 MAX_IDEALS = 20_000
-#: (sub-ideal, ideal) segment pairs generated at most, over all band widenings.
-MAX_PAIRS = 1_000_000
+#: (sub-ideal, ideal) segment pairs generated at most, over all band widenings (~15 us each).
+MAX_PAIRS = 400_000
+#: Skip without generating when even this many times MAX_PAIRS ideal pairs lie within the
+#: band (an over-count: it ignores that J must be a subset of I), e.g. wide graphs on 2 stages.
+_HOPELESS = 30
 
 
 @dataclass
@@ -96,60 +99,60 @@ def _bits(mask: int):
 
 
 class _Pairs:
-    """Every (sub-ideal J, ideal I) whose segment I \\ J has compute <= a band, with its comm terms."""
+    """Every (sub-ideal J, ideal I) whose segment I \\ J has compute <= a band, with its comm terms.
+
+    Columns: ``j``, ``i`` (ideal indices), ``rb``/``rc`` (bytes and count of tensors the
+    segment receives from J), ``sb``/``sc`` (of tensors it sends beyond I).
+    """
+
+    KEYS = ("j", "i", "rb", "rc", "sb", "sc")
 
     def __init__(self, lattice: _Lattice, band: float, budget: int):
-        prob = lattice.prob
-        self.cols: dict[str, list] = {k: [] for k in ("j", "i", "rb", "rc", "sb", "sc")}
-        add_j, add_i, add_rb, add_rc, add_sb, add_sc = (self.cols[k].append for k in ("j", "i", "rb", "rc", "sb", "sc"))
+        self.lattice, self.band, self.left = lattice, band, budget
+        self.cols: dict[str, list] = {k: [] for k in self.KEYS}
         self.complete = True
+        for i in range(1, len(lattice.masks)):
+            if not self._down_from(i):
+                self.complete = False
+                return
+
+    def _down_from(self, i: int) -> bool:
+        """Depth-first from ideal I: remove one maximal op v of J at a time (J stays an ideal),
+        keeping the received set and the sent tensors incrementally. False once over budget."""
+        lat, prob = self.lattice, self.lattice.prob
         work, ob = prob.work, prob.out_bytes
-        full = (1 << prob.n) - 1
-        for i, ideal in enumerate(lattice.masks):
-            if i == 0:
-                continue
-            outside = full & ~ideal
-            # Depth-first down from I: remove a maximal op v of J (no consumer left in J).
-            # (J, its maximal ops, received set, rb, rc, sb, sc, work of I \ J)
-            stack = [(ideal, lattice.maximal[i], 0, 0.0, 0, 0.0, 0, 0.0)]
-            seen = {ideal}
-            while stack:
-                sub, tops, recv, rb, rc, sb, sc, done = stack.pop()
-                for v in _bits(tops):
-                    seg_work = done + float(work[v])
-                    if seg_work > band:
-                        continue
-                    smaller = sub & ~(1 << v)
-                    if smaller in seen:
-                        continue
-                    seen.add(smaller)
-                    b = float(ob[v])
-                    nrb, nrc = rb, rc
-                    if recv >> v & 1 and b > 0:  # v was a received tensor; now it is inside the segment
-                        nrb, nrc = nrb - b, nrc - 1
-                    new = lattice.pred[v] & ~recv
-                    for u in _bits(new):
-                        if ob[u] > 0:
-                            nrb, nrc = nrb + float(ob[u]), nrc + 1
-                    nsb, nsc = sb, sc
-                    if b > 0 and lattice.succ[v] & outside:
-                        nsb, nsc = nsb + b, nsc + 1
-                    add_j(lattice.index[smaller])
-                    add_i(i)
-                    add_rb(nrb)
-                    add_rc(nrc)
-                    add_sb(nsb)
-                    add_sc(nsc)
-                    budget -= 1
-                    if budget < 0:
-                        self.complete = False
-                        return
-                    freed = 0
-                    for u in _bits(lattice.pred[v]):
-                        if not lattice.succ[u] & smaller:
-                            freed |= 1 << u
-                    stack.append((smaller, (tops & ~(1 << v)) | freed, (recv & ~(1 << v)) | lattice.pred[v],
-                                  nrb, nrc, nsb, nsc, seg_work))
+        ideal = lat.masks[i]
+        outside = ((1 << prob.n) - 1) & ~ideal
+        add = [self.cols[k].append for k in self.KEYS]
+        # (J, its maximal ops, received set, rb, rc, sb, sc, work of I \ J)
+        stack = [(ideal, lat.maximal[i], 0, 0.0, 0, 0.0, 0, 0.0)]
+        seen = {ideal}
+        while stack:
+            sub, tops, recv, rb, rc, sb, sc, done = stack.pop()
+            for v in _bits(tops):
+                seg_work = done + float(work[v])
+                smaller = sub & ~(1 << v)
+                if seg_work > self.band or smaller in seen:
+                    continue
+                seen.add(smaller)
+                b = float(ob[v])
+                nrb, nrc = (rb - b, rc - 1) if recv >> v & 1 and b > 0 else (rb, rc)  # v moves inside
+                for u in _bits(lat.pred[v] & ~recv):
+                    if ob[u] > 0:
+                        nrb, nrc = nrb + float(ob[u]), nrc + 1
+                nsb, nsc = (sb + b, sc + 1) if b > 0 and lat.succ[v] & outside else (sb, sc)
+                for append, value in zip(add, (lat.index[smaller], i, nrb, nrc, nsb, nsc)):
+                    append(value)
+                self.left -= 1
+                if self.left < 0:
+                    return False
+                freed = 0
+                for u in _bits(lat.pred[v]):
+                    if not lat.succ[u] & smaller:
+                        freed |= 1 << u
+                stack.append((smaller, (tops & ~(1 << v)) | freed, (recv & ~(1 << v)) | lat.pred[v],
+                              nrb, nrc, nsb, nsc, seg_work))
+        return True
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {k: np.asarray(v) for k, v in self.cols.items()}
@@ -199,6 +202,12 @@ def _chain_dp(prob: Problem, lattice: _Lattice, pairs: dict[str, np.ndarray]) ->
     return value, assign
 
 
+def _pairs_within(lattice: _Lattice, band: float) -> int:
+    """Σ over ideals I of the ideals J with W(I) - band <= W(J) < W(I): at least the pairs to generate."""
+    work = np.sort(np.asarray(lattice.sums["work"]))
+    return int((np.searchsorted(work, work, side="left") - np.searchsorted(work, work - band, side="left")).sum())
+
+
 def ideal_dp(prob: Problem, *, max_ideals: int = MAX_IDEALS, max_pairs: int = MAX_PAIRS) -> IdealResult | None:
     """The ideal DP's bound and plan; None when the DAG has more than ``max_ideals`` ideals,
     the pairs exceed ``max_pairs`` or nothing fits memory."""
@@ -210,7 +219,10 @@ def ideal_dp(prob: Problem, *, max_ideals: int = MAX_IDEALS, max_pairs: int = MA
     total = float(prob.work.sum()) / float(prob.speed.min())
     used = 0
     while True:
-        pairs = _Pairs(lattice, limit * fastest * (1 + 1e-9), max_pairs - used)
+        band = limit * fastest * (1 + 1e-9)
+        if _pairs_within(lattice, band) > _HOPELESS * max_pairs:
+            return None
+        pairs = _Pairs(lattice, band, max_pairs - used)
         used += len(pairs.cols["j"])
         if not pairs.complete:
             return None
