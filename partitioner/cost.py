@@ -143,7 +143,8 @@ class Partition:
     bound_on: str = "bottleneck"
     #: Which bound ``lower_bound`` is (e.g. "cpsat", "dp (single order)", "work").
     bound_by: str = ""
-    #: Simulated step time under ``schedule`` (seconds), when the solver simulated it.
+    #: Simulated step time under ``schedule`` (seconds), when the solver simulated it
+    #: (objective "step_time"); a Plan simulates every partition itself.
     simulated_step: float | None = None
     #: With ``objective="step_time"``: the solver's bottleneck plan this one was weighed
     #: against ({"method", "bottleneck", "simulated_step", "optimal"}); None otherwise.

@@ -21,7 +21,7 @@ from collections.abc import Hashable, Iterable, Sequence
 import networkx as nx
 
 from partitioner.cluster import Cluster
-from partitioner.cost import DEFAULT_STATE_FACTOR, Partition, Problem
+from partitioner.cost import DEFAULT_STATE_FACTOR, Partition, Problem, evaluate
 from partitioner.errors import MemoryLimitError
 from partitioner.graph import OpGraph
 
@@ -405,8 +405,6 @@ def check_partition(graph: OpGraph | nx.DiGraph, part: Partition, *,
     colocation groups share a stage, memory fits (when ``memory``), the lower bound does
     not exceed the bottleneck, and the reported stage times match a fresh evaluation.
     """
-    from partitioner.cost import evaluate
-
     problems = []
     try:
         fresh = evaluate(graph, part.stage_of, cluster=Cluster.from_dict(part.cluster),

@@ -50,7 +50,7 @@ def test_step_time_plan_is_never_slower_than_a_baseline_and_says_what_is_proven(
     options = dict(cluster=cluster, microbatches=4, time_limit=1)
     plain = solve(graph, 4, **options)
     assert plain.objective == "bottleneck" and plain.bound_on == "bottleneck" and plain.optimal
-    assert plain.simulated_step == pytest.approx(simulated_step_time(plain))
+    assert plain.simulated_step is None  # the bottleneck solve simulates nothing; a Plan does
     baselines = [solve(graph, 4, method=m, **options) for m in ("uniform", "params", "blocks")]
     fastest_peer = min(simulated_step_time(b) for b in baselines if b.memory_ok)
     assert fastest_peer < simulated_step_time(plain) * 0.9

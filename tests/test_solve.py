@@ -1,7 +1,6 @@
 """Solvers against the brute-force oracle on random small DAGs, plus errors and speed."""
 
 import math
-import time
 
 import networkx as nx
 import pytest
@@ -222,13 +221,12 @@ def test_node_boundary_is_priced_on_the_inter_node_link():
         assert t.seconds == pytest.approx(t.bytes / (1e9 if inter else 1e12))
 
 
-def test_dp_speed_10k_ops_64_stages():
+def test_dp_proves_10k_ops_64_stages():
+    # How fast: benchmarks/planner.py (docs/benchmarks.md), not a timing assertion here.
     g = synthetic.transformer(1000, seed=0)  # 10,004 ops
-    t = time.perf_counter()
     part = solve(g, 64, cluster=Cluster.uniform(64, bandwidth=5e10, latency=5e-6), method="dp",
                  microbatches=128)
-    assert time.perf_counter() - t < 10
-    assert part.optimal and math.isfinite(part.bottleneck)
+    assert part.optimal and part.bound_by == "dp (single order)" and math.isfinite(part.bottleneck)
     assert len({s for s in part.stage_of.values()}) == 64
 
 

@@ -106,8 +106,6 @@ def solve(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None =
         part = _optimise(prob, blocks, method, budget, deadline, workers)
     if objective == "step_time":
         part = _refine(prob, blocks, part, ranks)
-    else:
-        part.simulated_step = simulated_step_time(part, ranks=ranks)
     return part.with_report(solve_seconds=time.perf_counter() - t0)
 
 
