@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from partitioner.bounds import memory_lower_bound
+from partitioner.bounds import memory_lower_bound, named_lower_bounds
 from partitioner.cluster import Cluster
 from partitioner.cost import DEFAULT_STATE_FACTOR, OPTIMAL_RTOL, Partition, Problem, format_bytes, graph_order
 from partitioner.errors import MemoryLimitError, PlanningError
@@ -75,9 +75,9 @@ def solve(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None =
     """Assign every op to one of ``stages`` pipeline stages, minimising the bottleneck stage time.
 
     ``method``: ``"dp"`` (exact over contiguous cuts of the program order), ``"cpsat"``
-    (all valid assignments, proven bound, warm-started from dp), ``"auto"`` (dp, then
-    cpsat unless dp's answer is already globally optimal or the graph is too large; never
-    worse than dp), or a baseline ``"uniform"``, ``"params"``, ``"blocks"``.
+    (all valid assignments, proven bound, warm-started from dp), ``"auto"`` (dp, then the
+    DP over all ideals, then cpsat, each only while the plan is unproven and the graph
+    small enough; never worse than dp), or a baseline ``"uniform"``, ``"params"``, ``"blocks"``.
     ``memory_limit``: bytes per device, or None for the cluster devices' memory.
     ``colocate``: groups of node names that must share a stage (each group's convex closure
     does). ``time_limit``: CP-SAT's budget in deterministic seconds (its measure of work,
@@ -118,8 +118,10 @@ def _check_choices(method: str, objective: str) -> None:
 
 def _optimise(prob: Problem, blocks: Blocks, method: str, budget: float, deadline: float,
               workers: int) -> Partition:
-    """dp, then CP-SAT where it can still help; the best plan with the best bound."""
+    """dp, the ideal DP and CP-SAT, each only while the plan is unproven; the best plan with the best bound."""
     search = _Search(prob)
+    for name, value in named_lower_bounds(prob).items():
+        search.bound(name, value)
     single = blocks.single_order(prob.succ)
     _run_dp(search, blocks, single, deadline)
     if method == "auto" and not search.proven:
