@@ -219,8 +219,10 @@ def _refine(prob: Problem, blocks: Blocks, part: Partition, ranks: int | None) -
         candidates.setdefault(name, baseline_assign(prob, name, blocks.allowed_cuts()))
     steps = {}
     for name, assign in candidates.items():
+        if len(set(assign)) < prob.p:
+            continue  # a baseline left a stage empty: not a pipeline of p stages
         cand = prob.partition(assign)
-        if len(set(assign)) == prob.p and cand.memory_ok:
+        if cand.memory_ok:
             steps[name] = simulated_step_time(cand, ranks=ranks)
     if not steps:
         return part.with_report(notes=["step time: no candidate plan fits memory; nothing to refine"])
