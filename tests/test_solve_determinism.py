@@ -21,7 +21,7 @@ def test_same_plan_and_proof_on_a_loaded_machine():
     graph = synthetic.layered_dag(80, seed=3)
     options = dict(cluster=Cluster.uniform(6, bandwidth=5e9, latency=5e-6), microbatches=8, time_limit=2.0)
     idle = solve(graph, 6, **options)
-    assert not idle.optimal and any("2 of 2 deterministic s" in note or "(2.00 of 2" in note for note in idle.notes)
+    assert not idle.optimal and any(note.startswith("cpsat: FEASIBLE") for note in idle.notes)  # budget, no proof
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
         busy = solve(graph, 6, **options)
