@@ -1,114 +1,143 @@
-"""Planner benchmark: every method on synthetic suites and zoo models; prints a markdown table.
+"""Planner benchmark: every method on synthetic suites and zoo models; writes its table into docs/benchmarks.md.
 
-Run: ``.venv/bin/python benchmarks/planner.py [--quick] [--no-zoo] [--time-limit S]``.
-Columns: bottleneck (ms per microbatch), its ratio to the proven lower bound (the best bound
-any method proved for that row group, valid for plans within memory), its ratio to the best
-plan that fits in memory, solve time, and whether optimality is proven ("over memory": a
-baseline plan that exceeds device memory, shown for comparison only).
+Run: ``.venv/bin/python benchmarks/planner.py [--quick] [--no-zoo] [--zoo-only] [--time-limit S]``.
+``--time-limit`` is CP-SAT's deterministic budget per solve (default 30). The raw figures go to
+``benchmarks/results/planner.json`` and the markdown table replaces the block between the
+``planner-table`` markers in docs/benchmarks.md and docs/optimizer.md (``--no-write`` prints it only).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import platform
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 from partitioner import synthetic  # noqa: E402
 from partitioner.cluster import Cluster  # noqa: E402
 from partitioner.errors import PlanningError  # noqa: E402
-from partitioner.solve import solve  # noqa: E402
 from partitioner.profile import profile  # noqa: E402
+from partitioner.solve import solve  # noqa: E402
 from smp.models import build  # noqa: E402
 
 METHODS = ("uniform", "params", "blocks", "dp", "auto")
-#: A DGX-H100-like fallback when profiles/h100-sxm.json is absent: 8 GPUs per node.
-_H100 = {"kind": "smp.profile", "schema": 1, "name": "h100-sxm (built-in)",
-         "device": {"name": "H100", "memory_bytes": 85899345920},
-         "topology": {"nodes": 8, "devices_per_node": 8},
-         "links": {"intra_node": {"name": "NVLink 4", "bandwidth": 4.5e11, "latency": 3e-6},
-                   "inter_node": {"name": "IB NDR400", "bandwidth": 5.0e10, "latency": 5e-6}}}
+RESULTS = ROOT / "benchmarks" / "results" / "planner.json"
+DOCS = (ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "optimizer.md")
+BEGIN, END = "<!-- planner-table:begin -->", "<!-- planner-table:end -->"
+#: Real sizes, built on the meta device and priced for H100 bf16: the tiny presets' ops take
+#: microseconds, where link latency swamps every difference between methods.
+ZOO = ("gpt:size=base", "bert:size=base", "t5:size=small", "resnet:size=base", "unet:size=small")
 
 
-def cluster_for(stages: int) -> Cluster:
-    try:
-        return Cluster.load("h100-sxm", devices=stages)
-    except PlanningError:
-        return Cluster.from_profile(_H100, devices=stages)
-
-
-def run_group(label: str, graph, stages: int, time_limit: float, microbatches: int) -> list[str]:
-    cluster = cluster_for(stages)
-    results = {}
+def run_group(label: str, graph, stages: int, time_limit: float) -> dict:
+    """Every method on one graph and stage count: bottleneck, bound, proof, seconds."""
+    cluster = Cluster.load("h100-sxm", devices=stages)
+    rows = {}
     for method in METHODS:
         t = time.perf_counter()
         try:
-            part = solve(graph, stages, cluster=cluster, microbatches=microbatches, method=method,
+            part = solve(graph, stages, cluster=cluster, microbatches=4 * stages, method=method,
                          time_limit=time_limit)
         except PlanningError as err:
-            results[method] = (None, str(err).split(";")[0], time.perf_counter() - t)
+            rows[method] = {"error": str(err).split(";")[0], "seconds": time.perf_counter() - t}
             continue
-        results[method] = (part, "", time.perf_counter() - t)
-    # Baselines ignore memory: a plan over the limit is shown but never counts as the best.
-    ok = [p for p, _, _ in results.values() if p is not None and p.memory_ok]
-    best = min((p.bottleneck for p in ok), default=float("nan"))
-    lb = max(p.lower_bound for p, _, _ in results.values() if p is not None)
-    rows = []
-    for method, (part, err, secs) in results.items():
-        if part is None:
-            rows.append(f"| {label} | {len(graph)} | {stages} | {method} | – | – | – | {secs:.2f} | {err} |")
-            continue
-        rows.append(f"| {label} | {len(graph)} | {stages} | {method} | {part.bottleneck * 1e3:.3f} | "
-                    f"{part.bottleneck / lb:.3f} | {part.bottleneck / best:.3f} | {secs:.2f} | "
-                    f"{'over memory' if not part.memory_ok else 'yes' if part.optimal else ''} |")
-    return rows
+        rows[method] = {"bottleneck": part.bottleneck, "lower_bound": part.lower_bound, "bound_by": part.bound_by,
+                        "optimal": part.optimal, "memory_ok": part.memory_ok, "solver": part.method,
+                        "seconds": time.perf_counter() - t, "notes": part.notes}
+    return {"graph": label, "ops": len(graph), "stages": stages, "methods": rows}
 
 
-def synthetic_rows(quick: bool, time_limit: float) -> list[str]:
-    sizes = [(100, [2, 8]), (1000, [8, 64])] if quick else [(100, [2, 8]), (1000, [2, 8, 64]),
-                                                           (10000, [8, 64])]
+def table(groups: list[dict]) -> list[str]:
+    head = ["| graph | ops | stages | auto / bound | proven | bound by | auto s | dp s | dp / best | uniform / best "
+            "| params / best | blocks / best |",
+            "| --- | ---: | ---: | ---: | :---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     rows = []
+    for grp in groups:
+        res = grp["methods"]
+        fits = [r["bottleneck"] for r in res.values() if "error" not in r and r["memory_ok"]]
+        best = min(fits, default=float("nan"))
+        bound = max((r["lower_bound"] for r in res.values() if "error" not in r), default=0.0)
+
+        def vs_best(method: str) -> str:
+            r = res[method]
+            if "error" in r:
+                return "–"
+            return f"{r['bottleneck'] / best:.3f}" + ("" if r["memory_ok"] else " (over mem)")
+
+        auto = res["auto"]
+        if "error" in auto:
+            rows.append(f"| {grp['graph']} | {grp['ops']} | {grp['stages']} | {auto['error']} | | | "
+                        f"{auto['seconds']:.2f} | | | | | |")
+            continue
+        rows.append(f"| {grp['graph']} | {grp['ops']} | {grp['stages']} | {auto['bottleneck'] / bound:.3f} | "
+                    f"{'yes' if auto['optimal'] else ''} | {auto['bound_by']} | {auto['seconds']:.2f} | "
+                    f"{res['dp'].get('seconds', float('nan')):.2f} | {vs_best('dp')} | {vs_best('uniform')} | "
+                    f"{vs_best('params')} | {vs_best('blocks')} |")
+    return head + rows
+
+
+def synthetic_groups(quick: bool, time_limit: float) -> list[dict]:
+    sizes = [(1000, [8, 64])] if quick else [(100, [8]), (1000, [8, 64]), (10000, [64])]
+    out = []
     for kind in synthetic.SUITES:
         for ops, stage_list in sizes:
             graph = synthetic.generate(kind, ops, seed=0)
             for stages in stage_list:
-                rows += run_group(kind, graph, stages, time_limit, microbatches=4 * stages)
-                print(rows[-1], file=sys.stderr, flush=True)
-    return rows
+                out.append(run_group(kind, graph, stages, time_limit))
+                print(table([out[-1]])[-1], file=sys.stderr, flush=True)
+    return out
 
 
-#: Real sizes, built on the meta device and priced for H100 bf16: the tiny presets' ops take
-#: microseconds, where link latency swamps every difference between methods.
-ZOO = ("gpt:size=base", "bert:size=base", "t5:size=small", "unet:size=small", "resnet:size=base")
-
-
-def zoo_rows(time_limit: float) -> list[str]:
-    rows = []
+def zoo_groups(time_limit: float) -> list[dict]:
+    out = []
     for spec in ZOO:
         bundle = build(spec, meta=True)
         graph = profile(bundle.model, bundle.example_args, bundle.example_kwargs,
                         timing="analytic", device_profile="h100-sxm", dtype="bf16")
-        for stages in (4, 8):
-            rows += run_group(spec, graph, stages, time_limit, microbatches=4 * stages)
-            print(rows[-1], file=sys.stderr, flush=True)
-    return rows
+        for stages in (4, 8, 16):
+            out.append(run_group(spec, graph, stages, time_limit))
+            print(table([out[-1]])[-1], file=sys.stderr, flush=True)
+    return out
+
+
+def write_docs(lines: list[str], command: str) -> None:
+    """Replace the block between the planner-table markers of each doc with the table."""
+    for doc in DOCS:
+        text = doc.read_text()
+        if BEGIN not in text or END not in text:
+            raise SystemExit(f"{doc} has no {BEGIN} ... {END} block to replace")
+        head, rest = text.split(BEGIN, 1)
+        _, tail = rest.split(END, 1)
+        doc.write_text(head + "\n".join([BEGIN, f"Generated by `{command}`:", "", *lines, END]) + tail)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--quick", action="store_true", help="sizes up to 1,000 ops only")
+    ap.add_argument("--quick", action="store_true", help="1,000-op synthetic graphs only")
     ap.add_argument("--no-zoo", action="store_true", help="skip the zoo models")
     ap.add_argument("--zoo-only", action="store_true", help="only the zoo models")
-    ap.add_argument("--time-limit", type=float, default=20.0, help="seconds per auto/cpsat solve")
+    ap.add_argument("--time-limit", type=float, default=30.0, help="CP-SAT deterministic seconds per solve")
+    ap.add_argument("--no-write", action="store_true", help="print the table; leave docs/ and results/ alone")
     args = ap.parse_args()
-    header = ["| graph | ops | stages | method | bottleneck ms | / lower bound | / best | solve s | optimal |",
-              "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |"]
-    rows = [] if args.zoo_only else synthetic_rows(args.quick, args.time_limit)
+    t0 = time.perf_counter()
+    groups = [] if args.zoo_only else synthetic_groups(args.quick, args.time_limit)
     if not args.no_zoo:
-        rows += zoo_rows(args.time_limit)
-    print("\n".join(header + rows))
+        groups += zoo_groups(args.time_limit)
+    lines = table(groups)
+    print("\n".join(lines))
+    if args.no_write:
+        return
+    command = "python benchmarks/planner.py " + " ".join(sys.argv[1:])
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({"command": command.strip(), "machine": platform.platform(),
+                                   "cpus": __import__("os").cpu_count(), "seconds": time.perf_counter() - t0,
+                                   "groups": groups}, indent=1) + "\n")
+    write_docs(lines, command.strip())
 
 
 if __name__ == "__main__":

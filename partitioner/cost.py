@@ -10,6 +10,7 @@ from typing import Any
 import networkx as nx
 import numpy as np
 
+from partitioner.bounds import named_lower_bounds
 from partitioner.cluster import Cluster
 from partitioner.errors import InvalidAssignmentError, PlanningError, StageCountError
 from partitioner.graph import OUTPUT_OP, OpGraph
@@ -27,6 +28,9 @@ __all__ = [
 #: precision counted at the stored dtype) -> 1 + 1 + 2.
 DEFAULT_STATE_FACTOR = 4.0
 
+#: A plan is called optimal when a proven lower bound is within this fraction of its value
+#: (one part per million: CP-SAT's integer scaling rounds each term by under 1e-9 of it).
+OPTIMAL_RTOL = 1e-6
 
 # ---------------------------------------------------------------------- results
 
@@ -96,6 +100,19 @@ class Partition:
     memory_limit: float | None
     state_factor: float
     notes: list[str] = field(default_factory=list)
+    #: What the plan was chosen for: "bottleneck" (the solvers' min-max), or "step_time"
+    #: (then picked and refined by simulated step time, see partitioner/refine.py).
+    objective: str = "bottleneck"
+    #: The quantity ``lower_bound``, ``gap`` and ``optimal`` speak of; no other is proven.
+    bound_on: str = "bottleneck"
+    #: Which bound ``lower_bound`` is (e.g. "cpsat", "dp (single order)", "work").
+    bound_by: str = ""
+    #: Simulated step time under ``schedule`` (seconds), when the solver simulated it
+    #: (objective "step_time"); a Plan simulates every partition itself.
+    simulated_step: float | None = None
+    #: With ``objective="step_time"``: the solver's bottleneck plan this one was weighed
+    #: against ({"method", "bottleneck", "simulated_step", "optimal"}); None otherwise.
+    bottleneck_plan: dict[str, Any] | None = None
 
     @property
     def num_stages(self) -> int:
@@ -110,16 +127,25 @@ class Partition:
         """bottleneck / lower_bound (1.0 = proven optimal by the bound)."""
         return self.bottleneck / self.lower_bound if self.lower_bound > 0 else math.inf
 
-    def with_report(self, *, lower_bound: float | None = None, optimal: bool | None = None,
-                    method: str | None = None, solve_seconds: float | None = None,
-                    notes: Iterable[str] = ()) -> Partition:
-        """Set the solver's part of the report (bound, optimality, method, time) in place."""
+    def with_report(self, *, lower_bound: float | None = None, bound_by: str = "",
+                    optimal: bool | None = None, method: str | None = None,
+                    solve_seconds: float | None = None, notes: Iterable[str] = ()) -> Partition:
+        """Set the solver's part of the report (bound, optimality, method, time) in place.
+
+        ``lower_bound`` raises the bound when larger (``bound_by`` names it); a bound above
+        the plan's own bottleneck is an internal inconsistency and raises, beyond float
+        noise. A bound within ``OPTIMAL_RTOL`` of the bottleneck proves ``optimal``.
+        """
         if lower_bound is not None:
-            # A bound above the achieved value can only come from float rounding.
-            self.lower_bound = min(max(self.lower_bound, lower_bound), self.bottleneck)
+            if lower_bound > self.bottleneck * (1 + OPTIMAL_RTOL) + 1e-300:
+                raise RuntimeError(
+                    f"internal inconsistency: the lower bound {lower_bound!r} ({bound_by or 'given'}) exceeds the "
+                    f"bottleneck {self.bottleneck!r} of the plan it bounds; this is a bug in smp, please report it")
+            if lower_bound > self.lower_bound:
+                self.lower_bound, self.bound_by = min(lower_bound, self.bottleneck), bound_by
         if optimal is not None:
             self.optimal = optimal
-        if self.bottleneck > 0 and self.lower_bound >= self.bottleneck * (1 - 1e-12):
+        if self.bottleneck > 0 and self.lower_bound >= self.bottleneck * (1 - OPTIMAL_RTOL):
             self.optimal = True
         self.gap = 0.0 if self.optimal or self.bottleneck <= 0 else max(
             0.0, (self.bottleneck - self.lower_bound) / self.bottleneck)
@@ -155,9 +181,13 @@ class Partition:
             rows.append(f"{s.index:>4}{mark} {len(s.ops):>5} {s.modules[:24]:<24} {s.compute * 1e3:>11.3f} "
                         f"{(s.comm_in_time + s.comm_out_time) * 1e3:>9.3f} {s.time * 1e3:>9.3f} "
                         f"{format_bytes(s.memory):>11} {format_bytes(s.memory_limit):>11}")
-        rows.append(f"bottleneck {self.bottleneck * 1e3:.3f} ms, lower bound {self.lower_bound * 1e3:.3f} ms, "
-                    f"gap {self.gap:.2%}{' (optimal)' if self.optimal else ''}, {self.method}, "
+        rows.append(f"bottleneck {self.bottleneck * 1e3:.3f} ms, lower bound {self.lower_bound * 1e3:.3f} ms "
+                    f"({self.bound_by or 'none'}), gap {self.gap:.2%}"
+                    f"{' (bottleneck proven optimal)' if self.optimal else ''}, {self.method}, "
                     f"{self.solve_seconds:.2f} s")
+        if self.simulated_step is not None:
+            rows.append(f"simulated step {self.simulated_step * 1e3:.3f} ms ({self.schedule}, "
+                        f"{self.microbatches} microbatches); plan chosen for the {self.objective}")
         return "\n".join(rows)
 
 
@@ -291,10 +321,6 @@ class Problem:
     def node_memory(self, i: int, s: int) -> float:
         return self.fixed_mem[i] + self.in_flight[s] * self.act_bytes[i]
 
-    def is_unique_order(self) -> bool:
-        """True when the graph has one topological order, so contiguous cuts are all valid assignments."""
-        return all(i + 1 in self.succ[i] for i in range(self.n - 1))
-
     # ---------------------------------------------------------------- fast costs
 
     def stage_costs(self, assign: Sequence[int]) -> tuple[list[float], list[float]]:
@@ -365,8 +391,6 @@ class Problem:
 
     def partition(self, assign: Sequence[int], *, method: str = "manual",
                   solve_seconds: float = 0.0) -> Partition:
-        from partitioner.solve.bounds import trivial_lower_bound  # solve imports cost
-
         p, k = self.p, self.directions
         speed = self.speed
         ops: list[list[int]] = [[] for _ in range(p)]
@@ -420,7 +444,8 @@ class Problem:
             lower_bound=0.0, optimal=False, gap=1.0, method=method, solve_seconds=solve_seconds,
             cluster=self.cluster.to_dict(), microbatches=self.microbatches, schedule=self.schedule,
             training=self.training, memory_limit=self.memory_limit_arg, state_factor=self.state_factor)
-        part.with_report(lower_bound=trivial_lower_bound(self))
+        name, bound = max(named_lower_bounds(self).items(), key=lambda kv: kv[1])
+        part.with_report(lower_bound=bound, bound_by=name)
         over = [st.index for st in stats if not st.fits]
         if over:
             part.notes.append(f"stages {over} exceed their memory limit")

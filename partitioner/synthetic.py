@@ -21,7 +21,7 @@ from collections.abc import Hashable, Iterable, Sequence
 import networkx as nx
 
 from partitioner.cluster import Cluster
-from partitioner.cost import DEFAULT_STATE_FACTOR, Partition, Problem
+from partitioner.cost import DEFAULT_STATE_FACTOR, Partition, Problem, evaluate
 from partitioner.errors import MemoryLimitError
 from partitioner.graph import OpGraph
 
@@ -307,10 +307,7 @@ def brute_force(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | 
                    training=training, memory_limit=memory_limit, state_factor=state_factor,
                    order=order)
     n, p, k = prob.n, prob.p, prob.directions
-    group_of: dict[int, int] = {}
-    for gi, group in enumerate(colocate):
-        for name in group:
-            group_of[prob.pos[name]] = gi
+    group_of = _group_ids(prob, colocate)
     lim = [math.inf if x is None else x * (1 + 1e-12) for x in prob.mem_limit]
     best_val, best = math.inf, None
 
@@ -383,6 +380,20 @@ def brute_force(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | 
     return part
 
 
+def _group_ids(prob: Problem, colocate: Iterable[Iterable[Hashable]]) -> dict[int, int]:
+    """Group id per position of a colocated op; groups sharing an op are one group."""
+    group_of: dict[int, int] = {}
+    for gi, group in enumerate(colocate):
+        members = [prob.pos[name] for name in group]
+        joined = {group_of[m] for m in members if m in group_of}
+        for pos, g in list(group_of.items()):
+            if g in joined:
+                group_of[pos] = gi
+        for m in members:
+            group_of[m] = gi
+    return group_of
+
+
 # ---------------------------------------------------------------------- assertions
 
 
@@ -394,8 +405,6 @@ def check_partition(graph: OpGraph | nx.DiGraph, part: Partition, *,
     colocation groups share a stage, memory fits (when ``memory``), the lower bound does
     not exceed the bottleneck, and the reported stage times match a fresh evaluation.
     """
-    from partitioner.cost import evaluate
-
     problems = []
     try:
         fresh = evaluate(graph, part.stage_of, cluster=Cluster.from_dict(part.cluster),

@@ -98,7 +98,7 @@ def warnings_for(plan: Plan) -> list[dict[str, Any]]:
                             "message": f"stage {row['stage']} uses {frac:.0%} of its {format_bytes(limit)} memory "
                                        f"limit (above {MEMORY_WARN_FRACTION:.0%}): little headroom for allocator "
                                        "fragmentation and workspace"})
-    if not part.optimal and part.gap > GAP_WARN:
+    if not part.optimal and part.gap > GAP_WARN and not (part.bottleneck_plan or {}).get("optimal"):
         out.append({"kind": "gap", "stage": None,
                     "message": f"the plan is {part.gap:.1%} above the lower bound and not proven optimal: "
                                "give the solver more time (--time-limit) or try --method cpsat"})
@@ -186,6 +186,10 @@ def report(plan: Plan, *, plan_file: str | Path | None = None, files: dict[str, 
         "lower_bound_s": _num(part.lower_bound),
         "gap": _num(part.gap),
         "optimal": bool(part.optimal),
+        "objective": part.objective,
+        "bound_on": part.bound_on,
+        "bound_by": part.bound_by,
+        "bottleneck_plan": part.bottleneck_plan,
         "method": part.method,
         "solve_seconds": _num(part.solve_seconds),
         "cut_tensors": cut_tensors(plan),
@@ -270,7 +274,12 @@ def headline(plan: Plan, *, solved: Plan | None = None) -> list[str]:
     """
     part = plan.partition
     src = (solved or plan).partition
-    proven = "proven optimal" if src.optimal else f"not proven optimal (gap {src.gap:.1%} to the lower bound)"
+    proven = (f"{src.bound_on} proven optimal" if src.optimal
+              else f"{src.bound_on} not proven optimal (gap {src.gap:.1%} to the lower bound)")
+    chosen = src.bottleneck_plan
+    if src.objective == "step_time" and chosen:
+        proven += (f"; chosen for the simulated step time (the {chosen['method']} plan: bottleneck "
+                   f"{format_time(chosen['bottleneck'])}{', proven optimal' if chosen['optimal'] else ''})")
     if solved is not None:
         proven = f"solved for {solved.schedule_name}, m={solved.microbatches} ({proven} there), re-timed"
     limit = "no memory limit" if part.memory_limit is None and not any(

@@ -41,3 +41,27 @@ def test_refinement_on_interleaved_needs_ranks():
 def test_unknown_objective_is_refused():
     with pytest.raises(PlanningError, match="objective"):
         solve(synthetic.chain(6), 2, objective="speed")
+
+
+def test_step_time_plan_is_never_slower_than_a_baseline_and_says_what_is_proven():
+    # Here the bottleneck-optimal plan simulates 15% slower than the peers' balanced cuts.
+    graph = synthetic.generate("encdec", 40, seed=1)
+    cluster = Cluster.uniform(4, bandwidth=2e9, latency=2e-5)
+    options = dict(cluster=cluster, microbatches=4, time_limit=1)
+    plain = solve(graph, 4, **options)
+    assert plain.objective == "bottleneck" and plain.bound_on == "bottleneck" and plain.optimal
+    assert plain.simulated_step is None  # the bottleneck solve simulates nothing; a Plan does
+    baselines = [solve(graph, 4, method=m, **options) for m in ("uniform", "params", "blocks")]
+    fastest_peer = min(simulated_step_time(b) for b in baselines if b.memory_ok)
+    assert fastest_peer < simulated_step_time(plain) * 0.9
+    picked = solve(graph, 4, objective="step_time", **options)
+    assert_valid(graph, picked)
+    assert picked.simulated_step == pytest.approx(simulated_step_time(picked))
+    assert picked.simulated_step <= fastest_peer * (1 + 1e-9)
+    # Its bottleneck is above the proven optimum: the report must not call it optimal.
+    assert picked.bottleneck > plain.bottleneck * 1.01 and not picked.optimal
+    assert picked.lower_bound == pytest.approx(plain.lower_bound) and picked.gap > 0
+    assert picked.bottleneck_plan == {"method": plain.method, "bottleneck": pytest.approx(plain.bottleneck),
+                                      "simulated_step": pytest.approx(simulated_step_time(plain)), "optimal": True}
+    data = picked.to_dict()
+    assert data["objective"] == "step_time" and data["bound_on"] == "bottleneck"

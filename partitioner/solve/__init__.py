@@ -3,35 +3,67 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
 
 import networkx as nx
+import numpy as np
 
+from partitioner.bounds import memory_lower_bound, named_lower_bounds
 from partitioner.cluster import Cluster
-from partitioner.cost import DEFAULT_STATE_FACTOR, Partition, Problem, format_bytes
+from partitioner.cost import DEFAULT_STATE_FACTOR, OPTIMAL_RTOL, Partition, Problem, format_bytes, graph_order
 from partitioner.errors import MemoryLimitError, PlanningError
 from partitioner.graph import OpGraph
+from partitioner.refine import refine_step_time, simulated_step_time
 from partitioner.solve.baselines import BASELINES, baseline_assign
-from partitioner.solve.bounds import memory_lower_bound, trivial_lower_bound
+from partitioner.solve.colocate import Blocks, colocation_blocks
 from partitioner.solve.cpsat import cpsat_size, cpsat_solve
-from partitioner.refine import refine_step_time
-from partitioner.solve.dp import allowed_cuts, dp_solve
+from partitioner.solve.dp import DP_SEARCH_WORK, dp_solve
+from partitioner.solve.ideals import MAX_IDEALS, ideal_dp
 
 __all__ = ["solve", "METHODS", "OBJECTIVES", "AUTO_CPSAT_MAX_NODES", "AUTO_CPSAT_MAX_VARS", "DEFAULT_TIME_LIMIT",
-           "DP_SEARCH_SECONDS"]
+           "DP_SEARCH_WORK", "wall_limit_for"]
 
 METHODS = ("auto", "dp", "cpsat", *BASELINES)
 OBJECTIVES = ("bottleneck", "step_time")
-#: Seconds the step-time refinement may take at most.
-REFINE_SECONDS = 5.0
 #: ``auto`` runs CP-SAT after the DP only on graphs up to this many ops ...
 AUTO_CPSAT_MAX_NODES = 2000
 #: ... and this many model variables (ops x stages + transfer variables).
 AUTO_CPSAT_MAX_VARS = 400_000
-#: Seconds dp's branch and bound may search to close its order gap.
-DP_SEARCH_SECONDS = 2.0
-#: Seconds CP-SAT may search when ``time_limit`` is not given.
-DEFAULT_TIME_LIMIT = 10.0
+#: CP-SAT's deterministic-time budget when ``time_limit`` is not given (about 4-10 wall
+#: seconds on one core of this 2-core machine).
+DEFAULT_TIME_LIMIT = 4.0
+
+
+def wall_limit_for(budget: float) -> float:
+    """The wall-clock safety limit for a deterministic ``budget``: generous, so it strikes only on a
+    machine several times slower (or busier) than the one the budget was calibrated on."""
+    return 60.0 + 6.0 * budget
+
+
+@dataclass
+class _Search:
+    """The best plan found so far, every proven bound by name, and what to tell the user."""
+
+    prob: Problem
+    assign: list[int] | None = None
+    value: float = float("inf")
+    found_by: str = ""
+    bounds: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    infeasible: bool = False  # CP-SAT proved that no valid assignment fits memory
+
+    def offer(self, assign: Sequence[int] | None, value: float, by: str) -> None:
+        """Keep ``assign`` when strictly better (so a later method never makes the plan worse)."""
+        if assign is not None and (self.assign is None or value < self.value * (1 - 1e-12)):
+            self.assign, self.value, self.found_by = list(assign), value, by
+
+    def bound(self, name: str, value: float) -> None:
+        self.bounds[name] = max(value, self.bounds.get(name, 0.0))
+
+    @property
+    def proven(self) -> bool:
+        return self.assign is not None and max(self.bounds.values(), default=0.0) >= self.value * (1 - OPTIMAL_RTOL)
 
 
 def solve(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None = None,
@@ -39,95 +71,188 @@ def solve(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None =
           memory_limit: float | None = None, colocate: Iterable[Iterable[Hashable]] = (),
           method: str = "auto", time_limit: float | None = None,
           state_factor: float = DEFAULT_STATE_FACTOR, workers: int = 1,
-          objective: str = "bottleneck", ranks: int | None = None) -> Partition:
+          objective: str = "bottleneck", ranks: int | None = None,
+          wall_limit: float | None = None) -> Partition:
     """Assign every op to one of ``stages`` pipeline stages, minimising the bottleneck stage time.
 
     ``method``: ``"dp"`` (exact over contiguous cuts of the program order), ``"cpsat"``
-    (all valid assignments, proven bound, warm-started from dp), ``"auto"`` (dp, then
-    cpsat when the graph has more than one topological order and is small enough; never
-    worse than dp), or a baseline ``"uniform"``, ``"params"``, ``"blocks"``.
+    (all valid assignments, proven bound, warm-started from dp), ``"auto"`` (dp, then the
+    DP over all ideals, then cpsat, each only while the plan is unproven and the graph
+    small enough; never worse than dp), or a baseline ``"uniform"``, ``"params"``, ``"blocks"``.
     ``memory_limit``: bytes per device, or None for the cluster devices' memory.
-    ``colocate``: groups of node names that must share a stage. ``time_limit``: seconds
-    for the whole solve (CP-SAT gets what dp leaves). ``workers``: CP-SAT threads; 1 keeps
-    results deterministic. ``objective="step_time"`` then refines the answer by simulated
-    step time under ``schedule`` (``ranks``: pipeline ranks of an interleaved schedule),
-    see :mod:`partitioner.refine`; bounds and gap still speak of the bottleneck.
+    ``colocate``: groups of node names that must share a stage (each group's convex closure
+    does). ``time_limit``: CP-SAT's budget in deterministic seconds (its measure of work,
+    about seconds on a quiet core), default :data:`DEFAULT_TIME_LIMIT`; dp's search is
+    bounded by :data:`DP_SEARCH_WORK`. Budgets are counts, so the same input gives the same
+    plan and bound on any machine; ``wall_limit`` (seconds, default
+    :func:`wall_limit_for`) is only a safety net, and a note says when it struck.
+    ``workers``: CP-SAT threads (deterministic for any count). ``objective="step_time"``
+    then picks and refines the plan by simulated step time under ``schedule``
+    (``ranks``: pipeline ranks of an interleaved schedule), see :mod:`partitioner.refine`;
+    the bound, gap and ``optimal`` always speak of the bottleneck (``Partition.bound_on``).
     """
+    _check_choices(method, objective)
+    t0 = time.perf_counter()
+    budget = DEFAULT_TIME_LIMIT if time_limit is None else float(time_limit)
+    deadline = t0 + (wall_limit_for(budget) if wall_limit is None else float(wall_limit))
+    g, program_order = graph_order(graph)
+    blocks = colocation_blocks(g, program_order, colocate)
+    prob = Problem(graph, stages, cluster=cluster, microbatches=microbatches, schedule=schedule,
+                   training=training, memory_limit=memory_limit, state_factor=state_factor,
+                   order=blocks.order)
+    blocks.check_stages(prob.p)
+    if method in BASELINES:
+        part = prob.partition(baseline_assign(prob, method, _allowed_cuts(prob, blocks)), method=method)
+    else:
+        part = _optimise(prob, blocks, method, budget, deadline, workers)
+    if objective == "step_time":
+        part = _refine(prob, blocks, part, ranks)
+    return part.with_report(solve_seconds=time.perf_counter() - t0)
+
+
+def _check_choices(method: str, objective: str) -> None:
     if objective not in OBJECTIVES:
         raise PlanningError(f"unknown objective {objective!r}; use one of {', '.join(OBJECTIVES)}")
     if method not in METHODS:
         raise PlanningError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
-    t0 = time.perf_counter()
-    prob = Problem(graph, stages, cluster=cluster, microbatches=microbatches, schedule=schedule,
-                   training=training, memory_limit=memory_limit, state_factor=state_factor)
-    groups = [list(g) for g in colocate]
-    allowed = allowed_cuts(prob, groups)
-    budget = DEFAULT_TIME_LIMIT if time_limit is None else float(time_limit)
 
-    if method in BASELINES:
-        assign = baseline_assign(prob, method, allowed)
-        return prob.partition(assign, method=method, solve_seconds=time.perf_counter() - t0)
 
-    # The branch and bound behind dp only matters when its lower model is loose; cap it so
-    # dp stays fast and auto leaves CP-SAT most of the budget.
-    dp = dp_solve(prob, groups, time_limit=min(budget, DP_SEARCH_SECONDS if method == "dp" else 1.0))
-    unique = prob.is_unique_order()
-    notes: list[str] = []
-    best_assign, best_lb, best_opt, used = None, trivial_lower_bound(prob), False, "dp"
-    if dp is not None:
-        best_assign = dp.assign
-        if unique:
-            best_lb = max(best_lb, dp.order_lower_bound)
-            best_opt = dp.order_optimal
-        if dp.order_optimal:
-            notes.append("dp: optimal over contiguous cuts of the program order")
-        else:
-            notes.append(f"dp: search budget ran out; the program order's best is >= "
-                         f"{dp.order_lower_bound:.6g} s")
-        if unique:
-            notes.append("the graph has a single topological order, so contiguous cuts are every valid assignment")
+def _optimise(prob: Problem, blocks: Blocks, method: str, budget: float, deadline: float,
+              workers: int) -> Partition:
+    """dp, the ideal DP and CP-SAT, each only while the plan is unproven; the best plan with the best bound."""
+    search = _Search(prob)
+    for name, value in named_lower_bounds(prob).items():
+        search.bound(name, value)
+    single = blocks.single_order(prob.succ)
+    _run_dp(search, blocks, single, deadline)
+    if method == "auto" and not search.proven:
+        _run_ideals(search, blocks)
+    if _wants_cpsat(search, method):
+        _run_cpsat(search, blocks, budget, deadline, workers)
+    if search.assign is None:
+        raise _memory_error(prob, proven=search.infeasible)
+    label = search.found_by if method != "auto" else f"auto/{search.found_by}"
+    part = prob.partition(search.assign, method=label)
+    for name, value in search.bounds.items():
+        part.with_report(lower_bound=value, bound_by=name)
+    return part.with_report(notes=search.notes)
 
-    run_cp = method == "cpsat" or (
-        method == "auto" and not (unique and dp is not None and dp.order_optimal)
-        and prob.n <= AUTO_CPSAT_MAX_NODES and cpsat_size(prob) <= AUTO_CPSAT_MAX_VARS)
-    if method == "auto" and not run_cp and not unique:
-        notes.append(f"auto: CP-SAT skipped ({prob.n} ops, ~{cpsat_size(prob)} variables; limits "
-                     f"{AUTO_CPSAT_MAX_NODES} ops, {AUTO_CPSAT_MAX_VARS} variables): coarsen the graph")
-    cp = None
-    if run_cp:
-        remaining = max(0.1, budget - (time.perf_counter() - t0))
-        cp = cpsat_solve(prob, groups, hint=dp.assign if dp is not None else None,
-                         time_limit=remaining, workers=workers)
-        notes.append(f"cpsat: {cp.status} in {cp.seconds:.2f} s")
-        if cp.assign is not None:
-            best_lb = max(best_lb, cp.lower_bound)
-            if best_assign is None or cp.value < prob.bottleneck(best_assign) * (1 - 1e-12):
-                best_assign, used = cp.assign, "cpsat"
-            if cp.optimal:
-                best_opt = True
-        elif cp.infeasible and dp is not None:
-            # The hint is feasible, so this only happens through memory rounding; keep dp.
-            notes.append("cpsat: model infeasible with rounded memory; kept the dp plan")
 
-    if best_assign is None:
-        raise _memory_error(prob, proven=cp is not None and cp.infeasible)
-    label = used if method != "auto" else f"auto/{used}"
-    if objective == "step_time":
-        frozen = {prob.pos[v] for group in groups if len(group) > 1 for v in group}
-        remaining = max(0.5, budget - (time.perf_counter() - t0))
-        refined, before, after = refine_step_time(prob, best_assign, ranks=ranks, frozen=frozen,
-                                                  time_limit=min(remaining, REFINE_SECONDS))
-        if refined != list(best_assign):
-            notes.append(f"step-time refinement: simulated step {before * 1e3:.4g} ms -> {after * 1e3:.4g} ms")
-            best_opt = best_opt and prob.bottleneck(refined) <= prob.bottleneck(best_assign)
-            best_assign = refined
-            label += "+sim"
-        else:
-            notes.append("step-time refinement: no single-op move shortens the simulated step")
-    part = prob.partition(best_assign, method=label)
-    part.with_report(lower_bound=best_lb, optimal=best_opt,
-                     solve_seconds=time.perf_counter() - t0, notes=notes)
-    return part
+def _run_dp(search: _Search, blocks: Blocks, single: bool, deadline: float) -> None:
+    prob = search.prob
+    dp = dp_solve(prob, _allowed_cuts(prob, blocks), wall_limit=max(0.0, deadline - time.perf_counter()))
+    if dp is None:
+        search.notes.append("dp: no contiguous cuts of the program order fit the memory limits")
+        return
+    search.offer(dp.assign, dp.value, "dp")
+    what = "program order" if not blocks.groups else "program order with the colocation blocks contiguous"
+    if dp.order_optimal:
+        search.notes.append(f"dp: optimal over contiguous cuts of the {what}")
+    else:
+        search.notes.append(f"dp: search budget ({DP_SEARCH_WORK:,} work units) ran out; the {what}'s "
+                            f"best is >= {dp.order_lower_bound:.6g} s")
+    if dp.wall_stopped:
+        search.notes.append("dp: stopped by the wall-clock safety limit (machine slow or busy); "
+                            "this plan and bound may differ on another machine")
+    if single:
+        search.bound("dp (single order)", dp.order_lower_bound)
+        search.notes.append("the graph has a single topological order (of its colocation blocks), so contiguous "
+                            "cuts are every valid assignment")
+
+
+def _run_ideals(search: _Search, blocks: Blocks) -> None:
+    """The DP over all ideals: a bound valid for every assignment, and often the optimum."""
+    if blocks.groups:
+        return  # its ideals would have to respect the blocks; CP-SAT handles colocation
+    res = ideal_dp(search.prob)
+    if res is None:
+        search.notes.append(f"ideal dp: skipped (more than {MAX_IDEALS:,} ideals or too many segment pairs)")
+        return
+    search.notes.append(f"ideal dp: lower bound {res.lower_bound:.6g} s over every valid assignment "
+                        f"({res.pairs:,} segment pairs); its plan {res.value:.6g} s")
+    search.bound("ideal dp", res.lower_bound)
+    search.offer(res.assign, res.value, "ideals")
+
+
+def _wants_cpsat(search: _Search, method: str) -> bool:
+    prob = search.prob
+    if method == "cpsat":
+        return True
+    if method != "auto" or search.proven:
+        return False
+    if prob.n <= AUTO_CPSAT_MAX_NODES and cpsat_size(prob) <= AUTO_CPSAT_MAX_VARS:
+        return True
+    search.notes.append(f"auto: CP-SAT skipped ({prob.n} ops, ~{cpsat_size(prob)} variables; limits "
+                        f"{AUTO_CPSAT_MAX_NODES} ops, {AUTO_CPSAT_MAX_VARS} variables): coarsen the graph")
+    return False
+
+
+def _run_cpsat(search: _Search, blocks: Blocks, budget: float, deadline: float, workers: int) -> None:
+    prob = search.prob
+    groups = _block_positions(blocks)
+    cp = cpsat_solve(prob, groups, hint=search.assign, lower_bound=max(search.bounds.values(), default=0.0),
+                     budget=budget, wall_limit=max(0.05, deadline - time.perf_counter()), workers=workers)
+    search.notes.append(f"cpsat: {cp.status} in {cp.seconds:.2f} s ({cp.deterministic_seconds:.2f} of "
+                        f"{budget:g} deterministic s)")
+    search.notes.extend(cp.notes)
+    if cp.wall_stopped:
+        search.notes.append("cpsat: stopped by the wall-clock safety limit (machine slow or busy); "
+                            "this plan and bound may differ on another machine")
+    search.infeasible = cp.infeasible
+    if cp.status in ("OPTIMAL", "FEASIBLE"):
+        search.bound("cpsat", cp.lower_bound)
+    search.offer(cp.assign, cp.value, "cpsat")
+
+
+def _block_positions(blocks: Blocks) -> list[list[int]]:
+    """Positions of every block of two or more ops: CP-SAT's colocation equalities."""
+    members: dict[int, list[int]] = {}
+    for i, b in enumerate(blocks.block_of):
+        members.setdefault(b, []).append(i)
+    return [m for m in members.values() if len(m) > 1]
+
+
+def _refine(prob: Problem, blocks: Blocks, part: Partition, ranks: int | None) -> Partition:
+    """Start from the candidate with the shortest simulated step (the solver's plan or a
+    baseline's that fits memory), then hill-climb on simulated step time."""
+    candidates = {part.method: prob.assignment(part.stage_of)}
+    for name in BASELINES:
+        candidates.setdefault(name, baseline_assign(prob, name, _allowed_cuts(prob, blocks)))
+    steps = {}
+    for name, assign in candidates.items():
+        if len(set(assign)) < prob.p:
+            continue  # a baseline left a stage empty: not a pipeline of p stages
+        cand = prob.partition(assign)
+        if cand.memory_ok:
+            steps[name] = simulated_step_time(cand, ranks=ranks)
+    if not steps:
+        return part.with_report(notes=["step time: no candidate plan fits memory; nothing to refine"])
+    start = min(steps, key=lambda name: (steps[name], name != part.method))
+    frozen = {i for ops in _block_positions(blocks) for i in ops}
+    refined, before, after = refine_step_time(prob, candidates[start], ranks=ranks, frozen=frozen)
+    notes = [f"step time: the {part.method} plan simulates to {steps[part.method] * 1e3:.4g} ms"
+             if part.method in steps else f"step time: the {part.method} plan does not fit memory"]
+    if start != part.method:
+        notes.append(f"step time: started from the {start} plan ({before * 1e3:.4g} ms)")
+    notes.append(f"step-time refinement: {before * 1e3:.4g} ms -> {after * 1e3:.4g} ms" if after < before
+                 else "step-time refinement: no single-op move shortens the simulated step")
+    label = part.method + ("" if start == part.method else f"→{start}") + ("+sim" if after < before else "")
+    out = prob.partition(refined, method=label)
+    out.with_report(lower_bound=part.lower_bound, bound_by=part.bound_by, notes=[*part.notes, *notes])
+    out.objective, out.simulated_step = "step_time", after
+    out.bottleneck_plan = {"method": part.method, "bottleneck": part.bottleneck,
+                           "simulated_step": steps.get(part.method), "optimal": part.optimal}
+    return out
+
+
+def _allowed_cuts(prob: Problem, blocks: Blocks) -> np.ndarray:
+    """Where the order-based methods may cut: between colocation blocks, never just before the model's output
+    node (last in the order), which would make a stage of nothing but the output."""
+    allowed = blocks.allowed_cuts()
+    for i, out in enumerate(prob.is_output):
+        if out:
+            allowed[i] = False
+    return allowed
 
 
 def _memory_error(prob: Problem, *, proven: bool) -> MemoryLimitError:

@@ -13,13 +13,24 @@ result is costed by the same :func:`~partitioner.cost.evaluate` as every solver.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from partitioner.cost import Problem
 
-__all__ = ["BASELINES", "baseline_assign", "minmax_cuts"]
+__all__ = ["BASELINES", "baseline_assign", "minmax_cuts", "cuts_to_assign"]
 
 BASELINES = ("uniform", "params", "blocks")
+
+
+def cuts_to_assign(cuts: Sequence[int], n: int) -> list[int]:
+    """Stage per position from the p-1 boundaries (position where each later stage starts)."""
+    assign = [0] * n
+    bounds = [0, *cuts, n]
+    for s in range(len(bounds) - 1):
+        assign[bounds[s]:bounds[s + 1]] = [s] * (bounds[s + 1] - bounds[s])
+    return assign
 
 
 def minmax_cuts(weights: np.ndarray, p: int, allowed: np.ndarray) -> list[int]:
@@ -94,8 +105,6 @@ def _layer_runs(prob: Problem) -> list[int]:
 
 def baseline_assign(prob: Problem, method: str, allowed: np.ndarray) -> list[int]:
     """Stage per position of the program order under one of :data:`BASELINES`."""
-    from partitioner.solve.dp import cuts_to_assign
-
     if method == "uniform":
         runs = _layer_runs(prob)
         nruns = runs[-1] + 1

@@ -7,29 +7,37 @@ sums. Communication is exact under our cost model: ``r[u,t]`` says stage t recei
 output (some consumer of u is on t and u is not), and ``y[u,a,t] = x[u,a] ∧ r[u,t]``
 prices the transfer on the link from a to t for both endpoints.
 
-Costs are scaled to integers by rounding *down*, so every integer stage time is at most
-the float time times the scale, and the solver's proven bound divided by the scale is
-a valid lower bound on the float optimum. The returned plan is re-costed in floats by
-the one cost model.
+Integers, in the direction that never cuts off a plan: times are scaled and rounded
+*down*, so every integer stage time is at most the float time times the scale and the
+solver's bound divided by the scale is a valid lower bound on the float optimum. Memory
+is scaled *exactly* (by the power of two that makes every byte count an integer) when
+that fits in 64 bits, else rounded down as well; either way every plan that fits in
+floats fits the integer model, and the returned plan is checked in floats by the one
+cost model. The search stops at a deterministic-time budget (the same plan and bound on
+any machine); the wall clock is only a safety limit, and reported when it struck.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
 
 import numpy as np
 from ortools.sat.python import cp_model
 
 from partitioner.cost import Problem
-from partitioner.errors import ColocationError
 
 __all__ = ["CPResult", "cpsat_solve", "cpsat_size"]
 
-#: Integer units the bottleneck is scaled to; rounding error per term is < 1 unit.
-_SCALE_TARGET = 1e9
+#: Integer units per op the reference bottleneck is scaled to (at least 1e9 in all): a plan's
+#: rounding, under one unit per term, stays below 1e-6 of it (``OPTIMAL_RTOL``). Much larger
+#: coefficients make CP-SAT's LP numerically fragile (seen: searches that stall for minutes).
+_UNITS_PER_OP = 1e6
+#: Largest magnitude a stage's integer sum may reach: exact in the LP's doubles.
+_INT_MAX = 2.0**53
 
 
 @dataclass
@@ -37,10 +45,12 @@ class CPResult:
     assign: list[int] | None
     value: float
     lower_bound: float
-    optimal: bool
     infeasible: bool
     status: str
     seconds: float
+    deterministic_seconds: float
+    wall_stopped: bool
+    notes: list[str] = field(default_factory=list)
 
 
 def _comm_nodes(prob: Problem) -> list[int]:
@@ -57,121 +67,187 @@ def cpsat_size(prob: Problem) -> int:
     return prob.n * p + len(_comm_nodes(prob)) * (p * (p - 1) // 2 + p)
 
 
-def cpsat_solve(prob: Problem, colocate: Iterable[Iterable[Hashable]] = (), *,
-                hint: Sequence[int] | None = None, time_limit: float = 10.0, workers: int = 1,
-                seed: int = 0) -> CPResult:
-    """Minimise the bottleneck over all valid assignments; deterministic with ``workers=1``."""
-    t0 = time.perf_counter()
-    n, p, k = prob.n, prob.p, prob.directions
-    from partitioner.solve.bounds import trivial_lower_bound
+def _dyadic_exponent(values: np.ndarray) -> int:
+    """Smallest k such that every value times 2**k is an integer (floats are dyadic rationals)."""
+    nz = values[(values != 0) & np.isfinite(values)]
+    if not nz.size:
+        return 0
+    mant, exp = np.frexp(nz)
+    ints = np.abs(mant * 2.0**53).astype(np.int64)
+    trailing = np.log2((ints & -ints).astype(float)).astype(int)
+    return max(0, int((53 - exp - trailing).max()))
 
-    ref = max(prob.bottleneck(hint) if hint is not None else 0.0, trivial_lower_bound(prob), 1e-300)
-    scale = _SCALE_TARGET / ref
 
-    def units(seconds: float) -> int:
-        return int(math.floor(seconds * scale))
+class _Model:
+    """The CP-SAT model of one :class:`Problem`: variables, per-stage load terms, bottleneck."""
 
-    m = cp_model.CpModel()
-    x = [[m.NewBoolVar(f"x{v}_{s}") for s in range(p)] for v in range(n)]
-    for v in range(n):
-        m.AddExactlyOne(x[v])
-    # Order encoding: z[v][s] = [stage(v) >= s]; an edge u -> v is z[u][s] <= z[v][s] for
-    # every s, which propagates far better than comparing two weighted sums.
-    z = [[None] + [m.NewBoolVar(f"z{v}_{s}") for s in range(1, p)] for v in range(n)]
-    for v in range(n):
-        for s in range(1, p):
-            m.Add(z[v][s] == sum(x[v][t] for t in range(s, p)))
-    for u in range(n):
-        for v in prob.succ[u]:
-            for s in range(1, p):
-                m.AddImplication(z[u][s], z[v][s])
-    for s in range(p):  # every stage holds a real op (the model's output node is none)
-        m.Add(sum(x[v][s] for v in range(n) if not prob.is_output[v]) >= 1)
-    for group in colocate:
-        members = list(group)
-        unknown = [g for g in members if g not in prob.pos]
-        if unknown:
-            raise ColocationError(f"colocation group names ops not in the graph: {unknown[:5]}")
-        first = prob.pos[members[0]]
-        for g in members[1:]:
-            for s in range(p):
-                m.Add(x[prob.pos[g]][s] == x[first][s])
+    def __init__(self, prob: Problem, groups: Sequence[Sequence[int]]):
+        self.prob = prob
+        self.m = cp_model.CpModel()
+        self.notes: list[str] = []
+        self._assignment()
+        for group in groups:
+            self._colocate(group)
+        # (seconds, literal) per stage, turned into integers once the scale is known.
+        self.load: list[list[tuple[float, cp_model.IntVar]]] = [[] for _ in range(prob.p)]
+        self._compute()
+        self.r: dict[tuple[int, int], cp_model.IntVar] = {}
+        self.y: dict[tuple[int, int, int], cp_model.IntVar] = {}
+        self._communication()
+        self._memory()
 
-    load: list[list] = [[] for _ in range(p)]  # (coefficient, literal) terms per stage
-    for v in range(n):
-        for s in range(p):
-            c = units(prob.work[v] / prob.speed[s])
-            if c:
-                load[s].append((c, x[v][s]))
-    r: dict[tuple[int, int], cp_model.IntVar] = {}
-    y: dict[tuple[int, int, int], cp_model.IntVar] = {}
-    for u in _comm_nodes(prob):
-        b = float(prob.out_bytes[u])
-        for t in range(1, p):
-            prices = {a: units(k * prob.transfer_seconds(a, t, b)) for a in range(t)}
-            if not any(prices.values()):
-                continue
-            rt = m.NewBoolVar(f"r{u}_{t}")
-            r[u, t] = rt
-            for v in prob.succ[u]:
-                m.Add(rt >= x[v][t] - x[u][t])
-            for a, c in prices.items():
-                if not c:
-                    continue
-                ya = m.NewBoolVar(f"y{u}_{a}_{t}")
-                y[u, a, t] = ya
-                m.Add(ya >= x[u][a] + rt - 1)
-                load[a].append((c, ya))
-                load[t].append((c, ya))
-
-    total_max = max((sum(c for c, _ in terms) for terms in load), default=0)
-    upper = total_max
-    if hint is not None:
-        upper = min(upper, units(prob.bottleneck(hint)) + 1)
-    bneck = m.NewIntVar(0, max(upper, 0), "bottleneck")
-    for s in range(p):
-        if load[s]:
-            m.Add(sum(c * lit for c, lit in load[s]) <= bneck)
-        # Memory: rounded up per op so a plan accepted here fits in floats too.
-        lim = prob.mem_limit[s]
-        if lim is not None:
-            coef = [math.ceil(prob.node_memory(v, s)) for v in range(n)]
-            m.Add(sum(coef[v] * x[v][s] for v in range(n) if coef[v]) <= int(math.floor(lim)))
-    m.Minimize(bneck)
-
-    if hint is not None:
+    def _assignment(self) -> None:
+        prob, m = self.prob, self.m
+        n, p = prob.n, prob.p
+        self.x = [[m.NewBoolVar(f"x{v}_{s}") for s in range(p)] for v in range(n)]
         for v in range(n):
-            for s in range(p):
-                m.AddHint(x[v][s], int(hint[v] == s))
-        dst = {(u, t): any(hint[w] == t for w in prob.succ[u]) and hint[u] != t for (u, t) in r}
-        for (u, t), var in r.items():
-            m.AddHint(var, int(dst[u, t]))
-        for (u, a, t), var in y.items():
-            m.AddHint(var, int(dst[u, t] and hint[u] == a))
-        hint_load = [sum(c for c, lit in load[s] if _hint_value(lit, x, y, hint, dst)) for s in range(p)]
-        m.AddHint(bneck, max(hint_load))
+            m.AddExactlyOne(self.x[v])
+        # Order encoding: z[v][s] = [stage(v) >= s]; an edge u -> v is z[u][s] <= z[v][s] for
+        # every s, which propagates far better than comparing two weighted sums.
+        z = [[None] + [m.NewBoolVar(f"z{v}_{s}") for s in range(1, p)] for v in range(n)]
+        for v in range(n):
+            for s in range(1, p):
+                m.Add(z[v][s] == sum(self.x[v][t] for t in range(s, p)))
+        for u in range(n):
+            for v in prob.succ[u]:
+                for s in range(1, p):
+                    m.AddImplication(z[u][s], z[v][s])
+        for s in range(p):
+            m.Add(sum(self.x[v][s] for v in range(n) if not prob.is_output[v]) >= 1)  # a real op: the output is none
 
+    def _colocate(self, group: Sequence[int]) -> None:
+        first = group[0]
+        for g in group[1:]:
+            for s in range(self.prob.p):
+                self.m.Add(self.x[g][s] == self.x[first][s])
+
+    def _compute(self) -> None:
+        prob = self.prob
+        for v in range(prob.n):
+            for s in range(prob.p):
+                c = float(prob.work[v] / prob.speed[s])
+                if c > 0:
+                    self.load[s].append((c, self.x[v][s]))
+
+    def _communication(self) -> None:
+        prob, m, k = self.prob, self.m, self.prob.directions
+        for u in _comm_nodes(prob):
+            b = float(prob.out_bytes[u])
+            for t in range(1, prob.p):
+                prices = {a: k * prob.transfer_seconds(a, t, b) for a in range(t)}
+                if not any(c > 0 for c in prices.values()):
+                    continue
+                rt = m.NewBoolVar(f"r{u}_{t}")
+                self.r[u, t] = rt
+                for v in prob.succ[u]:
+                    m.Add(rt >= self.x[v][t] - self.x[u][t])
+                for a, c in prices.items():
+                    if c <= 0:
+                        continue
+                    ya = m.NewBoolVar(f"y{u}_{a}_{t}")
+                    self.y[u, a, t] = ya
+                    m.Add(ya >= self.x[u][a] + rt - 1)
+                    self.load[a].append((c, ya))
+                    self.load[t].append((c, ya))
+
+    def _memory(self) -> None:
+        """Per-stage memory within the limit, in integers that keep every plan fitting in floats."""
+        prob = self.prob
+        limited = [s for s in range(prob.p) if prob.mem_limit[s] is not None]
+        if not limited:
+            return
+        mem = np.array([[prob.node_memory(v, s) for s in range(prob.p)] for v in range(prob.n)])
+        limits = {s: prob.mem_limit[s] * (1 + 1e-12) for s in limited}  # the float check's tolerance
+        exact_k = _dyadic_exponent(np.concatenate([mem.ravel(), list(limits.values())]))
+        largest = max(float(mem.sum(axis=0).max()), max(limits.values()), 1.0)
+        k = min(exact_k, int(math.floor(math.log2(_INT_MAX / largest))))
+        if k < exact_k:
+            self.notes.append(f"cpsat: memory in units of 2^{-k} bytes, rounded down (a relaxation; "
+                              "the plan is checked in floats)")
+        q = 2.0**k
+        for s in limited:
+            coef = [int(math.floor(mem[v, s] * q)) for v in range(prob.n)]
+            cap = math.floor(Fraction(limits[s]) * Fraction(2) ** k)
+            self.m.Add(sum(c * self.x[v][s] for v, c in enumerate(coef) if c) <= cap)
+
+    def objective(self, ref: float, upper: float | None, lower_bound: float) -> None:
+        """B >= every stage's integer load, minimised; ``upper``/``lower_bound`` (seconds) narrow B.
+
+        Scale: ``ref`` (a plan's bottleneck) becomes 1e6 units per op (at least 1e9), unless
+        a stage's largest possible load would then pass 2^53. Each term is rounded down, so a plan's integer load
+        is its float load times the scale minus less than one unit per term: ``scale *
+        lower_bound - terms`` is a valid floor for B, and ``scale * upper + 1`` a cap that keeps
+        every plan at least as good as ``upper``.
+        """
+        widest = max((sum(c for c, _ in terms) for terms in self.load), default=0.0)
+        target = _UNITS_PER_OP * max(1000, self.prob.n)
+        self.scale = min(target / max(ref, 1e-300), _INT_MAX / max(widest, 1e-300))
+        self.int_load = [[(int(math.floor(c * self.scale)), lit) for c, lit in terms] for terms in self.load]
+        top = max((sum(c for c, _ in terms) for terms in self.int_load), default=0)
+        terms = max((len(t) for t in self.int_load), default=0)
+        lo = max(0, min(top, int(math.floor(lower_bound * self.scale)) - terms))
+        hi = top if upper is None else max(lo, min(top, int(math.floor(upper * self.scale)) + 1))
+        self.bneck = self.m.NewIntVar(lo, hi, "bottleneck")
+        for terms_s in self.int_load:
+            if terms_s:
+                self.m.Add(sum(c * lit for c, lit in terms_s if c) <= self.bneck)
+        self.m.Minimize(self.bneck)
+
+    def hint(self, assign: Sequence[int]) -> None:
+        """A full warm start: every x, r, y and B from ``assign``."""
+        prob, m = self.prob, self.m
+        for v in range(prob.n):
+            for s in range(prob.p):
+                m.AddHint(self.x[v][s], int(assign[v] == s))
+        dst = {(u, t): any(assign[w] == t for w in prob.succ[u]) and assign[u] != t for (u, t) in self.r}
+        for key, var in self.r.items():
+            m.AddHint(var, int(dst[key]))
+        for (u, a, t), var in self.y.items():
+            m.AddHint(var, int(dst[u, t] and assign[u] == a))
+        on = {id(self.x[v][assign[v]]) for v in range(prob.n)}
+        on |= {id(var) for (u, a, t), var in self.y.items() if dst[u, t] and assign[u] == a}
+        m.AddHint(self.bneck, max(sum(c for c, lit in terms if id(lit) in on) for terms in self.int_load))
+
+
+def cpsat_solve(prob: Problem, groups: Sequence[Sequence[int]] = (), *, hint: Sequence[int] | None = None,
+                lower_bound: float = 0.0, budget: float = 10.0, wall_limit: float = 60.0, workers: int = 1,
+                seed: int = 0) -> CPResult:
+    """Minimise the bottleneck over all valid assignments with ``groups`` (positions) colocated.
+
+    ``budget``: CP-SAT deterministic time (its work measure, roughly seconds on a quiet
+    core); ``wall_limit``: seconds, a safety net. Deterministic for any ``workers``.
+    """
+    t0 = time.perf_counter()
+    upper = prob.bottleneck(hint) if hint is not None else None
+    model = _Model(prob, groups)
+    model.objective(max(upper or 0.0, lower_bound), upper, lower_bound)
+    if hint is not None:
+        model.hint(hint)
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = workers
+    solver.parameters.interleave_search = workers > 1  # parallel yet reproducible
     solver.parameters.random_seed = seed
-    solver.parameters.max_time_in_seconds = max(0.05, time_limit - (time.perf_counter() - t0))
-    solver.parameters.max_deterministic_time = max(0.05, time_limit)
-    status = solver.Solve(m)
-    name = solver.StatusName(status)
-    elapsed = time.perf_counter() - t0
-    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        assign = [next(s for s in range(p) if solver.BooleanValue(x[v][s])) for v in range(n)]
-        bound = solver.BestObjectiveBound() / scale
-        return CPResult(assign, prob.bottleneck(assign), bound, status == cp_model.OPTIMAL, False,
-                        name, elapsed)
-    return CPResult(None, math.inf, 0.0, False, status == cp_model.INFEASIBLE, name, elapsed)
+    solver.parameters.max_deterministic_time = max(0.01, budget)
+    solver.parameters.max_time_in_seconds = max(0.05, wall_limit - (time.perf_counter() - t0))
+    status = solver.Solve(model.m)
+    return _result(prob, model, solver, status, time.perf_counter() - t0, budget)
 
 
-def _hint_value(lit, x, y, hint, dst) -> bool:
-    """Value the hint gives a load term's literal (an x or a y variable)."""
-    name = lit.Name()
-    if name.startswith("x"):
-        v, s = map(int, name[1:].split("_"))
-        return hint[v] == s
-    u, a, t = map(int, name[1:].split("_"))
-    return bool(dst[u, t] and hint[u] == a)
+def _result(prob: Problem, model: _Model, solver: cp_model.CpSolver, status, seconds: float,
+            budget: float) -> CPResult:
+    det = float(solver.response_proto.deterministic_time)
+    done = status in (cp_model.OPTIMAL, cp_model.INFEASIBLE)
+    wall = not done and det < budget * 0.99
+    res = CPResult(None, math.inf, 0.0, status == cp_model.INFEASIBLE, solver.StatusName(status), seconds,
+                   det, wall, list(model.notes))
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return res
+    res.lower_bound = solver.BestObjectiveBound() / model.scale
+    assign = [next(s for s in range(prob.p) if solver.BooleanValue(model.x[v][s])) for v in range(prob.n)]
+    times, mem = prob.stage_costs(assign)
+    if prob.fits(mem):
+        res.assign, res.value = assign, max(times)
+    else:  # only possible where memory was rounded (a relaxation): the bound stands, the plan does not
+        res.notes.append("cpsat: its plan exceeds a memory limit by less than the integer rounding; "
+                         "kept the other plan")
+    return res

@@ -21,23 +21,23 @@ in two steps:
 2. **Branch and bound.** If the exact cost of the DP's cuts (via the one cost model)
    is above the lower DP value, a depth-first search over cut positions, pruned by
    exact partial costs plus "at least one more copy" for tensors whose consumers are
-   not yet placed, closes the gap (within a node and time budget; the order lower bound
-   is reported when the budget runs out).
+   not yet placed, closes the gap within a deterministic work budget (the order lower
+   bound is reported when it runs out), so the answer does not depend on machine load.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from partitioner.cost import Problem
-from partitioner.errors import ColocationError, StageCountError
+from partitioner.solve.baselines import BASELINES, baseline_assign, cuts_to_assign
+from partitioner.bounds import trivial_lower_bound
 
-__all__ = ["DPResult", "allowed_cuts", "dp_solve", "cuts_to_assign"]
+__all__ = ["DPResult", "dp_solve", "DP_SEARCH_WORK", "link_prices"]
 
 _REL = 1e-12
 
@@ -50,51 +50,32 @@ class DPResult:
     value: float
     order_lower_bound: float
     order_optimal: bool
-    nodes: int
+    work: int
+    wall_stopped: bool
 
 
-def allowed_cuts(prob: Problem, colocate: Iterable[Iterable[Hashable]] = ()) -> np.ndarray:
-    """``allowed[c]``: may a stage boundary fall just before position c (1 <= c < n)?
+def link_prices(prob: Problem) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per stage, the least a received and a sent tensor can cost: (in per byte, in per tensor,
+    out per byte, out per tensor).
 
-    A colocation group spanning positions lo..hi of the order forbids every cut inside.
+    A tensor into stage s from any earlier stage crosses the link s-1 -> s, and a multi-hop
+    link is as slow as its slowest hop and as late as its latest, so that link's price is a
+    lower bound; likewise s -> s+1 for a tensor leaving s.
     """
-    allowed = np.ones(prob.n + 1, dtype=bool)
-    allowed[0] = allowed[prob.n] = False
-    for i, out in enumerate(prob.is_output):
-        if out:  # the model's output (last in program order) never makes a stage on its own
-            allowed[i] = False
-    for group in colocate:
-        members = list(group)
-        unknown = [m for m in members if m not in prob.pos]
-        if unknown:
-            raise ColocationError(f"colocation group names ops not in the graph: {unknown[:5]}; "
-                                  "use node names of the op graph")
-        if len(members) < 2:
-            continue
-        ps = [prob.pos[m] for m in members]
-        allowed[min(ps) + 1:max(ps) + 1] = False
-    if int(allowed.sum()) < prob.p - 1:
-        raise ColocationError(
-            f"the colocation groups leave {int(allowed.sum()) + 1} movable blocks in the program order, "
-            f"fewer than the {prob.p} stages asked for; use at most {int(allowed.sum()) + 1} stages "
-            "or colocate fewer ops")
-    return allowed
-
-
-def cuts_to_assign(cuts: Sequence[int], n: int) -> list[int]:
-    """Stage per position from the p-1 boundaries (position where each later stage starts)."""
-    assign = [0] * n
-    bounds = [0, *cuts, n]
-    for s in range(len(bounds) - 1):
-        for i in range(bounds[s], bounds[s + 1]):
-            assign[i] = s
-    return assign
+    p, k = prob.p, prob.directions
+    in_b, in_l, out_b, out_l = (np.zeros(p) for _ in range(4))
+    for s in range(1, p):
+        in_b[s] = k / prob.bw[s - 1, s]
+        in_l[s] = k * prob.lat[s - 1, s]
+    for s in range(p - 1):
+        out_b[s] = k / prob.bw[s, s + 1]
+        out_l[s] = k * prob.lat[s, s + 1]
+    return in_b, in_l, out_b, out_l
 
 
 def _lower_dp(prob: Problem, allowed: np.ndarray, limit: float) -> tuple[float, list[int] | None]:
     """Min over cuts of max segment lower cost, scanning only segments with compute <= limit."""
     n, p = prob.n, prob.p
-    k = prob.directions
     cw = np.concatenate([[0.0], np.cumsum(prob.work)])
     cf = np.concatenate([[0.0], np.cumsum(prob.fixed_mem)])
     ca = np.concatenate([[0.0], np.cumsum(prob.act_bytes)])
@@ -104,18 +85,8 @@ def _lower_dp(prob: Problem, allowed: np.ndarray, limit: float) -> tuple[float, 
     b = prob.out_bytes
     nz = (b > 0).astype(float)
     mc = np.array([s[-1] if s else -1 for s in prob.succ])
-    # Per-stage prices of a byte and of a tensor on the way in (from s-1) and out (to s+1).
     inv_speed = 1.0 / prob.speed
-    in_b = np.zeros(p)
-    in_l = np.zeros(p)
-    out_b = np.zeros(p)
-    out_l = np.zeros(p)
-    for s in range(1, p):
-        in_b[s] = k / prob.bw[s - 1, s]
-        in_l[s] = k * prob.lat[s - 1, s]
-    for s in range(p - 1):
-        out_b[s] = k / prob.bw[s, s + 1]
-        out_l[s] = k * prob.lat[s, s + 1]
+    in_b, in_l, out_b, out_l = link_prices(prob)
     infl = np.array(prob.in_flight, dtype=float)
     lim = np.array([math.inf if x is None else x * (1 + 1e-12) for x in prob.mem_limit])
     has_limit = bool(np.isfinite(lim).any())
@@ -173,9 +144,30 @@ def _lower_dp(prob: Problem, allowed: np.ndarray, limit: float) -> tuple[float, 
     return value, cuts[::-1]
 
 
+class _Budget:
+    """A deterministic work budget (search nodes plus ops scanned) under a wall-clock safety limit."""
+
+    def __init__(self, work: int, deadline: float):
+        self.left, self.deadline = work, deadline
+        self.used = self.calls = 0
+        self.wall_stopped = False
+
+    def spend(self, units: int) -> bool:
+        """Charge ``units``; False once the work is spent or (checked every so often) the wall limit passed."""
+        self.used += units
+        self.left -= units
+        self.calls += 1
+        if self.left < 0:
+            return False
+        if self.calls & 255 == 0 and time.perf_counter() > self.deadline:
+            self.wall_stopped = True
+            return False
+        return True
+
+
 def _branch_and_bound(prob: Problem, allowed: np.ndarray, assign0: list[int], value0: float,
-                      lower: float, deadline: float, max_nodes: int) -> tuple[list[int], float, bool, int]:
-    """Exact search over cut positions; returns (assign, value, finished, nodes visited)."""
+                      lower: float, budget: _Budget) -> tuple[list[int], float, bool]:
+    """Exact search over cut positions; returns (assign, value, finished)."""
     n, p, k = prob.n, prob.p, prob.directions
     work, speed = prob.work, prob.speed
     ob = prob.out_bytes
@@ -189,7 +181,6 @@ def _branch_and_bound(prob: Problem, allowed: np.ndarray, assign0: list[int], va
     assign = [0] * n
     exact = [0.0] * p
     sent: set[tuple[int, int]] = set()
-    nodes = 0
     finished = True
 
     def seg_memory(s: int, i: int, j: int) -> float:
@@ -228,11 +219,10 @@ def _branch_and_bound(prob: Problem, allowed: np.ndarray, assign0: list[int], va
         return max(exact[a] + extra[a] for a in range(s_next))
 
     def search(s: int, i: int) -> None:
-        nonlocal best_val, best_assign, nodes, finished
+        nonlocal best_val, best_assign, finished
         if best_val <= lower * (1 + _REL):
             return
-        nodes += 1
-        if nodes > max_nodes or (nodes & 255 == 0 and time.perf_counter() > deadline):
+        if not budget.spend(1):
             finished = False
             return
         if s == p - 1:
@@ -250,51 +240,66 @@ def _branch_and_bound(prob: Problem, allowed: np.ndarray, assign0: list[int], va
             if not allowed[j] or seg_memory(s, i, j) > lim[s]:
                 continue
             added = place(s, i, j)
-            if bound(s + 1, j) < best_val * (1 - _REL):
+            if not budget.spend(j):  # bound() scans the j placed positions
+                finished = False
+            elif bound(s + 1, j) < best_val * (1 - _REL):
                 search(s + 1, j)
             unplace(s, i, j, added)
             if not finished:
                 return
 
     search(0, 0)
-    return best_assign, best_val, finished, nodes
+    return best_assign, best_val, finished
 
 
-def dp_solve(prob: Problem, colocate: Iterable[Iterable[Hashable]] = (), *,
-             time_limit: float | None = None, max_nodes: int = 200_000) -> DPResult | None:
-    """Best contiguous cuts of ``prob.order``; None when no cuts fit the memory limits."""
-    from partitioner.solve.bounds import trivial_lower_bound
-
-    if prob.p > prob.n:
-        raise StageCountError(f"{prob.p} stages but only {prob.n} ops")
-    allowed = allowed_cuts(prob, colocate)
+def _banded_lower_dp(prob: Problem, allowed: np.ndarray) -> tuple[float, list[int] | None]:
+    """The lower DP's optimum, widening the band until it provably covers the optimum."""
     limit = max(trivial_lower_bound(prob), 1e-300) * 1.25
     total = float(prob.work.sum()) / float(prob.speed.min())
     while True:
         value, cuts = _lower_dp(prob, allowed, limit)
         if cuts is not None and value <= limit:
-            break  # segments outside the band cost more than the optimum found
+            return value, cuts  # segments outside the band cost more than the optimum found
         if limit > total:
-            break  # the band already covered every segment
+            return value, cuts  # the band already covered every segment
         limit = value if cuts is not None else limit * 4
-    if cuts is None:
-        return None
-    assign = cuts_to_assign(cuts, prob.n)
-    exact = max(prob.stage_costs(assign)[0])
-    if exact <= value * (1 + 1e-9):
-        return DPResult(assign, exact, value, True, 0)
-    # The lower model undercounts tensors sent to several stages; seed the search with the
-    # best of it and the comm-blind balanced cuts, whichever really costs least.
-    from partitioner.solve.baselines import BASELINES, baseline_assign
 
+
+def _best_seed(prob: Problem, allowed: np.ndarray, assign: list[int], value: float) -> tuple[list[int], float]:
+    """The lower DP's cuts or the comm-blind balanced cuts of the baselines, whichever really costs least."""
     for name in BASELINES:
         cand = baseline_assign(prob, name, allowed)
         if len(set(cand)) != prob.p:
             continue
         t, mem = prob.stage_costs(cand)
-        if prob.fits(mem) and max(t) < exact * (1 - _REL):
-            assign, exact = cand, max(t)
-    deadline = time.perf_counter() + (time_limit if time_limit is not None else 5.0)
-    assign, exact, finished, nodes = _branch_and_bound(prob, allowed, assign, exact, value,
-                                                       deadline, max_nodes)
-    return DPResult(assign, exact, exact if finished else value, finished, nodes)
+        if prob.fits(mem) and max(t) < value * (1 - _REL):
+            assign, value = cand, max(t)
+    return assign, value
+
+
+#: Work units (branch-and-bound nodes plus ops scanned per node) dp may spend closing its
+#: order gap: a count, not seconds, so the same input gets the same plan and proof on any
+#: machine (about 2 s at most on one core of this 2-core machine; ~5 us a unit).
+DP_SEARCH_WORK = 400_000
+
+
+def dp_solve(prob: Problem, allowed: np.ndarray, *, work: int = DP_SEARCH_WORK,
+             wall_limit: float = 60.0) -> DPResult | None:
+    """Best contiguous cuts of ``prob.order`` cutting only where ``allowed``; None when no cuts fit memory.
+
+    ``work`` bounds the branch and bound deterministically; ``wall_limit`` (seconds) is
+    only a safety net, and ``DPResult.wall_stopped`` says when it, not the work, ended
+    the search.
+    """
+    value, cuts = _banded_lower_dp(prob, allowed)
+    if cuts is None:
+        return None
+    assign = cuts_to_assign(cuts, prob.n)
+    exact = max(prob.stage_costs(assign)[0])
+    if exact <= value * (1 + 1e-9):
+        return DPResult(assign, exact, value, True, 0, False)
+    # The lower model undercounts tensors sent to several stages: search the cuts exactly.
+    assign, exact = _best_seed(prob, allowed, assign, exact)
+    budget = _Budget(work, time.perf_counter() + wall_limit)
+    assign, exact, finished = _branch_and_bound(prob, allowed, assign, exact, value, budget)
+    return DPResult(assign, exact, exact if finished else value, finished, budget.used, budget.wall_stopped)

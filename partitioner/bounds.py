@@ -1,0 +1,114 @@
+"""Provable lower bounds on the best bottleneck and on the memory any assignment needs."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from partitioner.cost import Problem
+
+__all__ = ["trivial_lower_bound", "named_lower_bounds", "comm_lower_bound", "neighbourhood_lower_bound",
+           "memory_lower_bound"]
+
+
+def named_lower_bounds(prob: Problem) -> dict[str, float]:
+    """Each closed-form bound by name; every one holds for every valid assignment.
+
+    - ``work``: Σ_s compute_s · speed_s = total work, so some stage has compute >= total / Σ speed
+      (communication only adds to a stage's time);
+    - ``largest op``: the largest op sits on some device, at best the fastest;
+    - ``pigeonhole``: among the p + 1 largest ops two share a stage, so some stage holds at
+      least the p-th and (p+1)-th largest;
+    - ``communication``: :func:`comm_lower_bound`;
+    - ``neighbourhood``: :func:`neighbourhood_lower_bound`.
+    """
+    work = prob.work
+    fastest = float(prob.speed.max())
+    top = np.sort(work)[::-1]
+    bounds = {"work": float(work.sum()) / float(prob.speed.sum()),
+              "largest op": float(top[0]) / fastest if prob.n else 0.0,
+              "communication": comm_lower_bound(prob), "neighbourhood": neighbourhood_lower_bound(prob)}
+    if prob.n > prob.p:
+        bounds["pigeonhole"] = float(top[prob.p - 1] + top[prob.p]) / fastest
+    return bounds
+
+
+def trivial_lower_bound(prob: Problem) -> float:
+    """The largest of :func:`named_lower_bounds`."""
+    return max(named_lower_bounds(prob).values())
+
+
+def comm_lower_bound(prob: Problem) -> float:
+    """(total work + the least communication any p-stage assignment pays) / Σ speeds.
+
+    Take any valid assignment and a topological order. The first op v of a stage has all
+    its producers on earlier stages, and each producer that outputs bytes is a transfer
+    into the stage of its own: the stage pays at least v's incoming cost, the sum over
+    its producers of ``directions`` x (bytes / fastest bandwidth + least latency). It pays
+    nothing only if v is a "free source" (no producer outputs bytes). Likewise the last
+    op w of a stage sends its output to a later stage unless it has no consumer or
+    outputs nothing (a "free sink"). So at least p - #free sources stages pay the least
+    incoming cost of a non-free op, and p - #free sinks stages the least outgoing one.
+    With time_s = compute_s / speed_s + comm_s <= B on every stage,
+    B x Σ speed >= total work + min speed x Σ comm.
+    """
+    if prob.p < 2:
+        return 0.0
+    upper = np.triu_indices(prob.p, 1)
+    max_bw = float(prob.bw[upper].max())
+    min_lat = float(prob.lat[upper].min())
+    out = prob.out_bytes
+    send = [prob.directions * (float(out[i]) / max_bw + min_lat) if out[i] > 0 and prob.succ[i] else 0.0
+            for i in range(prob.n)]
+    incoming = [sum(send[j] for j in prob.pred[i]) for i in range(prob.n)]
+    paid_in = [c for c in incoming if c > 0]
+    paid_out = [c for c in send if c > 0]
+    if not paid_out:
+        return 0.0
+    free_sources = prob.n - len(paid_in)
+    free_sinks = prob.n - len(paid_out)
+    comm = max(0, prob.p - free_sources) * min(paid_in) + max(0, prob.p - free_sinks) * min(paid_out)
+    return (float(prob.work.sum()) + float(prob.speed.min()) * comm) / float(prob.speed.sum())
+
+
+def neighbourhood_lower_bound(prob: Problem) -> float:
+    """max over ops v of what the stage holding v pays for v and its neighbours, at least.
+
+    Each producer u of v is either on v's stage (its work counts there) or not (then v's
+    stage receives u's output: a transfer priced on the fastest link); and either every
+    consumer of v is on v's stage (their work counts) or v's output is sent at least once.
+    These are distinct terms of that stage's time, so it is at least
+    work(v) + Σ_u min(work(u), recv(u)) + min(Σ_w work(w), send(v)), work at the fastest
+    device's speed. The largest op plus what it cannot shed: it lifts the bound where one
+    op (an LM head, an embedding) dominates the bottleneck.
+    """
+    fastest = float(prob.speed.max())
+    work = prob.work / fastest
+    if prob.p > 1:
+        upper = np.triu_indices(prob.p, 1)
+        max_bw, min_lat = float(prob.bw[upper].max()), float(prob.lat[upper].min())
+        out = prob.out_bytes
+        transfer = np.where(out > 0, prob.directions * (out / max_bw + min_lat), 0.0)
+    else:
+        transfer = np.full(prob.n, np.inf)  # one stage: nothing can leave it
+    best = 0.0
+    for v in range(prob.n):
+        producers = sum(min(work[u], transfer[u]) for u in prob.pred[v])
+        consumers = min(sum(work[w] for w in prob.succ[v]), transfer[v]) if prob.succ[v] else 0.0
+        best = max(best, work[v] + producers + consumers)
+    return float(best)
+
+
+def memory_lower_bound(prob: Problem) -> tuple[float, float]:
+    """(bytes some device needs under any assignment, bytes the largest op alone needs).
+
+    Every op sits on some stage holding at least min(in_flight) microbatches, and the
+    stages share the total: max_s memory_s >= (Σ fixed + min in-flight × Σ activations) / p.
+    """
+    least = min(prob.in_flight)
+    per_op = prob.fixed_mem + least * prob.act_bytes
+    largest = float(per_op.max())
+    share = float(per_op.sum()) / prob.p
+    return max(largest, share), largest
