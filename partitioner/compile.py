@@ -44,7 +44,7 @@ def plan(
     repeats: int = 5,
     graph: OpGraph | None = None,
     name: str | None = None,
-    objective: str = "bottleneck",
+    objective: str = "step_time",
     training: bool = True,
     progress: Callable[[int, int], None] | None = None,
 ) -> Plan:
@@ -54,8 +54,11 @@ def plan(
     (``virtual_stages`` stages per rank) or zb-h1. The sample batch is the whole batch a
     training step sees: ops are profiled on one microbatch of it. ``timing`` defaults to
     measured, or analytic on ``device_profile`` for a model on the meta device.
-    ``graph`` skips profiling (a graph from ``smp profile``). ``objective="step_time"``
-    refines the solver's answer by simulated step time (see partitioner/refine.py).
+    ``graph`` skips profiling (a graph from ``smp profile``). ``objective="step_time"`` (the
+    default: the figure people read) takes the solver's bottleneck-optimal answer and the
+    peer baselines, keeps the fastest by simulated step time and refines it
+    (partitioner/refine.py); ``"bottleneck"`` returns the solver's answer itself. Bounds,
+    gap and ``optimal`` always speak of the bottleneck (``Partition.bound_on``).
     ``training`` (default) plans a training step whatever mode the module is in, tracing
     and profiling it in train mode; ``training=False`` plans inference in eval mode.
     """
@@ -116,7 +119,7 @@ def plan_from_graph(
     training: bool | None = None,
     model_info: ModelInfo | None = None,
     name: str | None = None,
-    objective: str = "bottleneck",
+    objective: str = "step_time",
 ) -> Plan:
     """Solve, schedule and simulate an already-profiled graph (e.g. ``smp profile -o graph.json``).
 

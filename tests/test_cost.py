@@ -108,3 +108,37 @@ def test_module_range():
     # long lists keep every layer range, the first and last label, and mark the gap
     assert module_range(["tok_emb", "pos_emb", "drop", "blocks.0.ln1", "blocks.1.attn"]) == "tok_emb, …, blocks.0–1"
     assert module_range(["blocks.6.x", "blocks.7", "ln_f", "lm_head"]) == "blocks.6–7, ln_f, lm_head"
+
+
+def _saved_graph() -> OpGraph:
+    """a -> b -> c -> d: a is as costly as the rest together, its output large and saved by nobody."""
+    import networkx as nx
+
+    g = nx.DiGraph()
+    for i, (name, out, work) in enumerate((("a", 1000, 3.0), ("b", 10, 1.0), ("c", 10, 1.0), ("d", 10, 1.0))):
+        g.add_node(name, fwd=work, bwd=work, params=0, out_bytes=out, saved_bytes=5, storage_bytes=out,
+                   index=i, module=name)
+    g.add_edges_from([("a", "b"), ("b", "c"), ("c", "d")])
+    return OpGraph(g, {"activations": "saved_bytes"})
+
+
+def test_a_stage_keeps_what_it_receives_and_what_it_sends() -> None:
+    g = _saved_graph()
+    after_a = evaluate(g, {"a": 0, "b": 1, "c": 1, "d": 1}, microbatches=1)
+    after_b = evaluate(g, {"a": 0, "b": 0, "c": 1, "d": 1}, microbatches=1)
+    # stage 0 keeps a (sent, 1000 bytes, of which nobody saved anything) besides its own saved 5
+    assert after_a.stages[0].activations == 5 + 1000
+    assert after_a.stages[1].activations == 3 * 5 + 1000  # and stage 1 keeps the copy it received
+    assert after_b.stages[1].activations == 2 * 5 + 10
+
+
+def test_the_solver_covers_the_cut_tensors_under_a_memory_limit() -> None:
+    from partitioner.solve import solve
+
+    g = _saved_graph()
+    free = solve(g, 2, microbatches=1, method="dp")
+    assert free.stage_of["b"] == 1  # the balanced cut [a | b c d] sends a's 1000 bytes
+    limit = 200.0
+    part = solve(g, 2, microbatches=1, memory_limit=limit, method="dp")
+    assert part.memory_ok and all(s.memory <= limit for s in part.stages)
+    assert part.stage_of["b"] == 0  # the cut that sends b's 10 bytes, not a's 1000

@@ -54,9 +54,17 @@ class _Search:
     infeasible: bool = False  # CP-SAT proved that no valid assignment fits memory
 
     def offer(self, assign: Sequence[int] | None, value: float, by: str) -> None:
-        """Keep ``assign`` when strictly better (so a later method never makes the plan worse)."""
-        if assign is not None and (self.assign is None or value < self.value * (1 - 1e-12)):
-            self.assign, self.value, self.found_by = list(assign), value, by
+        """Keep ``assign`` when strictly better (so a later method never makes the plan worse) and within memory.
+
+        Memory is checked on the one cost model: a method that prices it op by op (CP-SAT,
+        the ideal DP) does not see the cut tensors a stage keeps, so its plan may not fit.
+        """
+        if assign is None or (self.assign is not None and value >= self.value * (1 - 1e-12)):
+            return
+        if not self.prob.fits(self.prob.stage_costs(assign)[1]):
+            self.notes.append(f"{by}: its plan keeps cut tensors over the memory limit; not taken")
+            return
+        self.assign, self.value, self.found_by = list(assign), value, by
 
     def bound(self, name: str, value: float) -> None:
         self.bounds[name] = max(value, self.bounds.get(name, 0.0))
@@ -99,8 +107,8 @@ def solve(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None =
     blocks = colocation_blocks(g, program_order, colocate)
     prob = Problem(graph, stages, cluster=cluster, microbatches=microbatches, schedule=schedule,
                    training=training, memory_limit=memory_limit, state_factor=state_factor,
-                   order=blocks.order)
-    blocks.check_stages(prob.p)
+                   order=blocks.order, ranks=ranks)
+    blocks.check_stages(prob.p, lonely=[i for i, out in enumerate(prob.is_output) if out])
     if method in BASELINES:
         part = prob.partition(baseline_assign(prob, method, _allowed_cuts(prob, blocks)), method=method)
     else:

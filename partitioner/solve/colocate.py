@@ -55,9 +55,14 @@ class Blocks:
         starts = [c for c in range(1, n) if self.block_of[c] != self.block_of[c - 1]]
         return all((self.block_of[c - 1], self.block_of[c]) in feeds for c in starts)
 
-    def check_stages(self, stages: int) -> None:
-        """Raise when the blocks are fewer than the stages (every stage needs an op)."""
-        if self.count >= stages:
+    def check_stages(self, stages: int, lonely: Sequence[int] = ()) -> None:
+        """Raise when the blocks are fewer than the stages (every stage needs an op).
+
+        ``lonely``: positions that can never be a stage on their own (the model's output
+        node); a block of nothing else does not count.
+        """
+        alone = {self.block_of[i] for i in lonely if self.block_of.count(self.block_of[i]) == 1}
+        if self.count - len(alone) >= stages:
             return
         sizes: dict[int, int] = {}
         for b in self.block_of:
@@ -67,8 +72,8 @@ class Blocks:
         named = [g for g in self.groups if members.issuperset(g)]
         raise ColocationError(
             f"colocating {_names(named)} puts {sizes[biggest]} ops on one stage (with every op on a path "
-            f"between the members, which must share their stage), leaving {self.count} blocks for the "
-            f"{stages} stages asked for; use at most {self.count} stages or colocate fewer ops")
+            f"between the members, which must share their stage), leaving {self.count - len(alone)} blocks for the "
+            f"{stages} stages asked for; use at most {self.count - len(alone)} stages or colocate fewer ops")
 
 
 def _names(groups: list[list[Hashable]]) -> str:

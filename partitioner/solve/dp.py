@@ -90,6 +90,12 @@ def _lower_dp(prob: Problem, allowed: np.ndarray, limit: float) -> tuple[float, 
     infl = np.array(prob.in_flight, dtype=float)
     lim = np.array([math.inf if x is None else x * (1 + 1e-12) for x in prob.mem_limit])
     has_limit = bool(np.isfinite(lim).any())
+    # What a stage keeps for its cut (Problem.kept_for_sending): the tensors it receives (rb,
+    # exact) and the storages it sends that nobody saves, counted only for ops that own their
+    # storage, so a view sent without its base is missed: memory is never overcounted here,
+    # which keeps the DP a relaxation (its value a lower bound) where it is not exact.
+    own = np.array([prob.root_extra[u] if prob.root[u] == u else 0.0 for u in range(n)]) \
+        if prob.keeps_received else None
     # incoming[v]: (first start position, bytes) of each tensor first consumed at v from
     # a segment starting at or after that position (see R(i, j) in the module doc).
     incoming: list[list[tuple[int, float]]] = [[] for _ in range(n)]
@@ -123,6 +129,8 @@ def _lower_dp(prob: Problem, allowed: np.ndarray, limit: float) -> tuple[float, 
                 + np.outer(out_b, sb) + np.outer(out_l, sc))
         if has_limit:
             mem = (cf[j] - cf[lj:j])[None, :] + np.outer(infl, ca[j] - ca[lj:j])
+            if own is not None:
+                mem = mem + np.outer(infl, rb[lj:j] + np.cumsum((own[lj:j] * live)[::-1])[::-1])
             cost[mem > lim[:, None]] = math.inf
         if lj == 0:
             best[0, j] = cost[0, 0]
@@ -230,7 +238,10 @@ def _branch_and_bound(prob: Problem, allowed: np.ndarray, assign0: list[int], va
                 return
             for v in range(i, n):
                 assign[v] = s
-            val = max(prob.stage_costs(assign)[0])
+            times, mem = prob.stage_costs(assign)  # exact: the cut tensors a stage keeps included
+            if not prob.fits(mem):
+                return
+            val = max(times)
             if val < best_val * (1 - _REL):
                 best_val, best_assign = val, list(assign)
             return
@@ -295,7 +306,8 @@ def dp_solve(prob: Problem, allowed: np.ndarray, *, work: int = DP_SEARCH_WORK,
     if cuts is None:
         return None
     assign = cuts_to_assign(cuts, prob.n)
-    exact = max(prob.stage_costs(assign)[0])
+    times, mem = prob.stage_costs(assign)
+    exact = max(times) if prob.fits(mem) else math.inf  # a view's storage the lower DP did not count
     if exact <= value * (1 + 1e-9):
         return DPResult(assign, exact, value, True, 0, False)
     # The lower model undercounts tensors sent to several stages: search the cuts exactly.
