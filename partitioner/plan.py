@@ -11,7 +11,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from partitioner.cluster import Cluster
+from partitioner.cluster import Cluster, Link
 from partitioner.cost import Partition, evaluate
 from partitioner.errors import InvalidAssignmentError, PlanError
 from partitioner.graph import OpGraph
@@ -21,11 +21,16 @@ from partitioner.simulate import SimResult, simulate, stage_costs_from
 from partitioner.timeline import Timeline
 from partitioner.units import format_bytes
 
-__all__ = ["Plan", "PlanError", "ModelInfo", "PLAN_SCHEMA_VERSION", "package_version", "schedule_for",
-           "simulate_partition"]
+__all__ = ["Plan", "PlanError", "ModelInfo", "PLAN_SCHEMA_VERSION", "PLACEMENTS", "package_version",
+           "schedule_for", "simulate_partition"]
 
 #: 2: typed model section; microbatches, ranks and fx_stage_of derived, not stored.
 PLAN_SCHEMA_VERSION = 2
+
+#: How D x P ranks are laid out (SMP v1's names): "cluster" puts each pipeline on consecutive
+#: ranks (inside a node when it fits: activations cross the fast links, gradients the slower
+#: ones), "spread" puts each stage's replicas on consecutive ranks (gradients on the fast links).
+PLACEMENTS = ("cluster", "spread")
 
 
 def package_version() -> str:
@@ -81,6 +86,10 @@ class Plan:
     The parts are typed and nothing derivable is stored twice: the microbatch count and
     the ranks are the schedule's, ``fx_stage_of`` (every traced call node's stage, which
     the runtime splits the program with) follows from the graph and the partition.
+    With ``data_parallel`` > 1 the pipeline is replicated; ``placement`` says how the
+    D x P ranks are laid out ("cluster": each pipeline on consecutive ranks, inside a node
+    where it fits; "spread": each stage's replicas on consecutive ranks) and ``dp_link`` is
+    the link its gradient all-reduces are priced on.
     """
 
     model: ModelInfo
@@ -90,6 +99,8 @@ class Plan:
     simulated: SimResult
     smp_version: str = field(default_factory=package_version)
     schema: int = PLAN_SCHEMA_VERSION
+    placement: str = "cluster"
+    dp_link: Link | None = None  # what a stage's replicas all-reduce its gradients over (data_parallel > 1)
 
     # ---------------------------------------------------------------- views
 
@@ -98,8 +109,19 @@ class Plan:
         return self.schedule.num_microbatches
 
     @property
-    def num_ranks(self) -> int:
+    def pipeline_ranks(self) -> int:
+        """Ranks of one pipeline (P)."""
         return self.schedule.num_ranks
+
+    @property
+    def data_parallel(self) -> int:
+        """Replicas of the pipeline (D), each on its own P ranks with its share of the global batch."""
+        return self.schedule.data_parallel
+
+    @property
+    def num_ranks(self) -> int:
+        """Every rank the plan runs on: D x P."""
+        return self.pipeline_ranks * self.data_parallel
 
     @property
     def num_stages(self) -> int:
@@ -111,7 +133,7 @@ class Plan:
 
     @property
     def virtual_stages(self) -> int:
-        return self.num_stages // self.num_ranks
+        return self.num_stages // self.pipeline_ranks
 
     @property
     def step_time(self) -> float:
@@ -148,7 +170,7 @@ class Plan:
         """
         per_rank = self.simulated.peak_activation_bytes_per_rank
         out = []
-        for r in range(self.num_ranks):
+        for r in range(self.pipeline_ranks):
             stages = [self.partition.stages[s] for s in self.schedule.stages_of(r)]
             fixed = sum(s.memory - s.in_flight * s.activations for s in stages)
             acts = per_rank[r] if per_rank is not None else sum(s.in_flight * s.activations for s in stages)
@@ -223,7 +245,7 @@ class Plan:
                 "interleaving changes the number of stages per rank, so the assignment must be solved again: "
                 f"run `smp plan` with --schedule {kind.value}")
         graph = self.graph if m == self.microbatches else self.graph.scaled(self.microbatches / m)
-        ranks = self.num_ranks
+        ranks = self.pipeline_ranks
         stage_cluster = (cluster.for_stages(ranks).interleaved(ranks, self.virtual_stages) if cluster is not None
                          else Cluster.from_dict(self.partition.cluster))
         old = self.partition
@@ -241,8 +263,9 @@ class Plan:
                          method=old.method, solve_seconds=old.solve_seconds,
                          notes=[f"re-timed from {self.schedule_name}, m={self.microbatches}"
                                 + (", on another cluster" if cluster is not None else "")])
-        sched = schedule_for(kind, part, m, ranks)
-        return replace(self, graph=graph, partition=part, schedule=sched, simulated=simulate_partition(sched, part))
+        sched = schedule_for(kind, part, m, ranks, self.data_parallel)
+        return replace(self, graph=graph, partition=part, schedule=sched,
+                       simulated=simulate_partition(sched, part, self.dp_link))
 
     # ---------------------------------------------------------------- (de)serialisation
 
@@ -256,6 +279,8 @@ class Plan:
                 "schedule": self.schedule_name,
                 "microbatches": self.microbatches,
                 "num_ranks": self.num_ranks,
+                "pipeline_ranks": self.pipeline_ranks,
+                "data_parallel": self.data_parallel,
                 "num_stages": self.num_stages,
                 "step_time": self.step_time,
                 "bubble_fraction": self.bubble,
@@ -267,6 +292,8 @@ class Plan:
             },
             "partition": self.partition.to_dict(),
             "schedule": self.schedule.to_dict(),
+            "replicas": {"placement": self.placement,
+                         "link": self.dp_link.to_dict() if self.dp_link is not None else None},
             "simulated": self.simulated.to_dict(),
             "graph": self.graph.to_dict(),
         }
@@ -296,6 +323,8 @@ class Plan:
                 simulated=SimResult.from_dict(data["simulated"]),
                 smp_version=str(data.get("smp_version", "?")),
                 schema=schema,
+                placement=str(data.get("replicas", {}).get("placement", "cluster")),
+                dp_link=Link.from_dict(data["replicas"]["link"]) if data.get("replicas", {}).get("link") else None,
             )
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
             missing = f"missing field {err}" if isinstance(err, KeyError) else f"{type(err).__name__}: {err}"
@@ -372,16 +401,21 @@ class Plan:
 # ------------------------------------------------------------------ shared with the compiler
 
 
-def schedule_for(kind: ScheduleKind | str, part: Partition, microbatches: int, ranks: int) -> Schedule:
-    """The per-rank programs of ``kind`` over the partition's cut tensors."""
+def schedule_for(kind: ScheduleKind | str, part: Partition, microbatches: int, ranks: int,
+                 data_parallel: int = 1) -> Schedule:
+    """The per-rank programs of ``kind`` over the partition's cut tensors (for ``data_parallel`` replicas)."""
     graph = stage_graph_from_transfers(part.num_stages, part.transfers)
-    return make_schedule(kind, graph, microbatches, num_ranks=ranks)
+    return make_schedule(kind, graph, microbatches, num_ranks=ranks, data_parallel=data_parallel)
 
 
-def simulate_partition(schedule: Schedule, part: Partition) -> SimResult:
-    """The schedule timed with the partition's stage and transfer costs."""
-    return simulate(schedule, stage_costs_from(part.stages, part.transfers,
-                                               act_bytes=[s.activations for s in part.stages]))
+def simulate_partition(schedule: Schedule, part: Partition, dp_link: Link | None = None) -> SimResult:
+    """The schedule timed with the partition's stage and transfer costs, and each stage's gradient
+    all-reduce (its held parameters' bytes, a ring over its replicas on ``dp_link``)."""
+    costs = stage_costs_from(part.stages, part.transfers, act_bytes=[s.activations for s in part.stages])
+    if schedule.data_parallel > 1:
+        link = dp_link or Link()
+        costs.allreduce = [link.allreduce_seconds(s.params, schedule.data_parallel) for s in part.stages]
+    return simulate(schedule, costs)
 
 
 def _json_default(value: Any) -> Any:

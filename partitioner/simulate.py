@@ -25,7 +25,8 @@ class StageCosts:
     microbatch (the gradient going back takes the same); an empty mapping means
     free communication, a non-empty one must cover every cross-rank edge.
     ``act_bytes[s]`` is the activation memory stage s keeps per microbatch in
-    flight (optional).
+    flight (optional). ``allreduce[s]`` is the time of stage s's gradient all-reduce over
+    its data-parallel replicas (a schedule with ALLREDUCE actions).
     """
 
     fwd: Sequence[float]
@@ -33,12 +34,15 @@ class StageCosts:
     bwd_w: Sequence[float] | None = None
     comm: Mapping[EdgeKey, float] = field(default_factory=dict)
     act_bytes: Sequence[float] | None = None
+    allreduce: Sequence[float] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.fwd)
         if self.bwd_w is None:
             self.bwd_w = [0.0] * n
-        for name in ("bwd", "bwd_w", "act_bytes"):
+        if self.allreduce is None:
+            self.allreduce = [0.0] * n
+        for name in ("bwd", "bwd_w", "act_bytes", "allreduce"):
             v = getattr(self, name)
             if v is not None and len(v) != n:
                 raise ValueError(f"StageCosts.{name} has {len(v)} entries, fwd has {n}")
@@ -138,10 +142,14 @@ def _durations(schedule: Schedule, costs: StageCosts) -> Callable[[Action], floa
         ActionKind.W: [float(x) for x in bwd_w],
     }
     comm = costs.comm
+    allreduce = costs.allreduce
+    assert allreduce is not None
 
     def duration(a: Action) -> float:
         if a.is_compute:
             return compute[a.kind][a.stage]
+        if a.kind is ActionKind.ALLREDUCE:
+            return float(allreduce[a.stage])
         return float(comm.get(a.edge, 0.0)) if a.is_send else 0.0
 
     return duration
@@ -210,8 +218,9 @@ def simulate(schedule: Schedule, costs: StageCosts, *, timeline: bool = True, la
         per_rank = _peak_bytes_per_rank(w, R, release, costs.act_bytes)
     tl = None
     if timeline:
-        events = [TimelineEvent(w.rank[i], a.stage, a.kind.value, a.mb, start[i], end[i])
-                  for i, a in enumerate(w.actions) if a.is_compute]
+        events = [TimelineEvent(w.rank[i], a.stage, "AR" if a.kind is ActionKind.ALLREDUCE else a.kind.value,
+                                a.mb, start[i], end[i])
+                  for i, a in enumerate(w.actions) if not a.is_transfer]
         tl = Timeline(events, step, label, R, {"schedule": schedule.name, "num_microbatches": m})
     return SimResult(tl, step, bubble, thr, busy, inflight, peak_bytes, per_rank,
                      thr * samples_per_microbatch if samples_per_microbatch else None)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TimelineEvent", "Timeline", "render_timeline", "KIND_COLORS"]
+__all__ = ["TimelineEvent", "Timeline", "render_timeline", "KIND_COLORS", "COLLECTIVE_COLORS"]
 
 #: Bar colours by action kind (others, e.g. measured "wait"/"SEND_F", are grey).
 KIND_COLORS: dict[str, str] = {
@@ -15,6 +15,8 @@ KIND_COLORS: dict[str, str] = {
     "B": "#DD8452",  # orange (full backward, or input gradient when split)
     "W": "#55A868",  # green (weight gradient)
 }
+#: Collectives a rank runs beside its compute (drawn as thin bars under the rank's row).
+COLLECTIVE_COLORS: dict[str, str] = {"AR": "#8172B3"}  # purple: gradient all-reduce over replicas
 _OTHER_COLOR = "#9E9E9E"
 
 
@@ -146,6 +148,10 @@ def render_timeline(timelines: Timeline | Sequence[Timeline], path: str | Path, 
         min_w = t_max * scale / 90  # narrower bars get no text
         for e in tl.events:
             kinds_seen.add(e.kind)
+            if e.kind in COLLECTIVE_COLORS:  # beside the compute, not on it: a thin bar under the row
+                ax.broken_barh([(e.start * scale, (e.end - e.start) * scale)], (e.rank + 0.3, 0.15),
+                               facecolors=COLLECTIVE_COLORS[e.kind], edgecolors="none")
+                continue
             base = KIND_COLORS.get(e.kind, _OTHER_COLOR)
             chunk = sorted(stages_per_rank[e.rank]).index(e.stage) if multi else 0
             color = _lighten(base, min(0.6, 0.35 * chunk))
@@ -166,9 +172,12 @@ def render_timeline(timelines: Timeline | Sequence[Timeline], path: str | Path, 
         ax.set_xlim(0, t_max * scale * 1.01)
         ax.grid(axis="x", alpha=0.3)
     axes[-1, 0].set_xlabel(f"time ({unit})")
-    order = [k for k in ("F", "B", "W") if k in kinds_seen] + sorted(kinds_seen - set(KIND_COLORS))
-    names = {"F": "F forward", "B": "B backward (input grad when W is split off)", "W": "W weight grad"}
-    handles = [Patch(color=KIND_COLORS.get(k, _OTHER_COLOR), label=names.get(k, k)) for k in order]
+    order = [k for k in ("F", "B", "W", "AR") if k in kinds_seen] + sorted(
+        kinds_seen - set(KIND_COLORS) - set(COLLECTIVE_COLORS))
+    names = {"F": "F forward", "B": "B backward (input grad when W is split off)", "W": "W weight grad",
+             "AR": "gradient all-reduce (over replicas, beside compute)"}
+    colors = {**KIND_COLORS, **COLLECTIVE_COLORS}
+    handles = [Patch(color=colors.get(k, _OTHER_COLOR), label=names.get(k, k)) for k in order]
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     if title:
         fig.suptitle(title, fontsize=12)
