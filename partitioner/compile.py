@@ -47,6 +47,7 @@ def plan(
     objective: str = "step_time",
     training: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    recompute: str = "auto",
 ) -> Plan:
     """Trace, profile, solve, schedule and simulate: the whole compiler in one call.
 
@@ -61,6 +62,9 @@ def plan(
     gap and ``optimal`` always speak of the bottleneck (``Partition.bound_on``).
     ``training`` (default) plans a training step whatever mode the module is in, tracing
     and profiling it in train mode; ``training=False`` plans inference in eval mode.
+    ``recompute``: activation recomputation per stage (docs/memory.md): "auto" (the
+    default: chosen with the partition, none wherever the memory limit allows), or
+    "none", "selective", "full" on every stage; ``Plan.recompute`` gives each stage's.
     """
     if stages < 1:
         raise PlanError(f"stages must be >= 1, got {stages}")
@@ -101,7 +105,7 @@ def plan(
     return plan_from_graph(graph, stages=stages, microbatches=microbatches, schedule=schedule, cluster=base_cluster,
                            memory_limit=memory_limit, method=method, time_limit=time_limit,
                            virtual_stages=virtual_stages, colocate_tied=colocate_tied, training=training,
-                           model_info=model_info, objective=objective)
+                           model_info=model_info, objective=objective, recompute=recompute)
 
 
 def plan_from_graph(
@@ -120,6 +124,7 @@ def plan_from_graph(
     model_info: ModelInfo | None = None,
     name: str | None = None,
     objective: str = "step_time",
+    recompute: str = "auto",
 ) -> Plan:
     """Solve, schedule and simulate an already-profiled graph (e.g. ``smp profile -o graph.json``).
 
@@ -144,7 +149,7 @@ def plan_from_graph(
     colocate = tied_groups(graph) if colocate_tied else ()
     part = solve(graph, num_stages, cluster=stage_cluster, microbatches=microbatches, schedule=kind.value,
                  training=training, memory_limit=limit, colocate=colocate, method=method, time_limit=time_limit,
-                 objective=objective, ranks=stages)
+                 objective=objective, ranks=stages, recompute=recompute)
     sched = schedule_for(kind, part, microbatches, stages)
     if model_info is None:
         model_info = _model_info_from_graph(graph, microbatches, training, name)
