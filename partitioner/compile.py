@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +12,7 @@ import torch
 from torch import nn
 
 from partitioner.cluster import Cluster
+from partitioner.errors import PlanningError
 from partitioner.graph import OpGraph
 from partitioner.ir import ScheduleKind
 from partitioner.microbatch import batch_size, split_microbatches
@@ -18,7 +21,7 @@ from partitioner.profile import profile
 from partitioner.solve import solve
 from partitioner.trace import fingerprint, trace
 
-__all__ = ["plan", "plan_from_graph", "tied_groups"]
+__all__ = ["plan", "plan_from_graph", "plan_microbatches", "Candidate", "MicrobatchSearch", "tied_groups"]
 
 
 def plan(
@@ -27,7 +30,7 @@ def plan(
     example_kwargs: Mapping[str, Any] | None = None,
     *,
     stages: int,
-    microbatches: int = 1,
+    microbatches: int | str = 1,
     schedule: str = "1f1b",
     cluster: Cluster | str | Path | None = None,
     memory_limit: float | None = None,
@@ -65,13 +68,43 @@ def plan(
     ``recompute``: activation recomputation per stage (docs/memory.md): "auto" (the
     default: chosen with the partition, none wherever the memory limit allows), or
     "none", "selective", "full" on every stage; ``Plan.recompute`` gives each stage's.
+    ``microbatches="auto"`` and/or ``schedule="auto"`` try every divisor of the batch
+    (and every schedule) and return the fastest simulated plan that fits memory:
+    :func:`plan_microbatches`, which also returns the candidates it weighed.
     """
+    if microbatches == "auto" or schedule == "auto":
+        if graph is not None:
+            raise PlanError("microbatches='auto' profiles every microbatch size, so it needs the model, not a graph")
+        return plan_microbatches(
+            model, example_args, example_kwargs, stages=stages, microbatches=microbatches, schedule=schedule,
+            cluster=cluster, memory_limit=memory_limit, method=method, time_limit=time_limit, timing=timing,
+            device=device, device_profile=device_profile, dtype=dtype, virtual_stages=virtual_stages,
+            colocate_tied=colocate_tied, frontend=frontend, leaf_modules=leaf_modules, repeats=repeats,
+            name=name, objective=objective, training=training, progress=progress, recompute=recompute).best
+    if isinstance(microbatches, str):
+        raise PlanError(f"microbatches must be a count or 'auto', got {microbatches!r}")
     if stages < 1:
         raise PlanError(f"stages must be >= 1, got {stages}")
     ScheduleKind.parse(schedule)  # a typo should fail before minutes of profiling
+    cluster = _resolve_cluster(cluster, stages)
+    graph, model_info = _profile_model(model, example_args, example_kwargs, microbatches=microbatches,
+                                       timing=timing, device=device, device_profile=device_profile, dtype=dtype,
+                                       frontend=frontend, leaf_modules=leaf_modules, repeats=repeats, graph=graph,
+                                       name=name, training=training, progress=progress)
+    return plan_from_graph(graph, stages=stages, microbatches=microbatches, schedule=schedule, cluster=cluster,
+                           memory_limit=memory_limit, method=method, time_limit=time_limit,
+                           virtual_stages=virtual_stages, colocate_tied=colocate_tied, training=training,
+                           model_info=model_info, objective=objective, recompute=recompute)
+
+
+def _profile_model(model: nn.Module, example_args: Sequence[Any] | Any, example_kwargs: Mapping[str, Any] | None, *,
+                   microbatches: int, timing: str | None, device: str | torch.device | None,
+                   device_profile: str | Path | None, dtype: str | None, frontend: str,
+                   leaf_modules: Iterable[type | str], repeats: int, graph: OpGraph | None, name: str | None,
+                   training: bool, progress: Callable[[int, int], None] | None) -> tuple[OpGraph, ModelInfo]:
+    """The op graph of one microbatch (profiled unless given) and what the plan records about the model."""
     args = tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,)
     kwargs = dict(example_kwargs or {})
-    base_cluster = _resolve_cluster(cluster, stages)
     was_training = model.training
     model.train(training)
     try:
@@ -102,10 +135,129 @@ def plan(
         )
     finally:
         model.train(was_training)
-    return plan_from_graph(graph, stages=stages, microbatches=microbatches, schedule=schedule, cluster=base_cluster,
-                           memory_limit=memory_limit, method=method, time_limit=time_limit,
-                           virtual_stages=virtual_stages, colocate_tied=colocate_tied, training=training,
-                           model_info=model_info, objective=objective, recompute=recompute)
+    return graph, model_info
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One (microbatch count, schedule) that :func:`plan_microbatches` weighed.
+
+    ``peak_memory``: the plan's largest stage memory (bytes); when nothing fits, the least a
+    plan needs (``MemoryLimitError.works``, else its lower bound ``needed``). ``proven``:
+    the plan's bottleneck is proven optimal. ``error``: why there is no plan.
+    """
+
+    microbatches: int
+    schedule: str
+    step_time: float | None
+    bubble: float | None
+    peak_memory: float | None
+    fits: bool
+    proven: bool
+    recompute: tuple[str, ...] = ()
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["recompute"] = list(self.recompute)
+        return d
+
+
+@dataclass
+class MicrobatchSearch:
+    """The fastest plan that fits and every candidate weighed, best first."""
+
+    best: Plan
+    candidates: list[Candidate]
+
+
+def plan_microbatches(
+    model: nn.Module,
+    example_args: Sequence[Any] | Any = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    stages: int,
+    microbatches: int | str | Sequence[int] = "auto",
+    schedule: str | Sequence[str] = "1f1b",
+    progress: Callable[[int, int], None] | None = None,
+    **options: Any,
+) -> MicrobatchSearch:
+    """Choose the microbatch count (and schedule) with the partition: the fastest simulated step that fits memory.
+
+    ``microbatches``: "auto" (every divisor of the batch), a list of counts, or one count;
+    ``schedule``: "auto" (every schedule kind), a list, or one. Each microbatch size is
+    profiled once (a smaller microbatch is not a scaled-down larger one: per-op overheads
+    and weight traffic stay), then every schedule is solved as :func:`plan` does with the
+    other ``options``. More microbatches shrink the bubble but keep more activations in
+    flight under GPipe and pay each transfer's latency once more; the step time, simulated
+    on the schedule's own action lists, weighs both. Raises the best candidate's error when
+    none fits.
+    """
+    args = tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,)
+    kwargs = dict(example_kwargs or {})
+    batch = batch_size(args, kwargs)
+    counts = _microbatch_counts(microbatches, batch)
+    kinds = [k.value for k in ScheduleKind] if schedule == "auto" else (
+        [schedule] if isinstance(schedule, str) else list(schedule))
+    kinds = [ScheduleKind.parse(k).value for k in kinds]
+    plan_options = {k: options.pop(k) for k in list(options) if k in _SOLVE_OPTIONS}
+    plan_options["cluster"] = _resolve_cluster(plan_options.get("cluster"), stages)
+    candidates: list[tuple[Candidate, Plan | None, PlanningError | None]] = []
+    for m in counts:
+        graph, model_info = _profile_model(model, args, kwargs, microbatches=m, progress=progress,
+                                           **_profile_options(options))
+        for kind in kinds:
+            try:
+                p = plan_from_graph(graph, stages=stages, microbatches=m, schedule=kind, model_info=model_info,
+                                    training=options.get("training", True), **plan_options)
+            except PlanningError as err:
+                needed = getattr(err, "works", None) or getattr(err, "needed", None)
+                candidates.append((Candidate(m, kind, None, None, needed, False, False,
+                                             error=" ".join(str(err).split())), None, err))
+                continue
+            candidates.append((Candidate(m, kind, p.step_time, p.bubble, max(p.stage_memory), p.partition.memory_ok,
+                                         bool(p.partition.optimal), tuple(p.recompute)), p, None))
+    candidates.sort(key=lambda c: (not c[0].fits, c[0].step_time if c[0].step_time is not None else math.inf,
+                                   c[0].peak_memory or math.inf, c[0].microbatches, kinds.index(c[0].schedule)))
+    head, best, error = candidates[0]
+    if best is None or not head.fits:
+        raise error if error is not None else PlanError(
+            "no microbatch count fits the memory limit; raise it or add stages")
+    weighed = [c for c, _, _ in candidates]
+    best.partition.notes.append(
+        f"chosen among {len(weighed)} candidates (microbatches {counts}, schedules {kinds}): the fastest simulated "
+        "step that fits memory")
+    return MicrobatchSearch(best, weighed)
+
+
+#: Options of :func:`plan_microbatches` that go to the solver; the rest go to profiling.
+_SOLVE_OPTIONS = ("cluster", "memory_limit", "method", "time_limit", "virtual_stages", "colocate_tied", "objective",
+                  "recompute")
+
+
+def _profile_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    known = ("timing", "device", "device_profile", "dtype", "frontend", "leaf_modules", "repeats", "name", "training")
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise TypeError(f"plan_microbatches() got unexpected options {unknown}")
+    defaults = {"timing": None, "device": None, "device_profile": None, "dtype": None, "frontend": "auto",
+                "leaf_modules": (), "repeats": 5, "name": None, "training": True}
+    return {**defaults, **options, "graph": None}
+
+
+def _microbatch_counts(microbatches: int | str | Sequence[int], batch: int | None) -> list[int]:
+    """The counts to try: every divisor of the batch for "auto", else those given (each dividing the batch)."""
+    if microbatches == "auto":
+        if batch is None:
+            raise PlanError("microbatches='auto' needs a tensor input with a batch dimension to split")
+        return [d for d in range(1, batch + 1) if batch % d == 0]
+    if isinstance(microbatches, str):
+        raise PlanError(f"microbatches must be a count, a list of counts or 'auto', got {microbatches!r}")
+    counts = [int(microbatches)] if isinstance(microbatches, int) else sorted({int(m) for m in microbatches})
+    bad = [m for m in counts if m < 1 or (batch is not None and batch % m)]
+    if bad:
+        raise PlanError(f"microbatch count {bad[0]} does not divide the batch of {batch}; use divisors of it")
+    return counts
 
 
 def plan_from_graph(

@@ -28,6 +28,7 @@ __all__ = ["app", "main", "CLIUsageError"]
 
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 METHOD_CHOICES = ("auto", "dp", "cpsat", "uniform", "params", "blocks")
+RECOMPUTE_CHOICES = ("auto", "none", "selective", "full")
 TIMING_CHOICES = ("measured", "analytic")
 DEVICE_CHOICES = ("cpu", "cuda")
 
@@ -119,6 +120,13 @@ def _choice(value: str | None, choices: tuple[str, ...], option: str) -> str | N
     if low not in choices and low not in extra:
         raise CLIUsageError(f"bad value {value!r} for {option}: choose one of {', '.join(choices)}")
     return low
+
+
+def _count(value: str, option: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise CLIUsageError(f"bad value {value!r} for {option}: give a whole number or auto") from None
 
 
 def _size(value: str | None, option: str) -> int | None:
@@ -468,7 +476,8 @@ def _print_profile(graph, spec: str, top: int, output: Path | None, seconds: flo
 def _make_plan(model: str, *, stages: int, microbatches: int, schedule: str, cluster: str | None,
                memory_limit: int | None, method: str, time_limit: float | None, batch_size: int | None,
                seq_len: int | None, timing: str | None, device: str | None, meta: bool, dtype: str | None,
-               repeats: int, virtual_stages: int, show_progress: bool, objective: str = "step_time"):
+               repeats: int, virtual_stages: int, show_progress: bool, objective: str = "step_time",
+               recompute: str = "auto"):
     """A Plan from a model spec (trace + profile + solve) or from an op graph JSON (solve only)."""
     import smp
     from smp.models import build_step
@@ -486,7 +495,8 @@ def _make_plan(model: str, *, stages: int, microbatches: int, schedule: str, clu
         with _status(f"solving ({method})…", show_progress):
             return plan_from_graph(graph, stages=stages, microbatches=microbatches, schedule=schedule,
                                    cluster=cluster, memory_limit=memory_limit, method=method,
-                                   time_limit=time_limit, virtual_stages=virtual_stages, objective=objective)
+                                   time_limit=time_limit, virtual_stages=virtual_stages, objective=objective,
+                                   recompute=recompute)
     device = _choice(device, DEVICE_CHOICES, "--device")
     timing_, profile_name = _timing_for(timing, meta, cluster)
     bundle = build_step(model, microbatches=microbatches, batch_size=batch_size, seq_len=seq_len, meta=meta)
@@ -500,7 +510,41 @@ def _make_plan(model: str, *, stages: int, microbatches: int, schedule: str, clu
                         microbatches=microbatches, schedule=schedule, cluster=cluster, memory_limit=memory_limit,
                         method=method, time_limit=time_limit, timing=timing_, device=device,
                         device_profile=profile_name, dtype=dtype, virtual_stages=virtual_stages,
-                        repeats=repeats, name=model, objective=objective, progress=progress)
+                        repeats=repeats, name=model, objective=objective, progress=progress, recompute=recompute)
+
+
+def _search_plans(model: str, *, stages: int, microbatches: int | None, schedule: str | None, batch_size: int | None,
+                  cluster: str | None, memory_limit: int | None, method: str, time_limit: float | None,
+                  seq_len: int | None, timing: str | None, device: str | None, meta: bool, dtype: str | None,
+                  repeats: int, virtual_stages: int, show_progress: bool, objective: str, recompute: str):
+    """``--microbatches auto`` / ``--schedule auto``: every divisor of the batch (and schedule), the fastest that fits.
+
+    Returns (the search, a note on the batch the divisors are of)."""
+    from smp.models import build_step
+    from smp.plan import plan_microbatches
+
+    if _is_graph_file(model):
+        raise CLIUsageError("--microbatches auto and --schedule auto profile the model at every microbatch size, so "
+                            f"they need a model spec, not the op graph {model}")
+    _check_cluster(cluster)
+    device = _choice(device, DEVICE_CHOICES, "--device")
+    timing_, profile_name = _timing_for(timing, meta, cluster)
+    counts = "auto" if microbatches is None else microbatches
+    bundle = build_step(model, microbatches=(microbatches or 2 * stages) if batch_size is None else 1,
+                        batch_size=batch_size, seq_len=seq_len, meta=meta)
+    from partitioner.microbatch import batch_size as batch_of
+
+    batch = batch_of(bundle.example_args, bundle.example_kwargs)
+    note = None if batch_size is not None or counts != "auto" else (
+        f"--microbatches auto: the batch is {batch} (2 x {stages} stages x the spec's sample batch; set it with "
+        "--batch-size)")
+    with _status("profiling every microbatch size and solving every candidate…", show_progress):
+        search = plan_microbatches(
+            bundle.model, bundle.example_args, bundle.example_kwargs, stages=stages, microbatches=counts,
+            schedule=schedule or "auto", cluster=cluster, memory_limit=memory_limit, method=method,
+            time_limit=time_limit, timing=timing_, device=device, device_profile=profile_name, dtype=dtype,
+            virtual_stages=virtual_stages, repeats=repeats, name=model, objective=objective, recompute=recompute)
+    return search, note
 
 
 def _microbatches(stages: int, microbatches: int | None, batch_size: int | None) -> tuple[int, str | None]:
@@ -617,8 +661,16 @@ def plan_cmd(
     model: Annotated[str, typer.Argument(metavar="MODEL|GRAPH.json",
                                          help="zoo spec, path/to/file.py:factory, or an op graph from `smp profile`")],
     stages: StagesOpt,
-    microbatches: MicrobatchesOpt = None,
-    schedule: ScheduleOpt = "1f1b",
+    microbatches: Annotated[Optional[str], typer.Option(
+        "--microbatches", "-m", help="microbatches per step, or auto: try every divisor of the batch and keep the "
+                                     "fastest simulated step that fits memory \\[default: 2 x stages; with "
+                                     "--batch-size, the largest divisor of the batch not above that]")] = None,
+    schedule: Annotated[str, typer.Option(
+        "--schedule", "-s", help="gpipe | 1f1b | interleaved | zb-h1 | auto (try each, keep the fastest that "
+                                 "fits)")] = "1f1b",
+    recompute: Annotated[str, typer.Option(
+        "--recompute", help="activation recomputation per stage: auto (chosen with the partition, only where the "
+                            "memory limit needs it) | none | selective | full")] = "auto",
     cluster: ClusterOpt = None,
     memory_limit: MemoryOpt = None,
     method: MethodOpt = "auto",
@@ -641,13 +693,28 @@ def plan_cmd(
 ) -> None:
     """Partition a model into pipeline stages: per-stage table, predicted step time, bubble, lower bound, gap."""
     objective = _choice(objective.replace("-", "_"), ("bottleneck", "step_time"), "--objective")
-    m, note, sched, meth, limit = _plan_args(stages, microbatches, batch_size, schedule, method, memory_limit,
-                                             time_limit, repeats)
+    recompute = _choice(recompute, RECOMPUTE_CHOICES, "--recompute")
+    auto_m = microbatches is not None and microbatches.strip().lower() == "auto"
+    auto_s = schedule.strip().lower() == "auto"
+    count = None if auto_m or microbatches is None else _count(microbatches, "--microbatches")
     _positive(virtual_stages, "--virtual-stages")
-    p = _make_plan(model, stages=stages, microbatches=m, schedule=sched, cluster=cluster, memory_limit=limit,
-                   method=meth, time_limit=time_limit, batch_size=batch_size, seq_len=seq_len, timing=timing,
-                   device=device, meta=meta, dtype=dtype, repeats=repeats, virtual_stages=virtual_stages,
-                   show_progress=not json_out, objective=objective)
+    candidates = None
+    if auto_m or auto_s:
+        m, _, _, meth, limit = _plan_args(stages, count, batch_size, "1f1b", method, memory_limit, time_limit, repeats)
+        search, note = _search_plans(
+            model, stages=stages, microbatches=None if auto_m else m, schedule=None if auto_s else
+            _choice(schedule, SCHEDULE_CHOICES, "--schedule"), batch_size=batch_size, cluster=cluster,
+            memory_limit=limit, method=meth, time_limit=time_limit, seq_len=seq_len, timing=timing, device=device,
+            meta=meta, dtype=dtype, repeats=repeats, virtual_stages=virtual_stages, show_progress=not json_out,
+            objective=objective, recompute=recompute)
+        p, candidates = search.best, search.candidates
+    else:
+        m, note, sched, meth, limit = _plan_args(stages, count, batch_size, schedule, method, memory_limit,
+                                                 time_limit, repeats)
+        p = _make_plan(model, stages=stages, microbatches=m, schedule=sched, cluster=cluster, memory_limit=limit,
+                       method=meth, time_limit=time_limit, batch_size=batch_size, seq_len=seq_len, timing=timing,
+                       device=device, meta=meta, dtype=dtype, repeats=repeats, virtual_stages=virtual_stages,
+                       show_progress=not json_out, objective=objective, recompute=recompute)
     files: dict[str, str | None] = {"plan": None, "timeline": None}
     if output is not None:
         files["plan"] = str(p.save(output))
@@ -656,8 +723,16 @@ def plan_cmd(
     if json_out:
         from smp._cli_render import report
 
-        _print_json(report(p, plan_file=output, files=files))
+        extra = {"candidates": [c.to_dict() for c in candidates]} if candidates is not None else None
+        _print_json(report(p, plan_file=output, files=files, extra=extra))
         return
+    if candidates is not None:
+        from smp._cli_render import candidate_table
+
+        con = _console()
+        con.print(candidate_table(candidates, title=f"candidates weighed ({len(candidates)}, best first: the fastest "
+                                                    "simulated step that fits memory)"))
+        con.print()
     _print_plan(p, files=files, note=note)
 
 

@@ -356,6 +356,8 @@ def dp_solve(prob: Problem, allowed: np.ndarray, *, work: int = DP_SEARCH_WORK,
     assign, exact = _best_seed(prob, allowed, assign, exact)
     budget = _Budget(work, time.perf_counter() + wall_limit)
     assign, exact, finished = _branch_and_bound(prob, allowed, assign, exact, value, budget)
+    if finished and not math.isfinite(exact):
+        return None  # the lower model's cuts fit only in its relaxed memory; no cut of the order fits
     return DPResult(assign, exact, exact if finished else value, finished, budget.used, budget.wall_stopped)
 
 
