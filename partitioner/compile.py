@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +30,8 @@ def plan(
     example_kwargs: Mapping[str, Any] | None = None,
     *,
     stages: int | None = None,
-    microbatches: int | None = None,
-    schedule: str = "1f1b",
+    microbatches: int | str | Sequence[int] | None = None,
+    schedule: str | Sequence[str] = "1f1b",
     cluster: Cluster | str | Path | None = None,
     memory_limit: float | None = None,
     method: str = "auto",
@@ -52,6 +54,7 @@ def plan(
     devices: int | None = None,
     global_batch: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    recompute: str = "auto",
 ) -> Plan:
     """Trace, profile, solve, schedule and simulate: the whole compiler in one call.
 
@@ -67,43 +70,54 @@ def plan(
     ``training`` (default) plans a training step whatever mode the module is in, tracing
     and profiling it in train mode; ``training=False`` plans inference in eval mode.
     ``data_parallel`` replicas of the pipeline (each with the sample batch as its share)
-    and their ``placement``: see :func:`plan_from_graph`.
+    and their ``placement``: see :func:`plan_from_graph`. ``recompute``: activation
+    recomputation per stage (docs/memory.md): "auto" (the default: chosen with the
+    partition, none wherever the memory limit allows), or "none", "selective", "full" on
+    every stage; ``Plan.recompute`` gives each stage's.
 
-    ``devices=N`` instead searches the shape: the fastest of every D replicas x P stages x m
-    microbatches (x ``schedule``, which may then be a list or "all") on N devices of
-    ``cluster`` for ``global_batch`` samples a step (default: the sample batch), with
-    ``stages`` or ``microbatches`` fixing their part of the grid; see :func:`plan_shapes`
-    for the candidates weighed.
+    A search instead of one shape: ``devices=N`` weighs every D replicas x P stages x m
+    microbatches on N devices of ``cluster`` for ``global_batch`` samples a step (default:
+    the sample batch), with ``stages`` or ``microbatches`` fixing their part of the grid;
+    ``microbatches="auto"`` (or a list of counts) and ``schedule="auto"`` (or a list) weigh
+    the counts and schedules of a ``stages``-rank pipeline. Either returns the fastest
+    simulated plan that fits memory; :func:`plan_shapes` also returns every candidate.
     """
-    if devices is not None:
+    searching = (devices is not None or microbatches == "auto" or not isinstance(schedule, str)
+                 or schedule in ("auto", "all") or isinstance(microbatches, (list, tuple)))
+    if searching:
         if data_parallel != 1:
             raise PlanError("devices= searches the data-parallel degree itself; drop data_parallel=")
+        if devices is None and stages is None:
+            raise PlanError("a microbatch or schedule search is for a pipeline of stages= ranks (or pass devices=)")
         return plan_shapes(
-            model, example_args, example_kwargs, devices=devices, global_batch=global_batch, stages=stages,
-            microbatches=microbatches, schedule=schedule, cluster=cluster, memory_limit=memory_limit, method=method,
-            time_limit=time_limit, timing=timing, device=device, device_profile=device_profile, dtype=dtype,
-            virtual_stages=virtual_stages, colocate_tied=colocate_tied, frontend=frontend, leaf_modules=leaf_modules,
-            repeats=repeats, graph=graph, name=name, objective=objective, training=training, placement=placement,
-            progress=progress).best.plan
+            model, example_args, example_kwargs, devices=devices if devices is not None else stages,
+            global_batch=global_batch, stages=stages, microbatches=microbatches, schedule=schedule, cluster=cluster,
+            memory_limit=memory_limit, method=method, time_limit=time_limit, timing=timing, device=device,
+            device_profile=device_profile, dtype=dtype, virtual_stages=virtual_stages, colocate_tied=colocate_tied,
+            frontend=frontend, leaf_modules=leaf_modules, repeats=repeats, graph=graph, name=name,
+            objective=objective, training=training, placement=placement, recompute=recompute,
+            progress=progress).best
     if global_batch is not None:
         raise PlanError("global_batch= goes with devices= (the shape search); without it the sample batch is "
                         "one replica's batch")
     if stages is None:
         raise PlanError("pass stages= (pipeline ranks), or devices= to search data parallel x stages x microbatches")
+    if isinstance(microbatches, str):
+        raise PlanError(f"microbatches must be a count, a list of counts or 'auto', got {microbatches!r}")
     if stages < 1:
         raise PlanError(f"stages must be >= 1, got {stages}")
-    microbatches = 1 if microbatches is None else microbatches
-    ScheduleKind.parse(schedule)  # a typo should fail before minutes of profiling
+    microbatches = 1 if microbatches is None else int(microbatches)  # type: ignore[arg-type]  # lists search
+    ScheduleKind.parse(schedule)  # type: ignore[arg-type]  # a typo should fail before minutes of profiling
     _resolve_cluster(cluster, stages * data_parallel)
     graph, model_info = _profile(model, example_args, example_kwargs, microbatches=microbatches, timing=timing,
                                  device=device, device_profile=device_profile, dtype=dtype, frontend=frontend,
                                  leaf_modules=leaf_modules, repeats=repeats, graph=graph, name=name,
                                  training=training, progress=progress)
-    return plan_from_graph(graph, stages=stages, microbatches=microbatches, schedule=schedule, cluster=cluster,
-                           memory_limit=memory_limit, method=method, time_limit=time_limit,
+    return plan_from_graph(graph, stages=stages, microbatches=microbatches, schedule=schedule,  # type: ignore[arg-type]
+                           cluster=cluster, memory_limit=memory_limit, method=method, time_limit=time_limit,
                            virtual_stages=virtual_stages, colocate_tied=colocate_tied, training=training,
                            model_info=model_info, objective=objective, data_parallel=data_parallel,
-                           placement=placement)
+                           placement=placement, recompute=recompute)
 
 
 def plan_shapes(
@@ -114,7 +128,7 @@ def plan_shapes(
     devices: int,
     global_batch: int | None = None,
     stages: int | None = None,
-    microbatches: int | None = None,
+    microbatches: int | str | Sequence[int] | None = None,
     schedule: str | Sequence[str] = "1f1b",
     cluster: Cluster | str | Path | None = None,
     device_profile: str | Path | None = None,
@@ -130,31 +144,36 @@ def plan_shapes(
 
     The model is profiled once, on the sample batch as one microbatch, and each shape's
     microbatch is that graph scaled (partitioner/shapes.py). ``cluster`` (default:
-    ``device_profile``'s devices) prices the links and bounds the memory; ``schedule`` may
-    be one name, a list, or "all". ``options`` go to :func:`plan_from_graph` (method,
-    time_limit, memory_limit, objective, colocate_tied) and to profiling (timing, device,
-    dtype, frontend, leaf_modules, repeats, name).
+    ``device_profile``'s devices, else free links and no memory limit) prices the links and
+    bounds the memory. ``microbatches``: None or "auto" (the default grid), a count or a
+    list of counts; ``schedule``: one name, a list, or "auto" (every kind). ``options`` go
+    to :func:`plan_from_graph` (method, time_limit, memory_limit, objective, colocate_tied,
+    recompute) and to profiling (timing, device, dtype, frontend, leaf_modules, repeats, name).
     """
-    schedules = [k.value for k in ScheduleKind] if schedule == "all" else \
+    schedules = [k.value for k in ScheduleKind] if schedule in ("auto", "all") else \
         [schedule] if isinstance(schedule, str) else list(schedule)
     for kind in schedules:
         ScheduleKind.parse(kind)
-    if cluster is None and device_profile is None:
-        raise PlanError("the shape search prices gradient all-reduces and checks memory on a cluster: pass "
-                        "cluster= (e.g. 'h100-sxm') or device_profile=")
+    if isinstance(microbatches, str) and microbatches != "auto":
+        raise PlanError(f"microbatches must be a count, a list of counts or 'auto', got {microbatches!r}")
+    counts = None if microbatches in (None, "auto") else \
+        [microbatches] if isinstance(microbatches, int) else [int(m) for m in microbatches]  # type: ignore[union-attr]
     resolved = _resolve_cluster(cluster if cluster is not None else device_profile, devices)
+    if resolved is None and devices > (stages or 1):
+        raise PlanError("weighing data parallelism needs the links its gradient all-reduce crosses: pass a cluster "
+                        "(e.g. cluster='h100-sxm'), or fix stages= to the device count")
     profile_keys = ("timing", "device", "dtype", "frontend", "leaf_modules", "repeats", "name")
     prof = {k: options.pop(k) for k in profile_keys if k in options}
     args = tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,)
     sample = batch_size(args, dict(example_kwargs or {}))
     if not isinstance(sample, int):
-        raise PlanError("the shape search splits the batch among replicas: the sample inputs need a batch "
-                        "dimension (dim 0 of the tensor inputs)")
+        raise PlanError("the shape search splits the batch among replicas and microbatches: the sample inputs need "
+                        "a batch dimension (dim 0 of the tensor inputs)")
     graph, model_info = _profile(model, args, example_kwargs, microbatches=1, device_profile=device_profile,
                                  graph=graph, training=training, progress=progress, **prof)
     return search_shapes(graph, devices=devices, global_batch=global_batch or sample, profiled_batch=sample,
                          cluster=resolved, solve_plan=plan_from_graph, schedules=schedules, stages=stages,
-                         microbatches=microbatches, model_info=model_info, placement=placement,
+                         microbatches=counts, model_info=model_info, placement=placement,
                          virtual_stages=virtual_stages, options={**options, "training": training},
                          progress=shape_progress)
 
@@ -219,6 +238,7 @@ def plan_from_graph(
     objective: str = "step_time",
     data_parallel: int = 1,
     placement: str | None = None,
+    recompute: str = "auto",
 ) -> Plan:
     """Solve, schedule and simulate an already-profiled graph (e.g. ``smp profile -o graph.json``).
 
@@ -237,7 +257,7 @@ def plan_from_graph(
                                  memory_limit=memory_limit, method=method, time_limit=time_limit,
                                  virtual_stages=virtual_stages, colocate_tied=colocate_tied, training=training,
                                  model_info=model_info, name=name, objective=objective, data_parallel=data_parallel,
-                                 placement=how) for how in PLACEMENTS]
+                                 placement=how, recompute=recompute) for how in PLACEMENTS]
         return min(plans, key=lambda p: p.step_time)
     placement = placement or "cluster"
     if placement not in PLACEMENTS:
@@ -259,7 +279,7 @@ def plan_from_graph(
     colocate = tied_groups(graph) if colocate_tied else ()
     part = solve(graph, num_stages, cluster=stage_cluster, microbatches=microbatches, schedule=kind.value,
                  training=training, memory_limit=limit, colocate=colocate, method=method, time_limit=time_limit,
-                 objective=objective, ranks=stages)
+                 objective=objective, ranks=stages, recompute=recompute)
     sched = schedule_for(kind, part, microbatches, stages, data_parallel)
     if model_info is None:
         model_info = _model_info_from_graph(graph, microbatches, training, name)

@@ -16,6 +16,7 @@ from partitioner.cost import Partition, evaluate
 from partitioner.errors import InvalidAssignmentError, PlanError
 from partitioner.graph import OpGraph
 from partitioner.ir import Schedule, ScheduleError, ScheduleKind, stage_graph_from_transfers
+from partitioner.recompute import CHOICES
 from partitioner.schedule import make_schedule
 from partitioner.simulate import SimResult, simulate, stage_costs_from
 from partitioner.timeline import Timeline
@@ -157,8 +158,14 @@ class Plan:
 
     @property
     def stage_memory(self) -> list[float]:
-        """Each stage's predicted peak bytes (its state, plus its activations times its microbatches in flight)."""
+        """Each stage's predicted peak bytes: its state, what it keeps per microbatch times its microbatches
+        in flight, and what its recomputation re-creates (``StageStats.memory``)."""
         return [s.memory for s in self.partition.stages]
+
+    @property
+    def recompute(self) -> list[str]:
+        """Each stage's activation recomputation, "none", "selective" or "full" (what the runtime executes)."""
+        return self.partition.recompute
 
     @property
     def rank_memory(self) -> list[float]:
@@ -172,9 +179,9 @@ class Plan:
         out = []
         for r in range(self.pipeline_ranks):
             stages = [self.partition.stages[s] for s in self.schedule.stages_of(r)]
-            fixed = sum(s.memory - s.in_flight * s.activations for s in stages)
-            acts = per_rank[r] if per_rank is not None else sum(s.in_flight * s.activations for s in stages)
-            out.append(fixed + acts)
+            acts = [s.in_flight * s.activations + s.recomputing * s.recompute_bytes for s in stages]
+            fixed = sum(s.memory for s in stages) - sum(acts)
+            out.append(fixed + (per_rank[r] if per_rank is not None else sum(acts)))
         return out
 
     @cached_property
@@ -206,6 +213,10 @@ class Plan:
             extra, missing = sorted(assigned - nodes), sorted(nodes - assigned)
             raise PlanError(f"{where}: its partition does not cover the op graph (ops without a stage: "
                             f"{missing[:3]}, unknown ops: {extra[:3]}); re-create it with `smp plan`")
+        bad = [(st.index, st.recompute) for st in part.stages if st.recompute not in CHOICES]
+        if bad:
+            raise PlanError(f"{where}: stage {bad[0][0]} has recompute {bad[0][1]!r}; each stage takes one of "
+                            f"{', '.join(CHOICES)}; re-create it with `smp plan`")
         if sched.num_stages != part.num_stages:
             raise PlanError(f"{where}: the schedule has {sched.num_stages} stages, the partition "
                             f"{part.num_stages}; re-create it with `smp plan`")
@@ -251,7 +262,7 @@ class Plan:
         old = self.partition
         part = evaluate(graph, old.stage_of, cluster=stage_cluster, microbatches=m, schedule=kind.value,
                         training=old.training, memory_limit=old.memory_limit, state_factor=old.state_factor,
-                        ranks=ranks)
+                        ranks=ranks, recompute=old.recompute)
         # What the original solve proved carries over only to the same cluster and, under a
         # memory limit, the same schedule (another schedule's memory may allow better plans).
         # Op costs scale by s = m / m' but link latency does not, so a stage's time s*C + T is
@@ -289,6 +300,7 @@ class Plan:
                 "gap": self.partition.gap,
                 "optimal": self.partition.optimal,
                 "speedup": self.speedup,
+                "recompute": self.recompute,
             },
             "partition": self.partition.to_dict(),
             "schedule": self.schedule.to_dict(),
@@ -365,6 +377,8 @@ class Plan:
                 "comm_in_bytes": s.comm_in_bytes,
                 "comm_out_bytes": s.comm_out_bytes,
                 "time": s.time,
+                "recompute": s.recompute,
+                "recompute_time": s.recompute_time,
                 "memory": s.memory,
                 "memory_limit": s.memory_limit,
                 "share": s.time / part.bottleneck if part.bottleneck > 0 else 0.0,
@@ -377,13 +391,13 @@ class Plan:
             f"{self.model.name}: {len(self.graph)} ops into {self.num_stages} stages on "
             f"{self.num_ranks} ranks, {self.schedule_name}, {self.microbatches} microbatches",
             f"{'stage':>5} {'rank':>4} {'modules':<22} {'ops':>5} {'params':>10} {'act/mb':>10} {'fwd ms':>8} "
-            f"{'bwd ms':>8} {'comm ms':>8} {'memory':>10} {'limit':>10} {'share':>6}",
+            f"{'bwd ms':>8} {'recompute':>9} {'comm ms':>8} {'memory':>10} {'limit':>10} {'share':>6}",
         ]
         for r in self.stage_rows():
             lines.append(
                 f"{r['stage']:>5} {r['rank']:>4} {r['modules'][:22]:<22} {r['ops']:>5} {format_bytes(r['params']):>10} "
                 f"{format_bytes(r['activations']):>10} {r['fwd'] * 1e3:>8.3f} {r['bwd'] * 1e3:>8.3f} "
-                f"{(r['comm_in'] + r['comm_out']) * 1e3:>8.3f} {format_bytes(r['memory']):>10} "
+                f"{r['recompute']:>9} {(r['comm_in'] + r['comm_out']) * 1e3:>8.3f} {format_bytes(r['memory']):>10} "
                 f"{format_bytes(r['memory_limit']):>10} {r['share']:>6.0%}")
         part = self.partition
         lines.append(

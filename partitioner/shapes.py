@@ -57,6 +57,11 @@ class Candidate:
     plan: Plan | None = None
     lower_bound: float = 0.0  # seconds: no plan of this shape is faster
     reason: str = ""
+    needs: float | None = None  # bytes: the least a plan of this shape needs, when none fits
+
+    @property
+    def fits(self) -> bool:
+        return self.plan is not None
 
     @property
     def step_time(self) -> float:
@@ -68,8 +73,8 @@ class Candidate:
 
     @property
     def memory(self) -> float | None:
-        """The fullest rank's predicted peak bytes."""
-        return max(self.plan.rank_memory) if self.plan is not None else None
+        """The fullest rank's predicted peak bytes (what it would need, when nothing fits)."""
+        return max(self.plan.rank_memory) if self.plan is not None else self.needs
 
     @property
     def proven(self) -> bool:
@@ -77,8 +82,23 @@ class Candidate:
         return bool(self.plan is not None and self.plan.partition.optimal)
 
     @property
+    def recompute(self) -> list[str]:
+        return list(self.plan.recompute) if self.plan is not None else []
+
+    @property
     def pruned(self) -> bool:
         return self.plan is None and self.reason.startswith("pruned")
+
+    def to_dict(self) -> dict[str, Any]:
+        p = self.plan
+        return {"data_parallel": self.shape.data_parallel, "stages": self.shape.stages,
+                "microbatches": self.shape.microbatches, "schedule": self.shape.schedule,
+                "placement": p.placement if p is not None else None, "fits": self.fits,
+                "step_time": self.step_time if p is not None else None,
+                "samples_per_second": self.samples_per_second if p is not None else None,
+                "bubble": p.bubble if p is not None else None, "memory_bytes": self.memory,
+                "proven": self.proven, "recompute": self.recompute, "lower_bound": self.lower_bound,
+                "reason": self.reason or None}
 
 
 @dataclass
@@ -90,38 +110,36 @@ class ShapeSearch:
     candidates: list[Candidate]
 
     @property
-    def best(self) -> Candidate:
+    def best(self) -> Plan:
+        """The fastest plan that fits; PlanError with the reasons when no shape has one."""
         if not self.candidates or self.candidates[0].plan is None:
             reasons = sorted({c.reason for c in self.candidates if c.reason})
             raise PlanError(f"no shape of {self.devices} devices runs a global batch of {self.global_batch}: "
                             + "; ".join(reasons[:4]) + ("" if len(reasons) <= 4 else f" (and {len(reasons) - 4} "
                                                                                       "more reasons)"))
-        return self.candidates[0]
+        return self.candidates[0].plan
 
     def to_dict(self) -> dict[str, Any]:
-        return {"devices": self.devices, "global_batch": self.global_batch, "candidates": [
-            {"data_parallel": c.shape.data_parallel, "stages": c.shape.stages, "microbatches": c.shape.microbatches,
-             "schedule": c.shape.schedule, "placement": c.plan.placement if c.plan is not None else None,
-             "step_time": c.step_time if c.plan is not None else None,
-             "samples_per_second": c.samples_per_second if c.plan is not None else None,
-             "memory_bytes": c.memory, "proven": c.proven, "lower_bound": c.lower_bound, "reason": c.reason or None}
-            for c in self.candidates]}
+        return {"devices": self.devices, "global_batch": self.global_batch,
+                "candidates": [c.to_dict() for c in self.candidates]}
 
 
 def shapes_for(devices: int, global_batch: int, *, schedules: Sequence[str], stages: int | None = None,
-               microbatches: int | None = None, max_stages: int | None = None) -> list[Shape]:
-    """Every shape of ``devices`` whose replicas split the global batch evenly.
+               microbatches: Sequence[int] | None = None, max_stages: int | None = None) -> list[Shape]:
+    """Every shape of ``devices`` whose replicas and microbatches split the global batch evenly.
 
     P runs over the divisors of N (or is ``stages``); m over the divisors of a replica's
-    batch from min(P, batch) to 4P (or is ``microbatches``): fewer than P microbatches leave
-    ranks idle, more than 4P cost memory for a bubble already under 20%. One rank per
-    pipeline has no schedule to choose: it is listed once, as 1f1b.
+    batch from min(P, batch) to 4P (or over ``microbatches``, those that divide it): fewer
+    than P microbatches leave ranks idle, more than 4P cost memory for a bubble already
+    under 20%. One rank per pipeline has no schedule to choose: it is listed once, as 1f1b.
     """
     if devices < 1:
         raise PlanError(f"devices must be >= 1, got {devices}")
     if global_batch < 1:
         raise PlanError(f"the global batch must be >= 1, got {global_batch}")
     kinds = [ScheduleKind.parse(s).value for s in schedules]
+    if microbatches is not None and any(m < 1 for m in microbatches):
+        raise PlanError(f"microbatch counts must be >= 1, got {list(microbatches)}")
     if stages is not None and devices % stages:
         raise PlanError(f"{stages} stages do not divide {devices} devices; pass a divisor of {devices}")
     out: list[Shape] = []
@@ -133,7 +151,7 @@ def shapes_for(devices: int, global_batch: int, *, schedules: Sequence[str], sta
             continue
         share = global_batch // d
         if microbatches is not None:
-            counts = [microbatches] if share % microbatches == 0 else []
+            counts = [m for m in microbatches if m >= 1 and share % m == 0]
         else:
             counts = [m for m in _divisors(share) if min(p, share) <= m <= 4 * p]
         for kind in (["1f1b"] if p == 1 else kinds):
@@ -147,7 +165,7 @@ def search_shapes(
     devices: int,
     global_batch: int,
     profiled_batch: int,
-    cluster: Cluster,
+    cluster: Cluster | None,
     solve_plan: Callable[..., Plan],
     schedules: Sequence[str] = ("1f1b",),
     stages: int | None = None,
@@ -163,7 +181,7 @@ def search_shapes(
     ``graph`` is costed for one microbatch of ``profiled_batch`` samples. ``solve_plan`` is
     :func:`partitioner.compile.plan_from_graph` (passed in: the compiler imports this module).
     """
-    if len(cluster.devices) < devices:
+    if cluster is not None and len(cluster.devices) < devices:
         raise PlanError(f"the cluster {cluster.name!r} has {len(cluster.devices)} devices, fewer than the {devices} "
                         "to plan for; load it with more (Cluster.load(name, devices=N))")
     shapes = shapes_for(devices, global_batch, schedules=schedules, stages=stages, microbatches=microbatches,
@@ -171,10 +189,13 @@ def search_shapes(
     if not shapes:
         raise PlanError(f"no shape of {devices} devices splits a global batch of {global_batch} evenly: use a global "
                         f"batch that a divisor of {devices} divides (e.g. {devices * max(1, global_batch // devices)})")
+    if cluster is None and any(s.data_parallel > 1 for s in shapes):
+        raise PlanError("weighing data parallelism needs the links its gradient all-reduce crosses: pass a cluster "
+                        "(e.g. cluster='h100-sxm'), or fix stages= to the device count")
     training = bool((options or {}).get("training", graph.meta.get("training", True)))
     work = sorted((graph[v].get("fwd", 0.0) + (graph[v].get("bwd", 0.0) if training else 0.0) for v in graph.nx),
                   reverse=True)
-    speed = max(d.speed for d in cluster.devices[:devices])
+    speed = max(d.speed for d in cluster.devices[:devices]) if cluster is not None else 1.0
     candidates = [Candidate(shape, global_batch, lower_bound=_step_lower_bound(
         shape, work, speed, global_batch / (shape.data_parallel * shape.microbatches) / profiled_batch))
         for shape in shapes]
@@ -199,10 +220,16 @@ def search_shapes(
                     virtual_stages=virtual_stages, **dict(options or {}))
                 best = min(best, cand.plan.step_time)
             except (PlanningError, ScheduleError) as err:
-                cand.reason = str(err).splitlines()[0]
+                cand.reason = " ".join(str(err).split())
+                cand.needs = getattr(err, "works", None) or getattr(err, "needed", None)
         if progress is not None:
             progress(done, len(candidates))
     candidates.sort(key=lambda c: (c.plan is None, c.step_time, c.shape.stages, c.memory or 0.0, c.shape))
+    head = candidates[0].plan if candidates else None
+    if head is not None:
+        head.partition.notes.append(
+            f"shape chosen among {len(candidates)} candidates ({devices} devices, global batch {global_batch}): the "
+            "fastest simulated step that fits memory (partitioner/shapes.py)")
     return ShapeSearch(devices, global_batch, candidates)
 
 

@@ -30,10 +30,10 @@ def test_the_grid_is_every_divisor_shape_with_enough_microbatches() -> None:
 
 def test_fixed_stages_and_microbatches_narrow_the_grid() -> None:
     assert shapes_for(8, 32, schedules=["1f1b"], stages=2) == [Shape(4, 2, m, "1f1b") for m in (2, 4, 8)]
-    assert shapes_for(8, 32, schedules=["1f1b"], microbatches=4) == [
+    assert shapes_for(8, 32, schedules=["1f1b"], microbatches=[4]) == [
         Shape(8, 1, 4, "1f1b"), Shape(4, 2, 4, "1f1b"), Shape(2, 4, 4, "1f1b"), Shape(1, 8, 4, "1f1b")]
     # A replica share that the fixed microbatch count does not divide has no shape.
-    assert shapes_for(4, 6, schedules=["1f1b"], microbatches=4) == []
+    assert shapes_for(4, 6, schedules=["1f1b"], microbatches=[4]) == []
 
 
 def test_bad_grids_are_named() -> None:
@@ -74,7 +74,7 @@ def test_pruning_keeps_the_fastest_shape_and_bounds_hold(seed: int, devices: int
         if cand.plan is not None:
             assert cand.plan.step_time == pytest.approx(p.step_time, rel=1e-9)
     assert search.best.step_time == pytest.approx(min(t for t, _ in exhaustive), rel=1e-9)
-    assert search.best.plan.data_parallel * search.best.plan.pipeline_ranks == devices
+    assert search.best.data_parallel * search.best.pipeline_ranks == devices
     pruned = [c for c in search.candidates if c.pruned]
     assert all(c.lower_bound >= search.best.step_time for c in pruned)
 
@@ -85,8 +85,8 @@ def test_memory_that_one_replica_cannot_hold_forces_a_pipeline() -> None:
     cluster = _cluster(4, memory=0.6 * state)
     search = search_shapes(graph, devices=4, global_batch=8, profiled_batch=1, cluster=cluster,
                            solve_plan=plan_from_graph, options={"method": "dp"})
-    best = search.best
-    assert best.shape.stages >= 2
+    best = search.candidates[0]
+    assert best.plan is search.best and best.shape.stages >= 2
     dp_only = [c for c in search.candidates if c.shape.stages == 1]
     assert dp_only and all(c.plan is None and "memory" in c.reason for c in dp_only)
     assert best.memory <= 0.6 * state
@@ -121,7 +121,7 @@ def test_smp_plan_with_devices_returns_the_best_shape_and_plan_shapes_lists_them
     model, x = _Tiny(), torch.randn(2, 32)
     search = smp.plan_shapes(model, (x,), devices=4, global_batch=8, cluster="h100-sxm", schedule="all",
                              timing="analytic", device_profile="h100-sxm")
-    assert search.candidates and search.candidates[0] is search.best
+    assert search.candidates and search.candidates[0].plan is search.best
     assert {c.shape.schedule for c in search.candidates if c.shape.stages > 1} >= {"gpipe", "1f1b"}
     times = [c.step_time for c in search.candidates if c.plan is not None]
     assert times == sorted(times)
@@ -139,7 +139,7 @@ def test_smp_plan_devices_mistakes_are_named() -> None:
         smp.plan(model, (x,))
     with pytest.raises(PlanError, match="global_batch= goes with devices="):
         smp.plan(model, (x,), stages=2, global_batch=8)
-    with pytest.raises(PlanError, match="pass cluster="):
+    with pytest.raises(PlanError, match="pass a cluster"):
         smp.plan_shapes(model, (x,), devices=2)
     with pytest.raises(PlanError, match="drop data_parallel="):
         smp.plan(model, (x,), devices=4, data_parallel=2, cluster="h100-sxm")
