@@ -348,19 +348,23 @@ def make_schedule(kind: ScheduleKind | str, graph: StageGraph | int, num_microba
     return with_allreduce(sched, data_parallel) if data_parallel > 1 else sched
 
 
-def with_allreduce(schedule: Schedule, data_parallel: int) -> Schedule:
+def with_allreduce(schedule: Schedule, data_parallel: int, *, overlap: bool = True) -> Schedule:
     """``schedule`` for ``data_parallel`` replicas (1: none): each stage's gradient all-reduce as early as it can.
 
     A stage's gradients are final when its last microbatch's weight gradients are (its
     last B, or W when the backward is split), so its ALLREDUCE goes right after that
     action and the transfers posted with it: the all-reduce then overlaps the rest of the
     rank's program (the other stages' cool-down), rather than waiting for the step to end.
+    ``overlap=False`` puts them all at the end of each rank's program instead, as a data
+    parallel wrapper around a whole pipeline step does (the baseline of benchmarks/data_parallel.py).
     """
     last = ActionKind.W if schedule.split_backward else ActionKind.B
     programs = []
     for prog in schedule.actions:
         prog = tuple(a for a in prog if a.kind is not ActionKind.ALLREDUCE)  # a schedule for other replicas
         final = {a.stage: i for i, a in enumerate(prog) if a.kind is last} if data_parallel > 1 else {}
+        if not overlap:
+            final = {stage: len(prog) - 1 for stage in sorted(final, reverse=True)}
         out = list(prog)
         for stage, i in sorted(final.items(), key=lambda item: -item[1]):  # from the end: indices stay valid
             at = i + 1

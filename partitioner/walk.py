@@ -57,12 +57,14 @@ class Walk:
         program reaches them (after the compute before them): a transfer starts when both
         ends are posted and takes ``duration`` of its SEND (the link time), overlapping
         compute on both ranks; data handed over within a rank costs nothing. Transfers
-        do not contend for links.
+        do not contend for links. An ALLREDUCE starts when the rank's program reaches it
+        and its previous all-reduce has ended, and runs beside its later compute.
         """
         n = len(self.actions)
         start = [0.0] * n
         end = [0.0] * n
         clock = [0.0] * self.schedule.num_ranks
+        reducing = [0.0] * self.schedule.num_ranks  # when each rank's last all-reduce ends
         done = [False] * n
         for i in self.sequence:
             if done[i]:
@@ -77,8 +79,10 @@ class Walk:
                 start[i] = t
                 end[i] = clock[r] = t + duration(a)
             elif a.kind is ActionKind.ALLREDUCE:  # posted, it runs beside the rank's later compute
-                start[i] = clock[r]
-                end[i] = clock[r] + duration(a)
+                # ... but after the rank's earlier all-reduces: they share its data-parallel group,
+                # whose collectives run one after another (NCCL and gloo alike)
+                start[i] = max(clock[r], reducing[r])
+                end[i] = reducing[r] = start[i] + duration(a)
             else:
                 j = self.mate[i]
                 send, recv = (i, j) if a.is_send else (j, i)
