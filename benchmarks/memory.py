@@ -27,6 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks._markdown import write_section  # noqa: E402
+
 CASES = [
     ("gpt:layers=4,d_model=128,heads=4,seq_len=64,vocab=512,batch=8", 2),
     ("bert:layers=4,d_model=128,heads=4,seq_len=64,vocab=512,batch=8", 2),
@@ -95,17 +97,9 @@ def main(argv: list[str] | None = None) -> None:
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(rows, indent=1) + "\n")
     if a.write:
-        body = (f"{SECTION}\n\n`.venv/bin/python benchmarks/memory.py --write docs/benchmarks.md` (written by the "
-                f"script; raw rows in `benchmarks/results/memory.json`).\n{__doc__.split(chr(10), 2)[2].strip()}\n\n"
-                f"{text}\n{summary}\n")
-        doc = a.write.read_text()
-        if SECTION in doc:
-            start = doc.index(SECTION)
-            end = doc.find("\n## ", start + len(SECTION))
-            doc = doc[:start] + body + (doc[end:] if end >= 0 else "")
-        else:
-            doc = doc.rstrip() + "\n\n" + body
-        a.write.write_text(doc)
+        write_section(a.write, SECTION, f"`.venv/bin/python benchmarks/memory.py --write docs/benchmarks.md` (written "
+                      f"by the script; raw rows in `benchmarks/results/memory.json`).\n"
+                      f"{__doc__.split(chr(10), 2)[2].strip()}\n\n{text}\n{summary}")
 
 
 if __name__ == "__main__":

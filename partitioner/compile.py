@@ -284,7 +284,7 @@ def plan_from_graph(
     if model_info is None:
         model_info = _model_info_from_graph(graph, microbatches, training, name)
     return Plan(model=model_info, graph=graph, partition=part, schedule=sched,
-                simulated=simulate_partition(sched, part, dp_link), placement=placement, dp_link=dp_link)
+                simulated=simulate_partition(sched, part, dp_link, graph), placement=placement, dp_link=dp_link)
 
 
 def _layout(cluster: Cluster | None, stages: int, replicas: int, placement: str) -> tuple[Cluster | None, Link | None]:

@@ -11,6 +11,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from partitioner.buckets import BUCKET_BYTES, gradient_buckets
 from partitioner.cluster import Cluster, Link
 from partitioner.cost import Partition, evaluate
 from partitioner.errors import InvalidAssignmentError, PlanError
@@ -276,7 +277,7 @@ class Plan:
                                 + (", on another cluster" if cluster is not None else "")])
         sched = schedule_for(kind, part, m, ranks, self.data_parallel)
         return replace(self, graph=graph, partition=part, schedule=sched,
-                       simulated=simulate_partition(sched, part, self.dp_link))
+                       simulated=simulate_partition(sched, part, self.dp_link, graph))
 
     # ---------------------------------------------------------------- (de)serialisation
 
@@ -422,14 +423,30 @@ def schedule_for(kind: ScheduleKind | str, part: Partition, microbatches: int, r
     return make_schedule(kind, graph, microbatches, num_ranks=ranks, data_parallel=data_parallel)
 
 
-def simulate_partition(schedule: Schedule, part: Partition, dp_link: Link | None = None) -> SimResult:
+def simulate_partition(schedule: Schedule, part: Partition, dp_link: Link | None = None,
+                       graph: OpGraph | None = None) -> SimResult:
     """The schedule timed with the partition's stage and transfer costs, and each stage's gradient
-    all-reduce (its held parameters' bytes, a ring over its replicas on ``dp_link``)."""
+    all-reduce (its held parameters' bytes, a ring over its replicas on ``dp_link``), whose last
+    bucket (:mod:`partitioner.buckets`, filled in backward order: the ops' parameters from
+    ``graph``, else one bucket's worth) is what remains after an overlapped backward."""
     costs = stage_costs_from(part.stages, part.transfers, act_bytes=[s.activations for s in part.stages])
     if schedule.data_parallel > 1:
         link = dp_link or Link()
-        costs.allreduce = [link.allreduce_seconds(s.params, schedule.data_parallel) for s in part.stages]
+        n = schedule.data_parallel
+        costs.allreduce = [link.allreduce_seconds(s.params, n) for s in part.stages]
+        costs.allreduce_tail = [link.allreduce_seconds(_last_bucket(s, graph), n) for s in part.stages]
     return simulate(schedule, costs)
+
+
+def _last_bucket(stage: Any, graph: OpGraph | None) -> float:
+    """Bytes of the last gradient bucket of a stage: its first ops' parameters, the last made final."""
+    if graph is None:
+        return min(float(stage.params), BUCKET_BYTES)
+    sizes = [float(graph[v].get("params", 0)) for v in reversed(stage.ops)]
+    sizes = [x for x in sizes if x > 0]
+    if not sizes:
+        return 0.0
+    return sum(sizes[i] for i in gradient_buckets(sizes)[-1])
 
 
 def _json_default(value: Any) -> Any:

@@ -355,8 +355,10 @@ def with_allreduce(schedule: Schedule, data_parallel: int, *, overlap: bool = Tr
     last B, or W when the backward is split), so its ALLREDUCE goes right after that
     action and the transfers posted with it: the all-reduce then overlaps the rest of the
     rank's program (the other stages' cool-down), rather than waiting for the step to end.
-    ``overlap=False`` puts them all at the end of each rank's program instead, as a data
-    parallel wrapper around a whole pipeline step does (the baseline of benchmarks/data_parallel.py).
+    There, its buckets are launched while the final B makes them final (``Walk.overlapped``).
+    ``overlap=False`` puts them all at the end of each rank's program instead, each after
+    the backward is done (``meta["overlap_backward"]`` False), as DeepSpeed's pipeline
+    engine does (the baseline of benchmarks/data_parallel.py).
     """
     last = ActionKind.W if schedule.split_backward else ActionKind.B
     programs = []
@@ -373,5 +375,8 @@ def with_allreduce(schedule: Schedule, data_parallel: int, *, overlap: bool = Tr
             out.insert(at, Action(ActionKind.ALLREDUCE, stage, 0))
         programs.append(tuple(out))
     # not validated here: whoever runs or prices it does (a broken input is refused there, named)
+    meta = {k: v for k, v in schedule.meta.items() if k != "overlap_backward"}
+    if not overlap:
+        meta["overlap_backward"] = False
     return Schedule(schedule.name, schedule.graph, schedule.num_microbatches, schedule.stage_to_rank,
-                    tuple(programs), schedule.split_backward, dict(schedule.meta), data_parallel=data_parallel)
+                    tuple(programs), schedule.split_backward, meta, data_parallel=data_parallel)

@@ -1,14 +1,20 @@
 """The data-parallel x pipeline shape search: every (replicas, stages, microbatches, schedule) on N devices.
 
 A shape is D replicas of a P-rank pipeline with D x P = N, each replica's share of the
-global batch B split into m microbatches, run under one schedule. Each shape's partition is
-solved as any plan is (proven where the solver can), and the shapes are compared by
-simulated step time, which, the global batch being the same for all, orders them by
-samples per second too. The choice is exact over the enumerated grid: a shape is skipped
-only when a lower bound on its step time (the busiest rank does at least its share of the
-work) is no better than a step time already found. Piper (Tarnawski et al., NeurIPS 2021)
-and Alpa's inter-operator pass (Zheng et al., OSDI 2022) choose such shapes;
-torch.distributed.pipelining and DeepSpeed leave them to the user.
+global batch B split into m microbatches, run under one schedule. The shapes are compared
+by simulated step time, which, the global batch being the same for all, orders them by
+samples per second too. Two phases keep 64 devices under a minute: every shape is first
+screened with the exact bottleneck DP (``method="dp"``, ``objective="bottleneck"``: about a
+second each where CP-SAT and the step-time refinement take tens), then the finalists
+(screened within ``FINALIST_SLACK`` of the fastest, at most ``MAX_FINALISTS``) are solved
+as :func:`partitioner.compile.plan` would (default method and objective; the refinement
+rarely moves a step by more than a percent). A ``method`` or ``objective`` given by the
+caller is used for every shape instead, in one phase. The screen is exact over the
+enumerated grid: a shape is skipped only when a lower bound on its step time (the busiest
+rank does at least its share of the work) is no better than a step time already found.
+Piper (Tarnawski et al., NeurIPS 2021) and Alpa's inter-operator pass (Zheng et al.,
+OSDI 2022) choose such shapes; torch.distributed.pipelining and DeepSpeed leave them to
+the user.
 
 The graph is profiled once, on the sample batch as one microbatch; a shape's microbatch
 of u samples is that graph scaled by u / (sample batch) (:meth:`OpGraph.scaled`): exact for
@@ -29,6 +35,11 @@ from partitioner.ir import ScheduleKind, ScheduleError
 from partitioner.plan import ModelInfo, Plan
 
 __all__ = ["Shape", "Candidate", "ShapeSearch", "search_shapes", "shapes_for"]
+
+#: Screened shapes within this fraction of the fastest screened step are solved again in full ...
+FINALIST_SLACK = 0.03
+#: ... at most this many of them (the fastest).
+MAX_FINALISTS = 3
 
 
 @dataclass(frozen=True, order=True)
@@ -58,6 +69,7 @@ class Candidate:
     lower_bound: float = 0.0  # seconds: no plan of this shape is faster
     reason: str = ""
     needs: float | None = None  # bytes: the least a plan of this shape needs, when none fits
+    final: bool = False  # solved with the full method and objective (a finalist), not only screened
 
     @property
     def fits(self) -> bool:
@@ -98,6 +110,7 @@ class Candidate:
                 "samples_per_second": self.samples_per_second if p is not None else None,
                 "bubble": p.bubble if p is not None else None, "memory_bytes": self.memory,
                 "proven": self.proven, "recompute": self.recompute, "lower_bound": self.lower_bound,
+                "final": self.final,
                 "reason": self.reason or None}
 
 
@@ -199,31 +212,50 @@ def search_shapes(
     candidates = [Candidate(shape, global_batch, lower_bound=_step_lower_bound(
         shape, work, speed, global_batch / (shape.data_parallel * shape.microbatches) / profiled_batch))
         for shape in shapes]
-    best = math.inf
+    # Screen every shape with the fast exact-bottleneck DP, then solve the finalists as plan() would.
+    full = dict(options or {})
+    two_phase = "method" not in full and "objective" not in full
+    screen = {**full, "method": "dp", "objective": "bottleneck"} if two_phase else full
     scaled: dict[float, OpGraph] = {}
+
+    def solve(cand: Candidate, opts: Mapping[str, Any], where: str | None = placement) -> None:
+        shape = cand.shape
+        factor = global_batch // (shape.data_parallel * shape.microbatches) / profiled_batch
+        g = scaled.get(factor)
+        if g is None:
+            g = scaled[factor] = graph if factor == 1 else graph.scaled(factor)
+        info = replace(model_info, batch_size=global_batch // shape.data_parallel) if model_info else None
+        try:
+            cand.plan = solve_plan(
+                g, stages=shape.stages, microbatches=shape.microbatches, schedule=shape.schedule, cluster=cluster,
+                data_parallel=shape.data_parallel, model_info=info,
+                placement=where if shape.data_parallel > 1 and shape.stages > 1 else "cluster",
+                virtual_stages=virtual_stages, **opts)
+        except (PlanningError, ScheduleError) as err:
+            cand.reason = " ".join(str(err).split())
+            cand.needs = getattr(err, "works", None) or getattr(err, "needed", None)
+
+    best = math.inf
     for done, cand in enumerate(sorted(candidates, key=lambda c: (c.lower_bound, c.shape)), 1):
         if cand.lower_bound >= best:
             cand.reason = f"pruned: its lower bound {cand.lower_bound:.4g} s is no better than {best:.4g} s"
         else:
-            shape = cand.shape
-            micro = global_batch // (shape.data_parallel * shape.microbatches)
-            factor = micro / profiled_batch
-            g = scaled.get(factor)
-            if g is None:
-                g = scaled[factor] = graph if factor == 1 else graph.scaled(factor)
-            info = replace(model_info, batch_size=global_batch // shape.data_parallel) if model_info else None
-            try:
-                cand.plan = solve_plan(
-                    g, stages=shape.stages, microbatches=shape.microbatches, schedule=shape.schedule,
-                    cluster=cluster, data_parallel=shape.data_parallel, model_info=info,
-                    placement=placement if shape.data_parallel > 1 and shape.stages > 1 else "cluster",
-                    virtual_stages=virtual_stages, **dict(options or {}))
-                best = min(best, cand.plan.step_time)
-            except (PlanningError, ScheduleError) as err:
-                cand.reason = " ".join(str(err).split())
-                cand.needs = getattr(err, "works", None) or getattr(err, "needed", None)
+            solve(cand, screen)
+            best = min(best, cand.step_time)
         if progress is not None:
-            progress(done, len(candidates))
+            progress(done, len(candidates) + (MAX_FINALISTS if two_phase else 0))
+    if two_phase:
+        solved = sorted((c for c in candidates if c.plan is not None), key=lambda c: c.step_time)
+        finalists = [c for c in solved if c.step_time <= solved[0].step_time * (1 + FINALIST_SLACK)][:MAX_FINALISTS]
+        for i, cand in enumerate(finalists, 1):
+            screened = cand.plan
+            assert screened is not None
+            solve(cand, full, screened.placement)  # the placement the screen chose
+            if cand.plan is None:  # the full solve refused what the screen found: keep the screened plan
+                cand.plan = screened
+            cand.final = True
+            if progress is not None:
+                progress(len(candidates) + i, len(candidates) + len(finalists))
     candidates.sort(key=lambda c: (c.plan is None, c.step_time, c.shape.stages, c.memory or 0.0, c.shape))
     head = candidates[0].plan if candidates else None
     if head is not None:

@@ -26,7 +26,9 @@ class StageCosts:
     free communication, a non-empty one must cover every cross-rank edge.
     ``act_bytes[s]`` is the activation memory stage s keeps per microbatch in
     flight (optional). ``allreduce[s]`` is the time of stage s's gradient all-reduce over
-    its data-parallel replicas (a schedule with ALLREDUCE actions). ``recompute[s]``: seconds
+    its data-parallel replicas (a schedule with ALLREDUCE actions), ``allreduce_tail[s]``
+    that of its last bucket (what is left once an overlapped backward ends; default: all
+    of it). ``recompute[s]``: seconds
     of forward that stage s runs again at the start of each B (activation recomputation),
     added to B's duration; ``recompute_bytes[s]``: the activations that recomputation
     re-creates, held from the start of B until the microbatch's backward ends (its W when split).
@@ -38,6 +40,7 @@ class StageCosts:
     comm: Mapping[EdgeKey, float] = field(default_factory=dict)
     act_bytes: Sequence[float] | None = None
     allreduce: Sequence[float] | None = None
+    allreduce_tail: Sequence[float] | None = None
     recompute: Sequence[float] | None = None
     recompute_bytes: Sequence[float] | None = None
 
@@ -47,11 +50,13 @@ class StageCosts:
             self.bwd_w = [0.0] * n
         if self.allreduce is None:
             self.allreduce = [0.0] * n
+        if self.allreduce_tail is None:
+            self.allreduce_tail = list(self.allreduce)
         if self.recompute is None:
             self.recompute = [0.0] * n
         if self.recompute_bytes is None:
             self.recompute_bytes = [0.0] * n
-        for name in ("bwd", "bwd_w", "act_bytes", "allreduce", "recompute", "recompute_bytes"):
+        for name in ("bwd", "bwd_w", "act_bytes", "allreduce", "allreduce_tail", "recompute", "recompute_bytes"):
             v = getattr(self, name)
             if v is not None and len(v) != n:
                 raise ValueError(f"StageCosts.{name} has {len(v)} entries, fwd has {n}")
@@ -229,7 +234,9 @@ def simulate(schedule: Schedule, costs: StageCosts, *, timeline: bool = True, la
             a, b, t = sorted(missing)[0]
             raise KeyError(f"StageCosts.comm has no time for cut edge {a}->{b} t={t} "
                            f"({len(missing)} cross-rank edges missing)")
-    start, end = w.times(_durations(schedule, costs))
+    tails = costs.allreduce_tail
+    assert tails is not None
+    start, end = w.times(_durations(schedule, costs), lambda a: float(tails[a.stage]))
     step = max(end) if end else 0.0
     R = schedule.num_ranks
     busy = [0.0] * R

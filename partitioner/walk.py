@@ -16,6 +16,8 @@ asynchronous posts (see :meth:`Walk.times`).
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,11 +46,32 @@ class Walk:
     mate: list[int]
     sequence: list[int]
 
+    @functools.cached_property
+    def overlapped(self) -> dict[int, int]:
+        """ALLREDUCE -> the B it overlaps: the stage's final backward right before it in the rank's program
+        (only transfers between). Its gradient buckets are launched as the backward makes them final,
+        so the all-reduce runs during that B; a split backward's W accumulates its gradients at its end,
+        an all-reduce placed later waits for its place in the program, and a schedule made with
+        ``meta["overlap_backward"]`` False (:func:`~partitioner.schedule.with_allreduce`) overlaps none."""
+        out: dict[int, int] = {}
+        if self.schedule.split_backward or not self.schedule.meta.get("overlap_backward", True):
+            return out
+        for i, a in enumerate(self.actions):
+            if a.kind is not ActionKind.ALLREDUCE:
+                continue
+            j = self.after[i]
+            while j >= 0 and self.actions[j].is_transfer:
+                j = self.after[j]
+            if j >= 0 and self.actions[j].kind is ActionKind.B and self.actions[j].stage == a.stage:
+                out[i] = j
+        return out
+
     def rank_actions(self, r: int) -> list[int]:
         """Ids of rank ``r``'s actions, in program order."""
         return [i for i in range(len(self.actions)) if self.rank[i] == r]
 
-    def times(self, duration: Callable[[Action], float]) -> tuple[list[float], list[float]]:
+    def times(self, duration: Callable[[Action], float],
+              tail: Callable[[Action], float] | None = None) -> tuple[list[float], list[float]]:
         """Start and end of every action when ``duration(action)`` is its cost.
 
         A rank's program runs in order. A compute action starts when the rank has
@@ -58,7 +81,9 @@ class Walk:
         ends are posted and takes ``duration`` of its SEND (the link time), overlapping
         compute on both ranks; data handed over within a rank costs nothing. Transfers
         do not contend for links. An ALLREDUCE starts when the rank's program reaches it
-        and its previous all-reduce has ended, and runs beside its later compute.
+        and its previous all-reduce has ended, and runs beside its later compute; one that
+        overlaps its backward (:attr:`overlapped`) may start with that B, but ends no earlier
+        than ``tail(action)`` (its last bucket) after the B.
         """
         n = len(self.actions)
         start = [0.0] * n
@@ -81,8 +106,14 @@ class Walk:
             elif a.kind is ActionKind.ALLREDUCE:  # posted, it runs beside the rank's later compute
                 # ... but after the rank's earlier all-reduces: they share its data-parallel group,
                 # whose collectives run one after another (NCCL and gloo alike)
-                start[i] = max(clock[r], reducing[r])
-                end[i] = reducing[r] = start[i] + duration(a)
+                during = self.overlapped.get(i) if tail is not None else None
+                if during is None:
+                    start[i] = max(clock[r], reducing[r])
+                    end[i] = reducing[r] = start[i] + duration(a)
+                else:
+                    assert tail is not None
+                    start[i] = max(start[during], reducing[r])
+                    end[i] = reducing[r] = max(start[i] + duration(a), end[during] + tail(a))
             else:
                 j = self.mate[i]
                 send, recv = (i, j) if a.is_send else (j, i)

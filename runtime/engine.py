@@ -11,6 +11,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from partitioner.buckets import gradient_buckets
 from partitioner.ir import Action, ActionKind, Schedule, ScheduleError
 from partitioner.microbatch import split_microbatches
 from partitioner.timeline import Timeline, TimelineEvent
@@ -217,9 +218,11 @@ class Engine:
     multi-rank run over torch.distributed.
 
     With data-parallel replicas (``dp_group`` of ``dp_size`` ranks, the same pipeline rank
-    of every replica) each stage's ALLREDUCE action averages its gradients over them, in
-    buckets launched as the action comes and waited for at the end of the step, and the
-    step's loss is the mean over the replicas.
+    of every replica) each stage's gradients are averaged over them in buckets
+    (:mod:`partitioner.buckets`, in backward order), waited for at the end of the step; a
+    bucket is launched as soon as the stage's final backward has made all of its gradients
+    final (when the schedule's walk says its ALLREDUCE overlaps that B: ``Walk.overlapped``),
+    else at the ALLREDUCE action. The step's loss is the mean over the replicas.
     """
 
     def __init__(self, program: Program, ownership: Ownership, *, rank: int = 0, comm: Comm | None = None,
@@ -253,11 +256,18 @@ class Engine:
             raise RuntimeConfigError(str(err)) from None
         self.out_rank = self.s2r[self.split.output_stage]
         self.reduced_by = self._reducing_stages()
+        self.buckets = {s: [[ps[i] for i in group] for group in gradient_buckets(
+            [p.numel() * p.element_size() for p in ps], [p.dtype for p in ps])]
+            for s, ps in ((s, ps[::-1]) for s, ps in self.reduced_by.items())}  # later layers' gradients first
+        w = walk(sch)
+        self.overlapped = {w.actions[b].stage: w.actions[b].mb for b in w.overlapped.values()
+                           if w.rank[b] == rank and w.actions[b].stage in self.buckets}
         self._meta_cache: dict[Any, _StepMeta] = {}
         self._traced_key = _shape_key(example_flat)
         self.events: list[TimelineEvent] = []
         self.executed: dict[int, list[Action]] = {}
         self.stash_peak: dict[int, int] = {}  # rank -> peak stashed activation bytes of the last step
+        self.bucket_launches: list[tuple[int, int, str]] = []  # (stage, bucket, during which action), last step
         self.step_start = 0.0
         self.step_end = 0.0
 
@@ -331,6 +341,7 @@ class Engine:
         schedule = self.schedule if training else self.schedule.forward()
         self.events = []
         self.executed = {}
+        self.bucket_launches = []
         self.step_start = time.perf_counter()
         if self.single:
             loss, outputs = self._run_single(schedule, meta, micro_flat, targets, loss_fn, training)
@@ -462,6 +473,7 @@ class _RankState:
         self.recv_b: dict[tuple[EdgeKey, int], Pending] = {}
         self.sends: list[Pending] = []
         self.reductions: list[tuple[Pending, list[torch.Tensor], list[torch.Tensor]]] = []
+        self.launched: dict[int, int] = {}  # stage -> how many of its gradient buckets are on their way
         self.stash: dict[tuple[int, int], _Stash] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.outputs: list[Any] = []
@@ -513,28 +525,42 @@ class _RankState:
         self.outputs = [self._outputs[k] for k in sorted(self._outputs)]
         self.eng.stash_peak[self.rank] = self.meter.peak
 
-    #: Gradient bytes per all-reduce bucket (DistributedDataParallel's default).
-    BUCKET_BYTES = 25 << 20
-
     def _all_reduce(self, stage: int) -> None:
-        """Launch the sum of this stage's final gradients over the replicas, in buckets; averaged in ``finish``."""
-        params = self.eng.reduced_by.get(stage, [])
-        for p in params:
+        """Launch the sum of this stage's final gradients over the replicas: the buckets not on their way yet."""
+        for p in self.eng.reduced_by.get(stage, []):
             if p.grad is None:  # every replica must send the same buckets: a missing gradient is a zero one
                 p.grad = torch.zeros_like(p)
-        buckets: list[list[torch.Tensor]] = []
-        size = 0
-        for p in params:
-            g = p.grad
-            if not buckets or size + g.numel() * g.element_size() > self.BUCKET_BYTES or buckets[-1][0].dtype != g.dtype:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(g)
-            size += g.numel() * g.element_size()
-        for grads in buckets:
+        self._launch(stage, len(self.eng.buckets.get(stage, [])))
+
+    def _launch(self, stage: int, upto: int) -> None:
+        """Launch the stage's buckets in order, up to (not including) bucket ``upto``; averaged in ``finish``."""
+        buckets = self.eng.buckets[stage]
+        while self.launched.get(stage, 0) < upto:
+            k = self.launched.get(stage, 0)
+            grads = [p.grad for p in buckets[k]]
             flat = torch._utils._flatten_dense_tensors(grads)
             pend = self.comm.all_reduce(flat, self.eng.dp_group, f"the gradient all-reduce of stage {stage}")
             self.reductions.append((pend, flat, grads))
+            self.launched[stage] = k + 1
+            self.eng.bucket_launches.append((stage, k, self.current))
+
+    def _reducing_backward(self, stage: int) -> list[Any]:
+        """Hooks that launch each bucket of ``stage`` once the running backward has made its gradients final.
+
+        Buckets go in their fixed order (every replica launches the same ones in the same
+        order, as DistributedDataParallel's reducer does): a bucket waits for the earlier ones.
+        """
+        buckets = self.eng.buckets[stage]
+        ready: set[int] = set()
+
+        def on_grad(p: torch.Tensor) -> None:
+            ready.add(id(p))
+            upto = self.launched.get(stage, 0)
+            while upto < len(buckets) and all(id(q) in ready for q in buckets[upto]):
+                upto += 1
+            self._launch(stage, upto)
+
+        return [p.register_post_accumulate_grad_hook(on_grad) for bucket in buckets for p in bucket]
 
     # -------------------------------------------------------------- transfers
 
@@ -680,8 +706,13 @@ class _RankState:
             gmap = {id(x): g for x, g in zip(leaves, got)}
             stash.roots, stash.root_grads = roots, grads
         else:
-            if roots:
-                torch.autograd.backward(roots, grads)
+            hooks = self._reducing_backward(s) if self.eng.overlapped.get(s) == mb else []
+            try:
+                if roots:
+                    torch.autograd.backward(roots, grads)
+            finally:
+                for h in hooks:
+                    h.remove()
             gmap = {id(x): x.grad for x in leaves}
         self._event("B", s, mb, t0)
         for key in self.eng.in_edges[s]:

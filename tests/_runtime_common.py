@@ -325,8 +325,31 @@ def data_parallel_worker(rank: int, world: int, *, spec: str, stages: int, sched
             res["grads"] = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
             res["plan_dp"] = pipe.plan.data_parallel
             res["actions"] = [str(a) for a in pipe._engine.schedule.actions[pipe.pp_rank]]
+            res["launches"] = list(pipe._engine.bucket_launches)
         opt = opt or make_optimizer(pipe.parameters())
         opt.step()
         opt.zero_grad()
     res["params"] = {n: p.detach().clone() for n, p in pipe.named_parameters()}
     torch.save(res, Path(out) / f"dp-{rank}.pt")
+
+
+def check_data_parallel(ranks: list[dict], spec: str, replicas: int, microbatches: int = 2) -> None:
+    """Every rank's gradients and losses equal the unpartitioned model's on the global batch, replicas agree."""
+    # the reference: the unpartitioned model on the whole global batch, as replicas x microbatches pieces
+    check_against_reference(ranks, reference_run(spec, replicas * microbatches, 2), f"{spec} {replicas} replicas")
+    by_place: dict[int, list[dict]] = {}
+    for res in ranks:
+        assert res["dp_size"] == replicas and res["plan_dp"] == replicas
+        by_place.setdefault(res["pp_rank"], []).append(res)
+    for pp, same in by_place.items():  # every replica holds the same parameters after the steps
+        assert sorted(r["dp_rank"] for r in same) == list(range(replicas))
+        for other in same[1:]:
+            for n, p in other["params"].items():
+                assert torch.equal(p, same[0]["params"][n]), (pp, n)
+        assert sum(a.startswith("AR") for a in same[0]["actions"]) == len(
+            {a.split(".")[0][1:] for a in same[0]["actions"] if a[0] in "BW"})  # an all-reduce per stage
+        for res in same:  # each bucket goes out during its stage's final backward, or (split: W) at its AR
+            for stage, _, during in res["launches"]:
+                final = [a for a in res["actions"] if a.split(".")[0] in (f"B{stage}", f"W{stage}")][-1]
+                assert during in (final, f"AR{stage}"), (stage, during)
+                assert during == (f"AR{stage}" if final.startswith("W") else final), (stage, during)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from partitioner.buckets import gradient_buckets
 from partitioner.cluster import Link
 from partitioner.ir import ActionKind
 from partitioner.schedule import make_schedule, with_allreduce
 from partitioner.simulate import StageCosts, simulate
-from partitioner.walk import validate
+from partitioner.walk import validate, walk
 
 KINDS = ["gpipe", "1f1b", "interleaved", "zb-h1"]
 
@@ -78,3 +79,25 @@ def test_overlapping_the_all_reduce_never_costs_and_hides_it_when_a_rank_holds_t
     if kind == "interleaved":
         assert early.step_time < late.step_time
     assert {e.kind for e in early.timeline.events} >= {"AR"}
+
+
+def test_gradient_buckets_close_at_the_limit_and_at_a_dtype_change() -> None:
+    mib = 1 << 20
+    assert gradient_buckets([10 * mib, 10 * mib, 10 * mib, 40 * mib, 1 * mib]) == [[0, 1], [2], [3], [4]]
+    assert gradient_buckets([1, 1, 1], kinds=["f32", "bf16", "bf16"]) == [[0], [1, 2]]
+    assert gradient_buckets([]) == []
+
+
+def test_the_last_stage_reduces_during_its_final_backward_and_only_its_last_bucket_waits() -> None:
+    # 1F1B, 2 ranks, 2 microbatches, F = 1, B = 2, free links. Rank 1: F0 0-1... B1 5-7; rank 0: B1 7-9.
+    base = make_schedule("1f1b", 2, 2)
+    costs = StageCosts(fwd=[1.0, 1.0], bwd=[2.0, 2.0], allreduce=[3.0, 3.0], allreduce_tail=[1.0, 1.0])
+    assert simulate(base, StageCosts(fwd=[1.0, 1.0], bwd=[2.0, 2.0])).step_time == pytest.approx(9.0)
+    early = with_allreduce(base, 2)
+    # rank 1 reduces from 5 (its final B starts) to max(5 + 3, 7 + 1) = 8; rank 0 from 7 to max(10, 9 + 1) = 10
+    assert simulate(early, costs).step_time == pytest.approx(10.0)
+    assert len(walk(early).overlapped) == 2
+    late = with_allreduce(base, 2, overlap=False)  # after each backward: rank 0 from 9 to 12
+    assert walk(late).overlapped == {}
+    assert simulate(late, costs).step_time == pytest.approx(12.0)
+    assert walk(with_allreduce(make_schedule("zb-h1", 2, 2), 2)).overlapped == {}  # W accumulates at its end

@@ -9,7 +9,7 @@ import torch
 
 from runtime.launch import launch
 
-from _runtime_common import check_against_reference, make_plan, reference_run
+from _runtime_common import check_data_parallel, make_plan
 
 HERE = Path(__file__).resolve().parent
 WORKER = f"{HERE / '_runtime_common.py'}:data_parallel_worker"
@@ -25,34 +25,18 @@ def _run(world: int, stages: int, schedule: str, tmp_path: Path, spec: str, **kw
     return [torch.load(tmp_path / f"dp-{r}.pt", weights_only=False) for r in range(world)]
 
 
-def _check(ranks: list[dict], spec: str, replicas: int, microbatches: int = 2) -> None:
-    # the reference: the unpartitioned model on the whole global batch, as replicas x microbatches pieces
-    check_against_reference(ranks, reference_run(spec, replicas * microbatches, 2), f"{spec} {replicas} replicas")
-    by_place: dict[int, list[dict]] = {}
-    for res in ranks:
-        assert res["dp_size"] == replicas and res["plan_dp"] == replicas
-        by_place.setdefault(res["pp_rank"], []).append(res)
-    for pp, same in by_place.items():  # every replica holds the same parameters after the steps
-        assert sorted(r["dp_rank"] for r in same) == list(range(replicas))
-        for other in same[1:]:
-            for n, p in other["params"].items():
-                assert torch.equal(p, same[0]["params"][n]), (pp, n)
-        assert sum(a.startswith("AR") for a in same[0]["actions"]) == len(
-            {a.split(".")[0][1:] for a in same[0]["actions"] if a[0] in "BW"})  # an all-reduce per stage
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1"])
 def test_two_replicas_of_two_stages(schedule: str, tmp_path: Path) -> None:
     spec = "gpt:size=tiny,batch=8"  # a tied embedding and LM head, on the two stages
-    _check(_run(4, 2, schedule, tmp_path, spec), spec, 2)
+    check_data_parallel(_run(4, 2, schedule, tmp_path, spec), spec, 2)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("placement", ["cluster", "spread"])
 def test_three_replicas_of_two_stages(placement: str, tmp_path: Path) -> None:
     spec = "gpt:size=tiny,batch=12"
-    _check(_run(6, 2, "1f1b", tmp_path, spec, placement=placement), spec, 3)
+    check_data_parallel(_run(6, 2, "1f1b", tmp_path, spec, placement=placement), spec, 3)
 
 
 @pytest.mark.slow

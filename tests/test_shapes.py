@@ -143,3 +143,22 @@ def test_smp_plan_devices_mistakes_are_named() -> None:
         smp.plan_shapes(model, (x,), devices=2)
     with pytest.raises(PlanError, match="drop data_parallel="):
         smp.plan(model, (x,), devices=4, data_parallel=2, cluster="h100-sxm")
+
+
+def test_without_a_method_shapes_are_screened_by_the_dp_and_finalists_solved_in_full() -> None:
+    graph = synthetic.transformer(4, d_model=512, tokens=256, seed=3)
+    cluster = _cluster(4)
+    search = search_shapes(graph, devices=4, global_batch=8, profiled_batch=1, cluster=cluster,
+                           solve_plan=plan_from_graph)
+    finalists = [c for c in search.candidates if c.final]
+    assert finalists and search.candidates[0].final
+    for c in search.candidates:
+        if c.plan is not None and not c.final:
+            assert c.plan.partition.method.startswith("dp")  # screened only
+    best = search.candidates[0].shape
+    micro = 8 // (best.data_parallel * best.microbatches)
+    again = plan_from_graph(graph.scaled(micro) if micro != 1 else graph, stages=best.stages,
+                            microbatches=best.microbatches, schedule=best.schedule, cluster=cluster,
+                            data_parallel=best.data_parallel,
+                            placement=search.best.placement)
+    assert search.best.step_time == pytest.approx(again.step_time, rel=1e-9)

@@ -1,0 +1,124 @@
+"""The shape the planner picks (replicas x stages x microbatches) against the usual rules, on H100 clusters.
+
+Run:  .venv/bin/python benchmarks/shapes.py [--write docs/benchmarks.md]
+
+Each model is a zoo GPT at real size built on the meta device and profiled analytically
+on the ``h100-sxm`` profile in bf16 (8 GPUs per node on NVLink, nodes on InfiniBand; fp32
+master weights and Adam state counted by the plan's state factor), once, at one sequence
+per sample; every search scales that graph. For N = 8, 16 and 64 GPUs and a global batch of
+256 sequences of 2048 tokens, ``smp.plan_shapes`` weighs every D x P = N and microbatch
+count and keeps the fastest simulated step that fits in 80 GB. It is set against the best
+plan (over the same microbatch counts) of three rules people use: pure data parallelism
+(P = 1; often it does not fit), pure pipeline (P = N) and "pipeline within a node"
+(P = 8, D = N / 8). Ratios are predicted samples per second, chosen over the rule (above 1:
+the planner's shape is faster). The planning time is the profile plus the search for N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks._markdown import write_section  # noqa: E402
+
+MODELS = {
+    "GPT 1.3B": "gpt:layers=24,d_model=2048,heads=16,vocab=50304,seq_len=2048",
+    "GPT 6.7B": "gpt:layers=32,d_model=4096,heads=32,vocab=50304,seq_len=2048",
+    "GPT 13B": "gpt:layers=40,d_model=5120,heads=40,vocab=50304,seq_len=2048",
+}
+DEVICES = (8, 16, 64)
+GLOBAL_BATCH = 256
+NODE = 8  # GPUs per node in the h100-sxm profile
+SECTION = "## Choosing replicas x stages x microbatches on H100 clusters"
+
+
+def run(name: str, spec: str) -> list[dict[str, Any]]:
+    from partitioner.compile import _profile, _resolve_cluster, plan_from_graph
+    from partitioner.shapes import search_shapes
+    from smp.models import build
+
+    built = build(spec + ",batch=1", seed=0, meta=True)
+    t0 = time.perf_counter()
+    graph, info = _profile(built.model, built.example_args, None, microbatches=1, device_profile="h100-sxm",
+                           dtype="bf16")
+    profile_s = time.perf_counter() - t0
+    rows = []
+    for n in DEVICES:
+        cluster = _resolve_cluster("h100-sxm", n)
+
+        def search(stages: int | None = None):
+            return search_shapes(graph, devices=n, global_batch=GLOBAL_BATCH, profiled_batch=1, cluster=cluster,
+                                 solve_plan=plan_from_graph, stages=stages, model_info=info)
+
+        t0 = time.perf_counter()
+        chosen = search()
+        search_s = time.perf_counter() - t0
+        rules = {"data parallel": search(1), "pipeline": search(n), "pipeline in a node": search(min(NODE, n))}
+        best = chosen.candidates[0]
+        row: dict[str, Any] = {
+            "model": name, "spec": spec, "params": info.num_params, "devices": n,
+            "chosen": {"data_parallel": best.shape.data_parallel, "stages": best.shape.stages,
+                       "microbatches": best.shape.microbatches, "placement": best.plan.placement,
+                       "samples_per_second": best.samples_per_second, "memory_bytes": best.memory,
+                       "recompute": sorted(set(best.recompute))},
+            "planning_s": profile_s + search_s, "profile_s": profile_s, "search_s": search_s,
+            "weighed": len(chosen.candidates), "pruned": sum(c.pruned for c in chosen.candidates),
+        }
+        for rule, res in rules.items():
+            top = res.candidates[0] if res.candidates else None
+            row[rule] = None if top is None or top.plan is None else {
+                "shape": f"{top.shape.data_parallel}x{top.shape.stages} m={top.shape.microbatches}",
+                "samples_per_second": top.samples_per_second}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = ("| model | GPUs | chosen D x P, m (placement) | samples/s | vs data parallel | vs pipeline (P = N) | "
+            "vs pipeline in a node (P = 8) | planning time (profile + search) |")
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c = r["chosen"]
+
+        def vs(rule: str) -> str:
+            other = r[rule]
+            if other is None:
+                return "does not fit"
+            return f"{c['samples_per_second'] / other['samples_per_second']:.2f}x ({other['shape']})"
+
+        lines.append(f"| {r['model']} | {r['devices']} | {c['data_parallel']} x {c['stages']}, m={c['microbatches']} "
+                     f"({c['placement']}) | {c['samples_per_second']:.1f} | {vs('data parallel')} | {vs('pipeline')} | "
+                     f"{vs('pipeline in a node')} | {r['planning_s']:.0f} s ({r['profile_s']:.0f} + "
+                     f"{r['search_s']:.0f}) |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python benchmarks/shapes.py", description=__doc__)
+    ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/shapes.json")
+    ap.add_argument("--write", type=Path, help="replace this benchmark's section of a markdown file")
+    a = ap.parse_args(argv)
+    rows = [row for name in a.models for row in run(name, MODELS[name])]
+    text = table(rows)
+    print(text)
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    a.json.write_text(json.dumps(rows, indent=1) + "\n")
+    if a.write is not None:
+        write_section(a.write, SECTION, f"`.venv/bin/python benchmarks/shapes.py --write docs/benchmarks.md` "
+                                        f"(written by the script; raw rows in `benchmarks/results/shapes.json`).\n"
+                                        f"{__doc__.split(chr(10), 2)[2].strip()}\n\n{text}")
+        print(f"wrote {a.write}")
+
+
+if __name__ == "__main__":
+    main()
