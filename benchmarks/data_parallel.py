@@ -1,19 +1,17 @@
-"""Two replicas of a two-rank pipeline (4 gloo ranks): the gradient all-reduce overlapped with the pipeline
-against the all-reduce after the step, measured side by side and predicted by the simulator.
+"""Two replicas of a two-rank pipeline (4 gloo ranks): the gradient all-reduce overlapped with the backward
+against the all-reduce after it, measured side by side and predicted by the simulator.
 
 Run:  .venv/bin/python benchmarks/data_parallel.py [--write docs/benchmarks.md]
 
 For each schedule, both variants run the same plan (model, split, microbatches, "cluster"
-placement) and differ only in where each stage's ALLREDUCE sits in its rank's program:
-right after the stage's last backward (smp's default) or at the end of the rank's step
-(DeepSpeed's ReduceGrads after the whole schedule; a data-parallel wrapper around a
-pipeline step). Under 1F1B a rank holds one stage whose last backward ends its program,
-so the two coincide: each rank already reduces as soon as it is done (the last stage
-while the first is in its cool-down). Under interleaved 1F1B a rank holds two model
-chunks, and the later chunk's gradients travel while the rank computes the earlier one's
-backward (Megatron's per-chunk overlap). All variants alternate in blocks of steps inside
-one launch, so the machine's noise falls on all. The simulator prices them on the gloo
-link measured at the start of the run.
+placement) and differ only in when each stage's gradient buckets leave. Overlapped (smp's
+default): each bucket as soon as the stage's final backward has made it final, and the
+stage's all-reduce right after that backward. After: every all-reduce at the end of the
+rank's program, once the backward is done (DeepSpeed's ReduceGrads after the schedule; a
+data-parallel wrapper around a whole pipeline step). Under interleaved 1F1B a rank also
+reduces its later chunk while computing its earlier one's backward. All variants alternate
+in blocks of steps inside one launch, so the machine's noise falls on all. The simulator
+prices them on the gloo link measured at the start of the run.
 """
 
 from __future__ import annotations
@@ -35,12 +33,13 @@ if str(ROOT) not in sys.path:
 
 from benchmarks._markdown import write_section  # noqa: E402
 
-#: Weights large against the compute (8.4 M parameters, 16 samples per replica): the all-reduce matters.
-SPEC = "mlp:layers=8,d_in=1024,hidden=1024,d_out=1024,batch=32"
+#: Weights large against the compute (34 M parameters, 16 samples per replica): the all-reduce matters, and
+#: each stage has several 25 MiB buckets (one 16 MiB weight each), so most of its all-reduce can overlap.
+SPEC = "mlp:layers=8,d_in=2048,hidden=2048,d_out=2048,batch=32"
 STAGES, REPLICAS, MICROBATCHES = 2, 2, 4
 SCHEDULES = ("1f1b", "interleaved")
 BLOCK = 4  # steps of one variant in a row
-SECTION = "## Data parallel x pipeline: the gradient all-reduce overlapped or after the step"
+SECTION = "## Data parallel x pipeline: the gradient all-reduce overlapped with the backward or after it"
 
 
 def worker(rank: int, world: int, *, plans: dict[str, dict], steps: int, warmup: int, out: str) -> None:
@@ -112,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
                          timing="measured", repeats=5, cluster=gloo, data_parallel=REPLICAS, placement="cluster")
         late = with_allreduce(early.schedule, REPLICAS, overlap=False)
         plans[f"{kind}, overlapped"] = early
-        plans[f"{kind}, after the step"] = dataclasses.replace(
+        plans[f"{kind}, after the backward"] = dataclasses.replace(
             early, schedule=late, simulated=simulate_partition(late, early.partition, early.dp_link, early.graph))
     raw = Path(a.json).with_suffix(".raw.json")
     raw.parent.mkdir(parents=True, exist_ok=True)
@@ -139,9 +138,9 @@ def main(argv: list[str] | None = None) -> None:
         "gloo_link": {"latency_s": link["latency"], "bandwidth_Bps": link["bandwidth"]},
         "stage_gradient_bytes": grad_bytes,
         "measured_median_s": med, "predicted_s": {k: p.step_time for k, p in plans.items()},
-        "measured_after_over_overlapped": {k: med[f"{k}, after the step"] / med[f"{k}, overlapped"]
+        "measured_after_over_overlapped": {k: med[f"{k}, after the backward"] / med[f"{k}, overlapped"]
                                            for k in SCHEDULES},
-        "predicted_after_over_overlapped": {k: plans[f"{k}, after the step"].step_time
+        "predicted_after_over_overlapped": {k: plans[f"{k}, after the backward"].step_time
                                             / plans[f"{k}, overlapped"].step_time for k in SCHEDULES},
         "seconds": time.perf_counter() - started,
     }
@@ -164,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         lines.append(f"| {name} | {med[name] * 1e3:.1f} ms | {p.step_time * 1e3:.1f} ms | "
                      f"{med[name] / p.step_time:.2f} |")
     lines += [""] + [
-        f"{k}: after the step / overlapped, measured **{summary['measured_after_over_overlapped'][k]:.3f}**, "
+        f"{k}: after the backward / overlapped, measured **{summary['measured_after_over_overlapped'][k]:.3f}**, "
         f"predicted **{summary['predicted_after_over_overlapped'][k]:.3f}**." for k in SCHEDULES] + [
         "",
         "Four ranks share this machine's two cores, which the profile (one process alone) does not see: the "

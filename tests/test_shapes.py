@@ -162,3 +162,28 @@ def test_without_a_method_shapes_are_screened_by_the_dp_and_finalists_solved_in_
                             data_parallel=best.data_parallel,
                             placement=search.best.placement)
     assert search.best.step_time == pytest.approx(again.step_time, rel=1e-9)
+
+
+def test_cli_plan_devices_prints_the_candidates_and_reports_the_shape() -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from smp.cli import app
+
+    runner = CliRunner()
+    args = ["plan", "gpt:size=tiny", "--devices", "4", "--global-batch", "16", "--cluster", "h100-sxm"]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert "candidates weighed" in res.stdout and "replicas x stages" in res.stdout
+    assert "--devices 4: a global batch of 16" in res.stdout
+    data = json.loads(runner.invoke(app, [*args, "--json"]).stdout)
+    search = data["search"]
+    assert search["devices"] == 4 and search["global_batch"] == 16
+    best = search["candidates"][0]
+    assert best["data_parallel"] * best["stages"] == 4 and data["num_ranks"] == 4
+    assert data["microbatches"] == best["microbatches"]
+    for bad, why in ((["plan", "gpt:size=tiny"], "pass --stages P"),
+                     (["plan", "gpt:size=tiny", "--stages", "2", "--global-batch", "8"], "goes with --devices")):
+        res = runner.invoke(app, bad)
+        assert res.exit_code == 2 and why in res.output, res.output
