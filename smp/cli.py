@@ -612,8 +612,11 @@ def _header(plan) -> str:
     cl = part.cluster.get("name", "?")
     if str(cl).startswith("ideal-"):
         cl = "none (free links)"
+    where = (f"stages on {plan.num_ranks} ranks" if plan.data_parallel == 1 else
+             f"stages on {plan.pipeline_ranks} ranks x {plan.data_parallel} replicas = {plan.num_ranks} ranks "
+             f"({plan.placement})")
     return (f"[bold]{_spec_name(m.name)}[/]: {len(plan.graph)} ops{params} → {plan.num_stages} "
-            f"stages on {plan.num_ranks} ranks · {plan.schedule_name} · {mb}\n"
+            f"{where} · {plan.schedule_name} · {mb}{' per replica' if plan.data_parallel > 1 else ''}\n"
             f"timing {how} · cluster {cl} · memory limit {format_bytes(limit)}")
 
 
