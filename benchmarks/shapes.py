@@ -61,7 +61,8 @@ def run(name: str, spec: str) -> list[dict[str, Any]]:
         t0 = time.perf_counter()
         chosen = search()
         search_s = time.perf_counter() - t0
-        rules = {"data parallel": search(1), "pipeline": search(n), "pipeline in a node": search(min(NODE, n))}
+        rules = {rule: _rule_best(chosen, stages, lambda stages=stages: search(stages))
+                 for rule, stages in (("data parallel", 1), ("pipeline", n), ("pipeline in a node", min(NODE, n)))}
         best = chosen.candidates[0]
         row: dict[str, Any] = {
             "model": name, "spec": spec, "params": info.num_params, "devices": n,
@@ -72,14 +73,23 @@ def run(name: str, spec: str) -> list[dict[str, Any]]:
             "planning_s": profile_s + search_s, "profile_s": profile_s, "search_s": search_s,
             "weighed": len(chosen.candidates), "pruned": sum(c.pruned for c in chosen.candidates),
         }
-        for rule, res in rules.items():
-            top = res.candidates[0] if res.candidates else None
-            row[rule] = None if top is None or top.plan is None else {
+        for rule, top in rules.items():
+            row[rule] = None if top is None else {
                 "shape": f"{top.shape.data_parallel}x{top.shape.stages} m={top.shape.microbatches}",
                 "samples_per_second": top.samples_per_second}
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
+
+
+def _rule_best(chosen: Any, stages: int, search: Any) -> Any:
+    """The fastest candidate with ``stages`` per pipeline: from the full search, unless it pruned some of
+    them (a pruned shape may beat the rule's others), then from a search of that P alone."""
+    mine = [c for c in chosen.candidates if c.shape.stages == stages]
+    if any(c.pruned for c in mine):
+        mine = search().candidates
+    fitting = [c for c in mine if c.plan is not None]
+    return min(fitting, key=lambda c: c.step_time) if fitting else None
 
 
 def table(rows: list[dict[str, Any]]) -> str:

@@ -142,9 +142,11 @@ def shapes_for(devices: int, global_batch: int, *, schedules: Sequence[str], sta
     """Every shape of ``devices`` whose replicas and microbatches split the global batch evenly.
 
     P runs over the divisors of N (or is ``stages``); m over the divisors of a replica's
-    batch from min(P, batch) to 4P (or over ``microbatches``, those that divide it): fewer
-    than P microbatches leave ranks idle, more than 4P cost memory for a bubble already
-    under 20%. One rank per pipeline has no schedule to choose: it is listed once, as 1f1b.
+    batch from min(P, batch) up (or over ``microbatches``, those that divide it): fewer than
+    P microbatches leave ranks idle; more shrink the bubble and, as smaller microbatches,
+    the activations, which is what lets a large model fit (on one rank per pipeline they
+    are gradient accumulation). One rank per pipeline has no schedule to choose: it is
+    listed once, as 1f1b.
     """
     if devices < 1:
         raise PlanError(f"devices must be >= 1, got {devices}")
@@ -166,7 +168,7 @@ def shapes_for(devices: int, global_batch: int, *, schedules: Sequence[str], sta
         if microbatches is not None:
             counts = [m for m in microbatches if m >= 1 and share % m == 0]
         else:
-            counts = [m for m in _divisors(share) if min(p, share) <= m <= 4 * p]
+            counts = [m for m in _divisors(share) if m >= min(p, share)]
         for kind in (["1f1b"] if p == 1 else kinds):
             out.extend(Shape(d, p, m, kind) for m in counts)
     return out

@@ -684,7 +684,7 @@ def plan_cmd(
                                "batch]")] = None,
     microbatches: Annotated[Optional[str], typer.Option(
         "--microbatches", "-m", help="microbatches per step, or auto: try the divisors of the batch from stages "
-                                     "to 4 x stages and keep the fastest simulated step that fits memory \\[default: 2 x stages; with "
+                                     "up and keep the fastest simulated step that fits memory \\[default: 2 x stages; with "
                                      "--batch-size, the largest divisor of the batch not above that]")] = None,
     schedule: Annotated[str, typer.Option(
         "--schedule", "-s", help="gpipe | 1f1b | interleaved | zb-h1 | auto (try each, keep the fastest that "

@@ -20,7 +20,7 @@ GB = 2**30
 
 def test_the_grid_is_every_divisor_shape_with_enough_microbatches() -> None:
     # 4 devices, 8 samples: P=1 (D=4, 2 each: m in {1, 2}, one schedule only), P=2 (D=2, 4 each:
-    # m in [2, 8] dividing 4), P=4 (D=1, 8 each: m in [4, 16] dividing 8).
+    # m >= 2 dividing 4), P=4 (D=1, 8 each: m >= 4 dividing 8).
     got = shapes_for(4, 8, schedules=["gpipe", "1f1b"])
     want = [Shape(4, 1, 1, "1f1b"), Shape(4, 1, 2, "1f1b"),
             Shape(2, 2, 2, "gpipe"), Shape(2, 2, 4, "gpipe"), Shape(2, 2, 2, "1f1b"), Shape(2, 2, 4, "1f1b"),
@@ -30,6 +30,7 @@ def test_the_grid_is_every_divisor_shape_with_enough_microbatches() -> None:
 
 def test_fixed_stages_and_microbatches_narrow_the_grid() -> None:
     assert shapes_for(8, 32, schedules=["1f1b"], stages=2) == [Shape(4, 2, m, "1f1b") for m in (2, 4, 8)]
+    assert shapes_for(2, 32, schedules=["1f1b"], stages=1) == [Shape(2, 1, m, "1f1b") for m in (1, 2, 4, 8, 16)]
     assert shapes_for(8, 32, schedules=["1f1b"], microbatches=[4]) == [
         Shape(8, 1, 4, "1f1b"), Shape(4, 2, 4, "1f1b"), Shape(2, 4, 4, "1f1b"), Shape(1, 8, 4, "1f1b")]
     # A replica share that the fixed microbatch count does not divide has no shape.
