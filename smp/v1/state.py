@@ -1,0 +1,104 @@
+"""smp.init(): the process-wide state of a v1 script (configuration, ranks, process groups, its DistributedModel)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from smp.v1.config import V1Config, load_config
+from smp.v1.errors import V1Error
+from smp.v1.ranks import Launch, Topology, export_for_torch, from_environment, topology
+
+if TYPE_CHECKING:
+    from smp.v1.model import DistributedModel
+
+__all__ = ["State", "init", "is_initialized", "current"]
+
+
+@dataclass
+class State:
+    """What ``smp.init`` set up: ``group`` is a gloo group over every rank for object collectives (None alone);
+    ``store`` is the rendezvous store (bounded waits that name an absent rank)."""
+
+    config: V1Config
+    launch: Launch
+    topology: Topology
+    group: Any = None
+    store: Any = None
+    model: DistributedModel | None = None
+    counters: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def distributed(self) -> bool:
+        return self.topology.world > 1
+
+    def next_id(self, what: str) -> int:
+        """The how-many-th collective named ``what`` this is (every rank calls them in the same order)."""
+        self.counters[what] = self.counters.get(what, 0) + 1
+        return self.counters[what]
+
+
+_state: State | None = None
+
+
+def init(config: dict[str, Any] | None = None) -> None:
+    """Read the v1 configuration and join the ranks the launcher started (torchrun or mpirun), as v1's ``smp.init``.
+
+    Without a launcher every partition runs in this one process. Calling it again reads
+    the configuration again and forgets the DistributedModel (the process group stays).
+    """
+    global _state
+    cfg = load_config(config)
+    launch = from_environment(os.environ)
+    topo = topology(launch.rank, launch.world, cfg)
+    if topo.dp_size > 1:
+        if not cfg.ddp:
+            raise V1Error(f"{launch.world} ranks hold {topo.dp_size} copies of the {cfg.partitions} partitions, but "
+                          "ddp is false: set \"ddp\": true for data parallelism, or launch "
+                          f"{cfg.partitions} processes")
+        raise V1Error(f"\"ddp\": true on {launch.world} ranks means {topo.dp_size} data-parallel replicas of "
+                      f"{cfg.partitions} partitions; data parallelism across pipeline replicas arrives with smp "
+                      f"issue 13. Launch {cfg.partitions} processes for now (torchrun --nproc_per_node "
+                      f"{cfg.partitions})")
+    state = State(cfg, launch, topo)
+    if launch.world > 1:
+        state.group, state.store = _join(launch, cfg.timeout)
+    _state = state
+
+
+def _join(launch: Launch, timeout: float) -> tuple[Any, Any]:
+    """The default process group (made here unless the script made one), a gloo group, and the store."""
+    export_for_torch(launch, os.environ)
+    limit = datetime.timedelta(seconds=timeout)
+    if not dist.is_initialized():
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(launch.local_rank)
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=limit)
+    if dist.get_world_size() != launch.world or dist.get_rank() != launch.rank:
+        raise V1Error(f"the process group (rank {dist.get_rank()} of {dist.get_world_size()}) is not the launch's "
+                      f"(rank {launch.rank} of {launch.world})")
+    group = dist.new_group(backend="gloo", timeout=limit)
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception as err:  # noqa: BLE001 - a process group made without a store
+        raise V1Error(f"the default process group has no rendezvous store ({err}); initialise it with "
+                      "init_method env://, tcp:// or file://") from None
+    return group, store
+
+
+def is_initialized() -> bool:
+    """Whether ``smp.init`` has run in this process."""
+    return _state is not None
+
+
+def current() -> State:
+    """The state ``smp.init`` made; a clear error when it has not run."""
+    if _state is None:
+        raise V1Error("call smp.init() first (at the top of the training script, as with SageMaker's library)")
+    return _state
