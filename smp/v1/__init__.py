@@ -3,7 +3,7 @@
 
 from smp.deferred import delay_param_initialization
 from smp.v1 import amp
-from smp.v1.checkpoint import load, save
+from smp.v1.checkpoint import load, resume_from_checkpoint, save, save_checkpoint
 from smp.v1.comm import (
     DP_GROUP,
     MP_GROUP,
@@ -27,6 +27,8 @@ from smp.v1.info import (
     get_dp_process_group,
     get_mp_group,
     get_mp_process_group,
+    get_pp_process_group,
+    get_rdp_process_group,
     get_world_process_group,
     local_rank,
     local_size,
@@ -44,16 +46,26 @@ from smp.v1.info import (
 from smp.v1.manual import partition
 from smp.v1.model import DistributedModel
 from smp.v1.optimizer import DistributedOptimizer
+from smp.v1.refused import (
+    get_tp_process_group,
+    model_creation,
+    set_activation_checkpointing,
+    set_tensor_parallelism,
+    tensor_parallelism,
+    tp_register_with_module,
+)
 from smp.v1.state import init, is_initialized
 from smp.v1.step import StepOutput, step
 
 __all__ = [
-    "CommGroup", "DP_GROUP", "DistributedModel", "DistributedOptimizer", "MP_GROUP", "PP_GROUP", "RankType",
-    "StepOutput", "V1Error", "WORLD", "allgather", "amp", "barrier", "broadcast", "delay_param_initialization",
-    "dp_barrier", "dp_rank", "dp_size", "get_dp_group", "get_dp_process_group", "get_mp_group",
-    "get_mp_process_group", "get_world_process_group", "init", "is_initialized", "is_tracing", "load", "local_rank",
-    "local_size", "mp_barrier", "mp_rank", "mp_size", "partition", "pp_rank", "pp_size", "rank", "rdp_rank",
-    "rdp_size", "recv_from", "save", "send", "size", "step", "tp_rank", "tp_size",
+    "allgather", "amp", "barrier", "broadcast", "CommGroup", "delay_param_initialization", "DistributedModel",
+    "DistributedOptimizer", "dp_barrier", "DP_GROUP", "dp_rank", "dp_size", "get_dp_group", "get_dp_process_group",
+    "get_mp_group", "get_mp_process_group", "get_pp_process_group", "get_rdp_process_group", "get_tp_process_group",
+    "get_world_process_group", "init", "is_initialized", "is_tracing", "load", "local_rank", "local_size",
+    "model_creation", "mp_barrier", "MP_GROUP", "mp_rank", "mp_size", "partition", "PP_GROUP", "pp_rank", "pp_size",
+    "rank", "RankType", "rdp_rank", "rdp_size", "recv_from", "resume_from_checkpoint", "save", "save_checkpoint",
+    "send", "set_activation_checkpointing", "set_tensor_parallelism", "size", "step", "StepOutput",
+    "tensor_parallelism", "tp_rank", "tp_register_with_module", "tp_size", "V1Error", "WORLD",
 ]
 
 

@@ -16,7 +16,8 @@ from smp.v1.state import current
 
 __all__ = ["rank", "size", "local_rank", "local_size", "pp_rank", "pp_size", "mp_rank", "mp_size", "dp_rank",
            "dp_size", "rdp_rank", "rdp_size", "tp_rank", "tp_size", "get_mp_group", "get_dp_group",
-           "get_world_process_group", "get_mp_process_group", "get_dp_process_group"]
+           "get_world_process_group", "get_mp_process_group", "get_dp_process_group", "get_pp_process_group",
+           "get_rdp_process_group"]
 
 
 def _coordinate(name: str) -> int:
@@ -106,3 +107,7 @@ def get_dp_process_group() -> Any:
     """The torch.distributed group of this partition's replicas: it exists with data parallelism (smp issue 13)."""
     raise V1Error("get_dp_process_group() needs data parallelism (\"ddp\": true over more ranks than partitions), "
                   "which arrives with smp issue 13")
+
+
+get_pp_process_group = get_mp_process_group  # v1's later names, without tensor parallelism the same groups
+get_rdp_process_group = get_dp_process_group

@@ -128,7 +128,7 @@ class DistributedModel(nn.Module):
         for hook in hooks:
             hook(self)
 
-    def _need_pipe(self, what: str) -> PipelinedModel:
+    def need_pipe(self, what: str) -> PipelinedModel:
         if self._pipe is None:
             raise V1Error(f"{what} needs the model partitioned, which happens at the first call of an smp.step "
                           "function")
@@ -165,7 +165,7 @@ class DistributedModel(nn.Module):
 
     def train_step(self, args: tuple, kwargs: dict, m: int) -> None:
         """Forward and backward of every microbatch through the pipeline; gradients accumulate in the parameters."""
-        pipe = self._need_pipe("a training step")
+        pipe = self.need_pipe("a training step")
         try:
             pipe.step(*args, target=torch.arange(m), **kwargs)
         except torch.OutOfMemoryError as err:
@@ -173,7 +173,7 @@ class DistributedModel(nn.Module):
 
     def forward_only(self, args: tuple, kwargs: dict) -> Any:
         """The pipelined forward of every microbatch (no gradients); the output on the rank holding it, else None."""
-        pipe = self._need_pipe("an evaluation step")
+        pipe = self.need_pipe("an evaluation step")
         try:
             return pipe(*args, **kwargs)
         except torch.OutOfMemoryError as err:
@@ -201,7 +201,7 @@ class DistributedModel(nn.Module):
 
     def local_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters with their names (after partitioning)."""
-        return self._need_pipe("local_named_parameters()").named_parameters()
+        return self.need_pipe("local_named_parameters()").named_parameters()
 
     def local_parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameters (after partitioning)."""
@@ -210,7 +210,7 @@ class DistributedModel(nn.Module):
 
     def local_named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's buffers with their names (after partitioning)."""
-        self._need_pipe("local_named_buffers()")
+        self.need_pipe("local_named_buffers()")
         return ((n, b) for n, b in self.module.named_buffers() if not b.is_meta)
 
     def local_buffers(self) -> Iterator[torch.Tensor]:
@@ -220,7 +220,7 @@ class DistributedModel(nn.Module):
 
     def local_named_modules(self) -> Iterator[tuple[str, nn.Module]]:
         """The modules whose own parameters and buffers are all on this rank (after partitioning)."""
-        self._need_pipe("local_named_modules()")
+        self.need_pipe("local_named_modules()")
         for name, mod in self.module.named_modules():
             own = [*mod.parameters(recurse=False), *mod.buffers(recurse=False)]
             if own and not any(t.is_meta for t in own):
@@ -235,7 +235,7 @@ class DistributedModel(nn.Module):
 
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's parameters and buffers by their original names, marked partial (v1's ``_smp_is_partial``)."""
-        self._need_pipe("local_state_dict()")
+        self.need_pipe("local_state_dict()")
         local = {k: v for k, v in self.module.state_dict().items() if isinstance(v, torch.Tensor) and not v.is_meta}
         return {**local, PARTIAL_KEY: True}
 

@@ -40,13 +40,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if dynamic_loss_scale or static_loss_scale not in (None, 1.0) or dynamic_loss_args:
             raise V1Error("DistributedOptimizer's loss-scale arguments belong to v1's fp16 mode, which smp does not "
                           "have: scale the loss with smp.amp.GradScaler instead")
-        model = current().model
+        st = current()
+        model = st.model
         if model is None:
             raise V1Error("wrap the model in smp.DistributedModel before the optimizer in smp.DistributedOptimizer")
+        if st.optimizer is not None:
+            raise V1Error("a v1 script wraps one optimizer in smp.DistributedOptimizer; call smp.init() again to "
+                          "start over")
         self.optimizer = optimizer
         self._model: DistributedModel = model
         self._pending: dict[str, Any] | None = None
         model.register_post_partition_hook(self._after_partition)
+        st.optimizer = self
 
     # ------------------------------------------------------------ the optimizer's own
 
@@ -98,7 +103,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def local_state_dict(self) -> dict[str, Any]:
         """The state of this rank's parameters (torch's format, plus every index's parameter name), marked partial."""
-        self._model._need_pipe("DistributedOptimizer.local_state_dict()")
+        self._model.need_pipe("DistributedOptimizer.local_state_dict()")
         sd = self.optimizer.state_dict()
         params = self._params()
         local = {id(p) for p in self._model.local_parameters()}

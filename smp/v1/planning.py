@@ -26,7 +26,7 @@ from smp.v1.comm import CommGroup, gather_objects, group_ranks
 from smp.v1.errors import V1Error
 from smp.v1.state import State
 
-__all__ = ["partition_plan", "check_fits", "out_of_memory", "warn_unreached", "device_memory", "PLANNING_WAIT"]
+__all__ = ["partition_plan", "weigh_memory", "check_fits", "out_of_memory", "warn_unreached", "device_memory", "PLANNING_WAIT"]
 
 #: How long the other ranks wait for rank 0 to trace, profile and plan the model (seconds).
 PLANNING_WAIT = 3600.0
@@ -58,7 +58,7 @@ def partition_plan(module: nn.Module, args: tuple, kwargs: dict, state: State, d
             if cfg.auto_partition:
                 fast = make_plan(module, args, kwargs, stages=cfg.partitions, microbatches=cfg.microbatches,
                                  schedule=cfg.schedule, memory_limit=limit, device=profile_on)
-                return _weigh_memory(fast, cfg.memory_weight, limit)
+                return weigh_memory(fast, cfg.memory_weight, limit)
             # any quick plan gives the profiled graph and the model's identity; the stages are the user's
             base = make_plan(module, args, kwargs, stages=cfg.partitions, microbatches=cfg.microbatches,
                              schedule=cfg.schedule, device=profile_on, method="dp", objective="bottleneck")
@@ -68,7 +68,7 @@ def partition_plan(module: nn.Module, args: tuple, kwargs: dict, state: State, d
     return _on_rank0(build, state)
 
 
-def _weigh_memory(fast: Plan, weight: float | None, limit: float | None) -> Plan:
+def weigh_memory(fast: Plan, weight: float | None, limit: float | None) -> Plan:
     """v1's ``memory_weight`` w as a cap on the largest stage's memory, the fastest plan under it kept.
 
     The cap is ``peak - w * (peak - floor)``: ``peak`` is the largest stage of the fastest
@@ -141,12 +141,11 @@ def _stage_lines(plan: Plan, ranks: list[int]) -> str:
     return "; ".join(lines)
 
 
-def check_fits(plan: Plan, state: State, device: torch.device,
-               memory: Callable[[torch.device], tuple[int, int] | None] = device_memory) -> None:
+def check_fits(plan: Plan, state: State, device: torch.device) -> None:
     """Raise on every rank when a rank's partitions are predicted not to fit its device's free memory."""
     ranks = _ranks_here(plan, state)
     need = sum(plan.rank_memory[r] for r in ranks)
-    have = memory(device)
+    have = device_memory(device)
     problem = None
     if have is not None and need > have[0]:
         problem = (f"rank {state.topology.rank} on {device}: {_stage_lines(plan, ranks)}; needs about "

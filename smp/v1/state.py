@@ -16,6 +16,7 @@ from smp.v1.ranks import Launch, Topology, export_for_torch, from_environment, t
 
 if TYPE_CHECKING:
     from smp.v1.model import DistributedModel
+    from smp.v1.optimizer import DistributedOptimizer
 
 __all__ = ["State", "init", "is_initialized", "current"]
 
@@ -31,6 +32,7 @@ class State:
     group: Any = None
     store: Any = None
     model: DistributedModel | None = None
+    optimizer: DistributedOptimizer | None = None
     counters: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -50,7 +52,8 @@ def init(config: dict[str, Any] | None = None) -> None:
     """Read the v1 configuration and join the ranks the launcher started (torchrun or mpirun), as v1's ``smp.init``.
 
     Without a launcher every partition runs in this one process. Calling it again reads
-    the configuration again and forgets the DistributedModel (the process group stays).
+    the configuration again and forgets the DistributedModel and DistributedOptimizer (the
+    process group stays).
     """
     global _state
     cfg = load_config(config)

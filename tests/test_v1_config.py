@@ -1,0 +1,116 @@
+"""smp.v1's configuration (v1 keys, SM_HP_MP_PARAMETERS, refusals) and rank placement (torchrun / mpirun, cluster / spread)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import smp.v1 as smp
+from smp.v1.config import ENV_VAR, NO_EFFECT, REFUSED, load_config
+from smp.v1.ranks import Launch, export_for_torch, from_environment, topology
+
+
+def test_keys_map_onto_smp() -> None:
+    cfg = load_config({"pipeline_parallel_degree": 4, "microbatches": 8, "pipeline": "simple", "ddp": True,
+                       "placement_strategy": "spread", "auto_partition": False, "default_partition": 3,
+                       "optimize": "memory", "active_microbatches": 8, "deterministic_server": True})
+    assert (cfg.partitions, cfg.microbatches, cfg.schedule, cfg.ddp) == (4, 8, "gpipe", True)
+    assert (cfg.axis_order, cfg.auto_partition, cfg.default_partition) == ("TPD", False, 3)
+    assert cfg.memory_weight == 0.8  # v1's documented weight for optimize="memory"
+    assert load_config({"partitions": 2}).schedule == "1f1b"  # v1's "interleaved" (its default) is 1F1B
+    assert load_config({"partitions": 2}).memory_weight is None  # nothing asked: smp's fastest plan that fits
+    assert load_config({"partitions": 2, "optimize": "speed", "memory_weight": 0.5}).memory_weight == 0.5
+
+
+def test_configuration_from_sagemakers_environment_variable() -> None:
+    env = {ENV_VAR: json.dumps({"partitions": 2, "microbatches": 4, "pipeline": "interleaved", "ddp": True})}
+    cfg = load_config(None, env)
+    assert (cfg.partitions, cfg.microbatches, cfg.ddp) == (2, 4, True)
+    with pytest.raises(smp.V1Error, match=f"no configuration.*{ENV_VAR}"):
+        load_config(None, {})
+    with pytest.raises(smp.V1Error, match=f"{ENV_VAR} is not valid JSON"):
+        load_config(None, {ENV_VAR: "{partitions: 2"})
+
+
+@pytest.mark.parametrize("key,value", [("tensor_parallel_degree", 2), ("sharded_data_parallel_degree", 8),
+                                       ("fp16", True), ("shard_optimizer_state", True), ("sdp_max_live_parameters", 1),
+                                       ("skip_tracing", True)])
+def test_unsupported_features_are_refused_by_name(key: str, value: object) -> None:
+    with pytest.raises(smp.V1Error, match=key):
+        load_config({"partitions": 2, key: value})
+
+
+def test_keys_that_ask_for_nothing_are_accepted() -> None:
+    off = {key: value for key, (value, _) in REFUSED.items()}
+    cfg = load_config({"partitions": 2, **off, **{key: True for key in NO_EFFECT}})
+    assert cfg.partitions == 2
+
+
+@pytest.mark.parametrize("config,match", [
+    ({}, "needs \"partitions\""),
+    ({"partitions": 2, "pipeline_parallel_degree": 4}, "disagree"),
+    ({"partitions": 0}, "partitions=0"),
+    ({"partitions": 2, "partition": 2}, "unknown v1 parameter 'partition'"),
+    ({"partitions": 2, "pipeline": "1f1b"}, "interleaved.*simple"),
+    ({"partitions": 2, "memory_weight": 1.5}, "memory_weight"),
+    ({"partitions": 2, "default_partition": 2}, "default_partition=2"),
+    ({"partitions": 2, "placement_strategy": "random"}, "placement_strategy"),
+    ({"partitions": 4, "microbatches": 8, "active_microbatches": 2}, "active_microbatches=2.*1f1b"),
+    ({"partitions": 2, "microbatches": 8, "pipeline": "simple", "active_microbatches": 4}, "gpipe"),
+])
+def test_bad_configurations_say_what_to_fix(config: dict, match: str) -> None:
+    with pytest.raises(smp.V1Error, match=match):
+        load_config(config)
+
+
+def test_ranks_from_torchrun_and_mpirun() -> None:
+    assert from_environment({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}) == \
+        Launch(3, 8, 1, 2, "torchrun")
+    ompi = {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}
+    assert from_environment(ompi) == Launch(5, 8, 1, 4, "Open MPI")
+    assert from_environment({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}) == \
+        Launch(1, 2, 1, 2, "MPICH / Intel MPI")
+    assert from_environment({}) == Launch(0, 1, 0, 1, None)
+    env: dict[str, str] = {}
+    export_for_torch(Launch(1, 2, 1, 2, "Open MPI"), env)
+    assert env == {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    with pytest.raises(smp.V1Error, match="MASTER_ADDR"):  # several machines: rank 0's host must be exported
+        export_for_torch(Launch(5, 8, 1, 4, "Open MPI"), {})
+
+
+def test_placement_follows_v1s_documented_groups() -> None:
+    """v1's docs: 8 ranks, 2 partitions; spread: model replicas [0, 4], [1, 5], ..., cluster: [0, 1], [2, 3], ..."""
+    spread = load_config({"partitions": 2, "ddp": True, "placement_strategy": "spread"})
+    t = topology(6, 8, spread)
+    assert (t.pp_rank, t.dp_rank, t.mp_group, t.dp_group) == (1, 2, (2, 6), (4, 5, 6, 7))
+    cluster = load_config({"partitions": 2, "ddp": True})
+    t = topology(6, 8, cluster)
+    assert (t.pp_rank, t.dp_rank, t.mp_group, t.dp_group) == (0, 3, (6, 7), (0, 2, 4, 6))
+    assert topology(0, 1, cluster).pp_size == 2  # a lone process runs every partition
+    with pytest.raises(smp.V1Error, match="multiple of 2"):
+        topology(0, 3, cluster)
+
+
+@pytest.mark.parametrize("ddp,match", [(False, "set \"ddp\": true"), (True, "issue 13")])
+def test_more_ranks_than_partitions_needs_data_parallelism(monkeypatch: pytest.MonkeyPatch, ddp: bool,
+                                                          match: str) -> None:
+    for k, v in {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(smp.V1Error, match=match):
+        smp.init({"partitions": 2, "ddp": ddp})
+
+
+def test_helpers_need_init(monkeypatch: pytest.MonkeyPatch) -> None:
+    import smp.v1.state as state
+
+    monkeypatch.setattr(state, "_state", None)
+    with pytest.raises(smp.V1Error, match="smp.init"):
+        smp.rank()
+    smp.init({"partitions": 2, "microbatches": 2})
+    assert (smp.rank(), smp.size(), smp.pp_rank(), smp.pp_size(), smp.dp_rank(), smp.dp_size()) == (0, 1, 0, 2, 0, 1)
+    assert (smp.mp_rank(), smp.mp_size(), smp.tp_size(), smp.is_initialized()) == (0, 2, 1, True)
+    assert smp.allgather("x") == ["x"] and smp.get_mp_group() == [0]
+    smp.barrier()  # alone: nothing to wait for
