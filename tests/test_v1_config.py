@@ -1,4 +1,5 @@
-"""smp.v1's configuration (v1 keys, SM_HP_MP_PARAMETERS, refusals) and rank placement (torchrun / mpirun, cluster / spread)."""
+"""smp.v1's configuration (v1 keys, SM_HP_MP_PARAMETERS, refusals) and rank placement (torchrun, mpirun; cluster,
+spread)."""
 
 from __future__ import annotations
 
@@ -114,3 +115,16 @@ def test_helpers_need_init(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (smp.mp_rank(), smp.mp_size(), smp.tp_size(), smp.is_initialized()) == (0, 2, 1, True)
     assert smp.allgather("x") == ["x"] and smp.get_mp_group() == [0]
     smp.barrier()  # alone: nothing to wait for
+
+
+def test_the_migration_guide_covers_every_call_and_key() -> None:
+    """docs/smp-v1.md's tables name every public name of smp.v1 and every configuration key it knows."""
+    from pathlib import Path
+
+    from smp.v1.config import HONOURED
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "smp-v1.md").read_text()
+    names = [n for n in smp.__all__ if f"`smp.{n}" not in doc and f"`{n}" not in doc and f" {n}`" not in doc]
+    assert not names, f"docs/smp-v1.md does not mention {names}"
+    keys = [k for k in [*HONOURED, *NO_EFFECT, *REFUSED] if f"`{k}`" not in doc]
+    assert not keys, f"docs/smp-v1.md does not mention the keys {keys}"

@@ -1,5 +1,5 @@
-"""v1's checkpoints: ``smp.save`` / ``smp.load`` (torch.save files, one per partition as ``f"{path}_{pp_rank}"``, or one)
-and ``smp.save_checkpoint`` / ``smp.resume_from_checkpoint`` (directories; the partial ones are smp's own)."""
+"""v1's checkpoints: ``smp.save`` / ``smp.load`` (torch.save files, one per partition, ``f"{path}_{pp_rank}"``,
+or one) and ``smp.save_checkpoint`` / ``smp.resume_from_checkpoint`` (directories; partial ones are smp's own)."""
 
 from __future__ import annotations
 
@@ -121,7 +121,8 @@ def resume_from_checkpoint(path: str | Path, tag: str | None = None, partial: bo
         if not directory.is_dir():
             raise V1Error(f"smp.resume_from_checkpoint: no partial checkpoint {directory}")
         inner = optimizer.optimizer if optimizer is not None else None
-        model.register_post_partition_hook(lambda m: m.need_pipe("smp.resume_from_checkpoint()").load_checkpoint(directory, inner))
+        model.register_post_partition_hook(
+            lambda m: m.need_pipe("smp.resume_from_checkpoint()").load_checkpoint(directory, inner))
         return torch.load(directory / USER_CONTENT, weights_only=False)
     full = torch.load(root / tag, weights_only=False)
     model.load_state_dict(full["model"], strict=strict)

@@ -12,8 +12,8 @@ from typing import Any
 
 from smp.v1.errors import V1Error
 
-__all__ = ["ENV_VAR", "V1Config", "load_config", "NO_EFFECT", "REFUSED", "SCHEDULES", "MEMORY_WEIGHT_OF",
-           "PLACEMENTS"]
+__all__ = ["ENV_VAR", "V1Config", "load_config", "HONOURED", "NO_EFFECT", "REFUSED", "SCHEDULES",
+           "MEMORY_WEIGHT_OF", "PLACEMENTS"]
 
 #: Where SageMaker put the ``mp_parameters`` hyperparameter (JSON) for the training script.
 ENV_VAR = "SM_HP_MP_PARAMETERS"
@@ -59,8 +59,9 @@ REFUSED: dict[str, tuple[Any, str]] = {
 
 _SHARDED_PREFIX = "sdp_"  # the sharded-data-parallel tuning keys
 
-_HONOURED = ("partitions", "pipeline_parallel_degree", "microbatches", "pipeline", "ddp", "placement_strategy",
-             "auto_partition", "default_partition", "memory_weight", "optimize", "active_microbatches", "timeout")
+#: Keys that change what smp does (``timeout`` is smp's own).
+HONOURED = ("partitions", "pipeline_parallel_degree", "microbatches", "pipeline", "ddp", "placement_strategy",
+            "auto_partition", "default_partition", "memory_weight", "optimize", "active_microbatches", "timeout")
 
 DEFAULT_TIMEOUT = 300.0
 
@@ -126,8 +127,8 @@ def _refuse_unsupported(raw: dict[str, Any]) -> None:
             if value != off:
                 raise V1Error(f"v1 parameter {key}={value!r} is not supported: {why}. Remove the key or set it "
                               f"to {off!r}")
-        elif key not in NO_EFFECT and key not in _HONOURED:
-            known = sorted([*_HONOURED, *NO_EFFECT, *REFUSED])
+        elif key not in NO_EFFECT and key not in HONOURED:
+            known = sorted([*HONOURED, *NO_EFFECT, *REFUSED])
             raise V1Error(f"unknown v1 parameter {key!r}; the parameters are {', '.join(known)} "
                           f"(and the {_SHARDED_PREFIX}* keys of sharded data parallelism, which smp does not do)")
 

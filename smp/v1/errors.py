@@ -1,4 +1,4 @@
-"""The one error type of the v1 layer: a v1 script asked for something smp cannot do as asked; the message says the fix."""
+"""The one error type of the v1 layer: a v1 script asked for what smp cannot do as asked; the message says the fix."""
 
 from __future__ import annotations
 

@@ -266,6 +266,13 @@ class DistributedModel(nn.Module):
         else:
             self.module.load_state_dict(sd, strict=strict)
 
+    def cpu(self) -> DistributedModel:
+        """Before partitioning, the model on the CPU; afterwards refused (v1 gathered every partition here)."""
+        if self._pipe is not None:
+            raise V1Error("DistributedModel.cpu() after partitioning: take the whole model with state_dict() (every "
+                          "rank gets it) and load it into an unpartitioned copy")
+        return super().cpu()
+
     def join(self) -> None:
         raise V1Error("DistributedModel.join() is for uneven inputs under data parallelism, which arrives with smp "
                       "issue 13")

@@ -26,7 +26,8 @@ from smp.v1.comm import CommGroup, gather_objects, group_ranks
 from smp.v1.errors import V1Error
 from smp.v1.state import State
 
-__all__ = ["partition_plan", "weigh_memory", "check_fits", "out_of_memory", "warn_unreached", "device_memory", "PLANNING_WAIT"]
+__all__ = ["partition_plan", "weigh_memory", "check_fits", "out_of_memory", "warn_unreached", "device_memory",
+           "PLANNING_WAIT"]
 
 #: How long the other ranks wait for rank 0 to trace, profile and plan the model (seconds).
 PLANNING_WAIT = 3600.0

@@ -203,7 +203,8 @@ class _Run:
         if loss is None:
             self.fn.warn_no_backward()
             device = next((t.device for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)), None)
-            return torch.zeros((), device=device, requires_grad=True)  # reaches no parameter: gradients stay as they are
+            # connected to nothing: the stages' backward carries zero gradients (added to, never changing, .grad)
+            return torch.zeros((), device=device, requires_grad=True)
         return loss if self.average else loss * len(self.micro)
 
 
@@ -318,7 +319,11 @@ def _assemble(returns: list[Any], name: str) -> Any:
 
 
 class StepFunction:
-    """A function decorated with ``@smp.step``; calling it runs one pipelined step (see the module docstring)."""
+    """A function decorated with ``@smp.step``; calling it runs one pipelined step (see the module docstring).
+
+    ``detach_outputs`` is accepted for v1's signature: returned tensors are always detached
+    (gradients flow through ``model.backward`` only, inside the step).
+    """
 
     def __init__(self, fn: Callable[..., Any], non_split_inputs: Sequence[str] | None = None,
                  input_split_axes: dict[str, int] | None = None, detach_outputs: bool = True) -> None:
@@ -332,7 +337,6 @@ class StepFunction:
         if unknown:
             raise V1Error(f"@smp.step names arguments {unknown} that {fn.__qualname__} does not have "
                           f"(it has {list(self.signature.parameters)})")
-        self.detach_outputs = detach_outputs  # outputs are always detached: gradients flow only via model.backward
         self._warned = False
 
     def warn_no_backward(self) -> None:
