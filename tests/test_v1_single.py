@@ -178,6 +178,22 @@ def test_step_function_mistakes_are_named() -> None:
         smp.DistributedModel(TwoPart())
 
 
+def test_a_decorated_method_is_a_step() -> None:
+    class Trainer:
+        scale = 2.0
+
+        @smp.step
+        def step(self, model, data, target):
+            loss = F.nll_loss(model(data), target) * self.scale
+            model.backward(loss)
+            return loss
+
+    model, ref = wrapped()
+    x, y = data()
+    losses = Trainer().step(model, x, y)
+    torch.testing.assert_close(losses.reduce_mean(), 2.0 * F.nll_loss(ref(x), y).detach(), **TOL)
+
+
 def test_a_step_without_backward_trains_nothing_and_says_so() -> None:
     model, _ = wrapped()
     x, y = data()

@@ -74,7 +74,7 @@ def rendezvous(what: str, ranks: Sequence[int], state: State | None = None) -> N
     st = state or current()
     if len(ranks) <= 1:
         return
-    key = f"smp.v1/{what}/{st.next_id(what)}"
+    key = st.next_key(what)
     st.store.set(f"{key}/{st.topology.rank}", "1")
     try:
         st.store.wait([f"{key}/{r}" for r in ranks], datetime.timedelta(seconds=st.config.timeout))

@@ -264,7 +264,7 @@ class DistributedModel(nn.Module):
         elif any(t.is_meta for t in [*self.module.parameters(), *self.module.buffers()]):
             self._pending_state = sd
         else:
-            self.module.load_state_dict(sd, strict=strict)
+            self.module.load_state_dict(sd, strict=strict, assign=assign)
 
     def cpu(self) -> DistributedModel:
         """Before partitioning, the model on the CPU; afterwards refused (v1 gathered every partition here)."""

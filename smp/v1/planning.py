@@ -105,7 +105,7 @@ def _on_rank0(build: Callable[[], Plan], state: State) -> Plan:
     """``build()`` on rank 0 (measured profiles differ between ranks), its plan (or error) shared via the store."""
     if not state.distributed:
         return build()
-    key = f"smp.v1/plan/{state.next_id('plan')}"
+    key = state.next_key("plan")
     if state.topology.rank == 0:
         try:
             payload: dict[str, Any] = {"plan": build().to_dict()}

@@ -33,19 +33,22 @@ class State:
     store: Any = None
     model: DistributedModel | None = None
     optimizer: DistributedOptimizer | None = None
+    generation: int = 0
     counters: dict[str, int] = field(default_factory=dict)
 
     @property
     def distributed(self) -> bool:
         return self.topology.world > 1
 
-    def next_id(self, what: str) -> int:
-        """The how-many-th collective named ``what`` this is (every rank calls them in the same order)."""
+    def next_key(self, what: str) -> str:
+        """A store key for the next collective named ``what``: every rank calls them in the same order, and
+        ``generation`` (the how-many-th ``smp.init``) keeps a new start from meeting an old one's keys."""
         self.counters[what] = self.counters.get(what, 0) + 1
-        return self.counters[what]
+        return f"smp.v1/{self.generation}/{what}/{self.counters[what]}"
 
 
 _state: State | None = None
+_generation = 0
 
 
 def init(config: dict[str, Any] | None = None) -> None:
@@ -55,7 +58,7 @@ def init(config: dict[str, Any] | None = None) -> None:
     the configuration again and forgets the DistributedModel and DistributedOptimizer (the
     process group stays).
     """
-    global _state
+    global _state, _generation
     cfg = load_config(config)
     launch = from_environment(os.environ)
     topo = topology(launch.rank, launch.world, cfg)
@@ -68,7 +71,8 @@ def init(config: dict[str, Any] | None = None) -> None:
                       f"{cfg.partitions} partitions; data parallelism across pipeline replicas arrives with smp "
                       f"issue 13. Launch {cfg.partitions} processes for now (torchrun --nproc_per_node "
                       f"{cfg.partitions})")
-    state = State(cfg, launch, topo)
+    _generation += 1
+    state = State(cfg, launch, topo, generation=_generation)
     if launch.world > 1:
         state.group, state.store = _join(launch, cfg.timeout)
     _state = state

@@ -339,6 +339,10 @@ class StepFunction:
                           f"(it has {list(self.signature.parameters)})")
         self._warned = False
 
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        """A decorated method binds its instance, as the plain function would."""
+        return self if instance is None else functools.partial(self.__call__, instance)
+
     def warn_no_backward(self) -> None:
         if not self._warned:
             self._warned = True
