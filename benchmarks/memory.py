@@ -55,7 +55,7 @@ def measure(spec: str, stages: int, schedule: str) -> list[dict]:
         opt.step()
     stats = pipe.memory_stats(opt)
     rows = []
-    for r in range(plan.num_ranks):
+    for r in range(plan.pipeline_ranks):
         stages_here = plan.schedule.stages_of(r)
         predicted = plan.rank_memory[r]
         predicted_act = plan.simulated.peak_activation_bytes_per_rank[r]

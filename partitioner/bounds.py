@@ -23,8 +23,11 @@ def named_lower_bounds(prob: Problem) -> dict[str, float]:
       least the p-th and (p+1)-th largest;
     - ``communication``: :func:`comm_lower_bound`;
     - ``neighbourhood``: :func:`neighbourhood_lower_bound`.
+
+    An op's work is its least on any stage (``Problem.least_work``: its forward and
+    backward, plus the recomputation every allowed choice runs).
     """
-    work = prob.work
+    work = prob.least_work
     fastest = float(prob.speed.max())
     top = np.sort(work)[::-1]
     bounds = {"work": float(work.sum()) / float(prob.speed.sum()),
@@ -70,7 +73,7 @@ def comm_lower_bound(prob: Problem) -> float:
     free_sources = prob.n - len(paid_in)
     free_sinks = prob.n - len(paid_out)
     comm = max(0, prob.p - free_sources) * min(paid_in) + max(0, prob.p - free_sinks) * min(paid_out)
-    return (float(prob.work.sum()) + float(prob.speed.min()) * comm) / float(prob.speed.sum())
+    return (float(prob.least_work.sum()) + float(prob.speed.min()) * comm) / float(prob.speed.sum())
 
 
 def neighbourhood_lower_bound(prob: Problem) -> float:
@@ -85,7 +88,7 @@ def neighbourhood_lower_bound(prob: Problem) -> float:
     op (an LM head, an embedding) dominates the bottleneck.
     """
     fastest = float(prob.speed.max())
-    work = prob.work / fastest
+    work = prob.least_work / fastest
     if prob.p > 1:
         upper = np.triu_indices(prob.p, 1)
         max_bw, min_lat = float(prob.bw[upper].max()), float(prob.lat[upper].min())
@@ -104,11 +107,15 @@ def neighbourhood_lower_bound(prob: Problem) -> float:
 def memory_lower_bound(prob: Problem) -> tuple[float, float]:
     """(bytes some device needs under any assignment, bytes the largest op alone needs).
 
-    Every op sits on some stage holding at least min(in_flight) microbatches, and the
-    stages share the total: max_s memory_s >= (Σ fixed + min in-flight × Σ activations) / p.
+    Every op sits on some stage holding at least min(in_flight) microbatches (and
+    recomputing at least min(recomputing)) under one of the stages' allowed recomputation
+    choices; a stage's memory is at least the sum over its ops of their least share, and
+    the stages share the total: max_s memory_s >= Σ_v least_v / p.
     """
-    least = min(prob.in_flight)
-    per_op = prob.fixed_mem + least * prob.act_bytes
+    least, least_rec = min(prob.in_flight), min(prob.recomputing)
+    union = {c for opts in prob.choices for c in opts}
+    per_op = prob.fixed_mem + np.min([least * prob.rec.kept[c] + least_rec * prob.rec.remade[c] for c in union],
+                                     axis=0)
     largest = float(per_op.max())
     share = float(per_op.sum()) / prob.p
     return max(largest, share), largest

@@ -47,6 +47,17 @@ class Link:
             return 0.0
         return nbytes / self.bandwidth + self.latency
 
+    def allreduce_seconds(self, nbytes: float, participants: int) -> float:
+        """A ring all-reduce of ``nbytes`` among ``participants`` over this link (Patarasuk & Yuan, 2009).
+
+        Each rank sends and receives 2 (n - 1) / n of the data in 2 (n - 1) steps, each
+        paying the link's latency.
+        """
+        if participants < 2 or nbytes <= 0:
+            return 0.0
+        n = participants
+        return 2 * (n - 1) / n * nbytes / self.bandwidth + 2 * (n - 1) * self.latency
+
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "bandwidth": _num_or_none(self.bandwidth), "latency": self.latency}
 
@@ -187,6 +198,14 @@ class Cluster:
         if stages == len(self.devices):
             return self
         return Cluster(self.devices[:stages], self.links[:stages - 1], self.name, self.meta)
+
+    def subset(self, indices: Sequence[int]) -> Cluster:
+        """The devices at ``indices`` (in that order) as a cluster: each link the slowest between its two devices."""
+        idx = list(indices)
+        if not idx or any(not 0 <= i < len(self.devices) for i in idx):
+            raise ClusterError(f"devices {idx} are not all in the cluster's 0..{len(self.devices) - 1}")
+        links = tuple(self.link(min(a, b), max(a, b)) for a, b in zip(idx, idx[1:]))
+        return Cluster(tuple(self.devices[i] for i in idx), links, self.name, self.meta)
 
     def interleaved(self, ranks: int, virtual_stages: int) -> Cluster:
         """The stages' view of an interleaved pipeline: stage s runs on device s mod ``ranks``.

@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from partitioner.cluster import Cluster
+from partitioner.cluster import Cluster, Link
 from partitioner.graph import OpGraph
 from partitioner.ir import ScheduleKind
 from partitioner.microbatch import batch_size, split_microbatches
-from partitioner.plan import ModelInfo, Plan, PlanError, schedule_for, simulate_partition
+from partitioner.plan import PLACEMENTS, ModelInfo, Plan, PlanError, schedule_for, simulate_partition
 from partitioner.profile import profile
+from partitioner.shapes import ShapeSearch, search_shapes
 from partitioner.solve import solve
 from partitioner.trace import fingerprint, trace
 
-__all__ = ["plan", "plan_from_graph", "tied_groups"]
+__all__ = ["plan", "plan_from_graph", "plan_shapes", "tied_groups"]
 
 
 def plan(
@@ -26,9 +29,9 @@ def plan(
     example_args: Sequence[Any] | Any = (),
     example_kwargs: Mapping[str, Any] | None = None,
     *,
-    stages: int,
-    microbatches: int = 1,
-    schedule: str = "1f1b",
+    stages: int | None = None,
+    microbatches: int | str | Sequence[int] | None = None,
+    schedule: str | Sequence[str] = "1f1b",
     cluster: Cluster | str | Path | None = None,
     memory_limit: float | None = None,
     method: str = "auto",
@@ -46,7 +49,12 @@ def plan(
     name: str | None = None,
     objective: str = "step_time",
     training: bool = True,
+    data_parallel: int = 1,
+    placement: str | None = None,
+    devices: int | None = None,
+    global_batch: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    recompute: str = "auto",
 ) -> Plan:
     """Trace, profile, solve, schedule and simulate: the whole compiler in one call.
 
@@ -61,13 +69,124 @@ def plan(
     gap and ``optimal`` always speak of the bottleneck (``Partition.bound_on``).
     ``training`` (default) plans a training step whatever mode the module is in, tracing
     and profiling it in train mode; ``training=False`` plans inference in eval mode.
+    ``data_parallel`` replicas of the pipeline (each with the sample batch as its share)
+    and their ``placement``: see :func:`plan_from_graph`. ``recompute``: activation
+    recomputation per stage (docs/memory.md): "auto" (the default: chosen with the
+    partition, none wherever the memory limit allows), or "none", "selective", "full" on
+    every stage; ``Plan.recompute`` gives each stage's.
+
+    A search instead of one shape: ``devices=N`` weighs every D replicas x P stages x m
+    microbatches on N devices of ``cluster`` for ``global_batch`` samples a step (default:
+    the sample batch), with ``stages`` or ``microbatches`` fixing their part of the grid;
+    ``microbatches="auto"`` (or a list of counts) and ``schedule="auto"`` (or a list) weigh
+    the counts and schedules of a ``stages``-rank pipeline. Either returns the fastest
+    simulated plan that fits memory; :func:`plan_shapes` also returns every candidate.
     """
+    searching = (devices is not None or microbatches == "auto" or not isinstance(schedule, str)
+                 or schedule in ("auto", "all") or isinstance(microbatches, (list, tuple)))
+    if searching:
+        if data_parallel != 1:
+            raise PlanError("devices= searches the data-parallel degree itself; drop data_parallel=")
+        if devices is None and stages is None:
+            raise PlanError("a microbatch or schedule search is for a pipeline of stages= ranks (or pass devices=)")
+        return plan_shapes(
+            model, example_args, example_kwargs, devices=devices if devices is not None else stages,
+            global_batch=global_batch, stages=stages, microbatches=microbatches, schedule=schedule, cluster=cluster,
+            memory_limit=memory_limit, method=method, time_limit=time_limit, timing=timing, device=device,
+            device_profile=device_profile, dtype=dtype, virtual_stages=virtual_stages, colocate_tied=colocate_tied,
+            frontend=frontend, leaf_modules=leaf_modules, repeats=repeats, graph=graph, name=name,
+            objective=objective, training=training, placement=placement, recompute=recompute,
+            progress=progress).best
+    if global_batch is not None:
+        raise PlanError("global_batch= goes with devices= (the shape search); without it the sample batch is "
+                        "one replica's batch")
+    if stages is None:
+        raise PlanError("pass stages= (pipeline ranks), or devices= to search data parallel x stages x microbatches")
+    if isinstance(microbatches, str):
+        raise PlanError(f"microbatches must be a count, a list of counts or 'auto', got {microbatches!r}")
     if stages < 1:
         raise PlanError(f"stages must be >= 1, got {stages}")
-    ScheduleKind.parse(schedule)  # a typo should fail before minutes of profiling
+    microbatches = 1 if microbatches is None else int(microbatches)  # type: ignore[arg-type]  # lists search
+    ScheduleKind.parse(schedule)  # type: ignore[arg-type]  # a typo should fail before minutes of profiling
+    _resolve_cluster(cluster, stages * data_parallel)
+    graph, model_info = _profile(model, example_args, example_kwargs, microbatches=microbatches, timing=timing,
+                                 device=device, device_profile=device_profile, dtype=dtype, frontend=frontend,
+                                 leaf_modules=leaf_modules, repeats=repeats, graph=graph, name=name,
+                                 training=training, progress=progress)
+    return plan_from_graph(graph, stages=stages, microbatches=microbatches, schedule=schedule,  # type: ignore[arg-type]
+                           cluster=cluster, memory_limit=memory_limit, method=method, time_limit=time_limit,
+                           virtual_stages=virtual_stages, colocate_tied=colocate_tied, training=training,
+                           model_info=model_info, objective=objective, data_parallel=data_parallel,
+                           placement=placement, recompute=recompute)
+
+
+def plan_shapes(
+    model: nn.Module,
+    example_args: Sequence[Any] | Any = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    devices: int,
+    global_batch: int | None = None,
+    stages: int | None = None,
+    microbatches: int | str | Sequence[int] | None = None,
+    schedule: str | Sequence[str] = "1f1b",
+    cluster: Cluster | str | Path | None = None,
+    device_profile: str | Path | None = None,
+    training: bool = True,
+    graph: OpGraph | None = None,
+    placement: str | None = None,
+    virtual_stages: int = 2,
+    progress: Callable[[int, int], None] | None = None,
+    shape_progress: Callable[[int, int], None] | None = None,
+    **options: Any,
+) -> ShapeSearch:
+    """Every shape of ``devices`` weighed for ``global_batch`` samples a step, fastest first.
+
+    The model is profiled once, on the sample batch as one microbatch, and each shape's
+    microbatch is that graph scaled (partitioner/shapes.py). ``cluster`` (default:
+    ``device_profile``'s devices, else free links and no memory limit) prices the links and
+    bounds the memory. ``microbatches``: None or "auto" (the default grid), a count or a
+    list of counts; ``schedule``: one name, a list, or "auto" (every kind). ``options`` go
+    to :func:`plan_from_graph` (method, time_limit, memory_limit, objective, colocate_tied,
+    recompute) and to profiling (timing, device, dtype, frontend, leaf_modules, repeats, name).
+    """
+    schedules = [k.value for k in ScheduleKind] if schedule in ("auto", "all") else \
+        [schedule] if isinstance(schedule, str) else list(schedule)
+    for kind in schedules:
+        ScheduleKind.parse(kind)
+    if isinstance(microbatches, str) and microbatches != "auto":
+        raise PlanError(f"microbatches must be a count, a list of counts or 'auto', got {microbatches!r}")
+    counts = None if microbatches in (None, "auto") else \
+        [microbatches] if isinstance(microbatches, int) else [int(m) for m in microbatches]  # type: ignore[union-attr]
+    resolved = _resolve_cluster(cluster if cluster is not None else device_profile, devices)
+    if resolved is None and devices > (stages or 1):
+        raise PlanError("weighing data parallelism needs the links its gradient all-reduce crosses: pass a cluster "
+                        "(e.g. cluster='h100-sxm'), or fix stages= to the device count")
+    profile_keys = ("timing", "device", "dtype", "frontend", "leaf_modules", "repeats", "name")
+    prof = {k: options.pop(k) for k in profile_keys if k in options}
+    args = tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,)
+    sample = batch_size(args, dict(example_kwargs or {}))
+    if not isinstance(sample, int):
+        raise PlanError("the shape search splits the batch among replicas and microbatches: the sample inputs need "
+                        "a batch dimension (dim 0 of the tensor inputs)")
+    graph, model_info = _profile(model, args, example_kwargs, microbatches=1, device_profile=device_profile,
+                                 graph=graph, training=training, progress=progress, **prof)
+    return search_shapes(graph, devices=devices, global_batch=global_batch or sample, profiled_batch=sample,
+                         cluster=resolved, solve_plan=plan_from_graph, schedules=schedules, stages=stages,
+                         microbatches=counts, model_info=model_info, placement=placement,
+                         virtual_stages=virtual_stages, options={**options, "training": training},
+                         progress=shape_progress)
+
+
+def _profile(model: nn.Module, example_args: Sequence[Any] | Any, example_kwargs: Mapping[str, Any] | None, *,
+             microbatches: int, timing: str | None = None, device: str | torch.device | None = None,
+             device_profile: str | Path | None = None, dtype: str | None = None, frontend: str = "auto",
+             leaf_modules: Iterable[type | str] = (), repeats: int = 5, graph: OpGraph | None = None,
+             name: str | None = None, training: bool = True, progress: Callable[[int, int], None] | None = None,
+             ) -> tuple[OpGraph, ModelInfo]:
+    """The model traced and costed on one microbatch (unless ``graph`` is given), and what the plan says of it."""
     args = tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,)
     kwargs = dict(example_kwargs or {})
-    base_cluster = _resolve_cluster(cluster, stages)
     was_training = model.training
     model.train(training)
     try:
@@ -98,10 +217,7 @@ def plan(
         )
     finally:
         model.train(was_training)
-    return plan_from_graph(graph, stages=stages, microbatches=microbatches, schedule=schedule, cluster=base_cluster,
-                           memory_limit=memory_limit, method=method, time_limit=time_limit,
-                           virtual_stages=virtual_stages, colocate_tied=colocate_tied, training=training,
-                           model_info=model_info, objective=objective)
+    return graph, model_info
 
 
 def plan_from_graph(
@@ -120,14 +236,32 @@ def plan_from_graph(
     model_info: ModelInfo | None = None,
     name: str | None = None,
     objective: str = "step_time",
+    data_parallel: int = 1,
+    placement: str | None = None,
+    recompute: str = "auto",
 ) -> Plan:
     """Solve, schedule and simulate an already-profiled graph (e.g. ``smp profile -o graph.json``).
 
     The graph's costs are per microbatch. Without ``model_info`` the plan's model section
     comes from ``graph.meta`` (its ``fingerprint`` is ``"unknown"`` when the graph has none).
+    ``data_parallel`` replicas of the ``stages``-rank pipeline run on D x P devices of the
+    cluster, laid out by ``placement`` ("cluster" or "spread", see :class:`Plan`; None
+    tries both and keeps the faster step).
     """
     if stages < 1:
         raise PlanError(f"stages must be >= 1, got {stages}")
+    if data_parallel < 1:
+        raise PlanError(f"data_parallel must be >= 1, got {data_parallel}")
+    if placement is None and data_parallel > 1 and cluster is not None:
+        plans = [plan_from_graph(graph, stages=stages, microbatches=microbatches, schedule=schedule, cluster=cluster,
+                                 memory_limit=memory_limit, method=method, time_limit=time_limit,
+                                 virtual_stages=virtual_stages, colocate_tied=colocate_tied, training=training,
+                                 model_info=model_info, name=name, objective=objective, data_parallel=data_parallel,
+                                 placement=how, recompute=recompute) for how in PLACEMENTS]
+        return min(plans, key=lambda p: p.step_time)
+    placement = placement or "cluster"
+    if placement not in PLACEMENTS:
+        raise PlanError(f"unknown placement {placement!r}; choose {' or '.join(PLACEMENTS)}")
     kind = ScheduleKind.parse(schedule)
     v = virtual_stages if kind.interleaved else 1
     if v < 1:
@@ -135,7 +269,8 @@ def plan_from_graph(
     num_stages = stages * v
     if training is None:
         training = bool(graph.meta.get("training", True))
-    base_cluster = _resolve_cluster(cluster, stages)
+    base_cluster, dp_link = _layout(_resolve_cluster(cluster, stages * data_parallel), stages, data_parallel,
+                                    placement)
     if len(graph) < num_stages:
         raise PlanError(f"the model has {len(graph)} ops, fewer than the {num_stages} stages asked for; "
                         "use fewer stages (or fewer virtual stages)")
@@ -144,12 +279,27 @@ def plan_from_graph(
     colocate = tied_groups(graph) if colocate_tied else ()
     part = solve(graph, num_stages, cluster=stage_cluster, microbatches=microbatches, schedule=kind.value,
                  training=training, memory_limit=limit, colocate=colocate, method=method, time_limit=time_limit,
-                 objective=objective, ranks=stages)
-    sched = schedule_for(kind, part, microbatches, stages)
+                 objective=objective, ranks=stages, recompute=recompute)
+    sched = schedule_for(kind, part, microbatches, stages, data_parallel)
     if model_info is None:
         model_info = _model_info_from_graph(graph, microbatches, training, name)
     return Plan(model=model_info, graph=graph, partition=part, schedule=sched,
-                simulated=simulate_partition(sched, part))
+                simulated=simulate_partition(sched, part, dp_link), placement=placement, dp_link=dp_link)
+
+
+def _layout(cluster: Cluster | None, stages: int, replicas: int, placement: str) -> tuple[Cluster | None, Link | None]:
+    """(the devices of one pipeline as a cluster, the slowest link a stage's replicas all-reduce over)."""
+    if cluster is None:
+        return None, None
+    if placement == "cluster":
+        pipeline = list(range(stages))
+        groups = [[d * stages + s for d in range(replicas)] for s in range(stages)]
+    else:
+        pipeline = [s * replicas for s in range(stages)]
+        groups = [[s * replicas + d for d in range(replicas)] for s in range(stages)]
+    links = [cluster.link(g[0], g[-1]) for g in groups if len(g) > 1]
+    dp_link = min(links, key=lambda lk: (lk.bandwidth, -lk.latency)) if links else None
+    return cluster.subset(pipeline), dp_link
 
 
 def _model_info_from_graph(graph: OpGraph, microbatches: int, training: bool, name: str | None) -> ModelInfo:

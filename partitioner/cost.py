@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import networkx as nx
 import numpy as np
@@ -15,11 +15,12 @@ from partitioner.cluster import Cluster
 from partitioner.errors import InvalidAssignmentError, PlanningError, StageCountError
 from partitioner.graph import OUTPUT_OP, OpGraph
 from partitioner.ir import ScheduleKind
+from partitioner.recompute import CHOICES, check_mode, op_recompute, peak_recomputing
 from partitioner.schedule import peak_in_flight
 from partitioner.units import format_bytes
 
 __all__ = [
-    "Transfer", "StageStats", "Partition", "Problem", "evaluate", "graph_order", "DEFAULT_STATE_FACTOR",
+    "Transfer", "StageStats", "StageTerms", "Partition", "Problem", "evaluate", "graph_order", "DEFAULT_STATE_FACTOR",
     "format_bytes",
 ]
 
@@ -52,7 +53,15 @@ class Transfer:
 
 @dataclass
 class StageStats:
-    """Per-microbatch cost of one stage and its peak memory estimate."""
+    """Per-microbatch cost of one stage and its peak memory estimate.
+
+    ``time = compute + recompute_time + comm_in_time + comm_out_time``. ``recompute`` is the
+    stage's activation recomputation (:data:`partitioner.recompute.CHOICES`), which the
+    runtime executes: ``recompute_time`` is the forward run again inside each backward,
+    ``activations`` what the stage keeps per microbatch in flight, ``recompute_bytes`` what
+    one microbatch's recomputation re-creates, held for ``recomputing`` microbatches at
+    the peak: ``memory = state + in_flight × activations + recomputing × recompute_bytes``.
+    """
 
     index: int
     device: int
@@ -73,6 +82,10 @@ class StageStats:
     in_flight: int
     memory: float
     memory_limit: float | None
+    recompute: str = "none"
+    recompute_time: float = 0.0
+    recompute_bytes: float = 0.0
+    recomputing: int = 0
 
     @property
     def fits(self) -> bool:
@@ -113,10 +126,18 @@ class Partition:
     #: With ``objective="step_time"``: the solver's bottleneck plan this one was weighed
     #: against ({"method", "bottleneck", "simulated_step", "optimal"}); None otherwise.
     bottleneck_plan: dict[str, Any] | None = None
+    #: What was asked of recomputation: "auto" (chosen per stage), a choice forced on every
+    #: stage, or "given" (one choice per stage, from the caller); each stage's is in ``stages``.
+    recompute_mode: str = "none"
 
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    @property
+    def recompute(self) -> list[str]:
+        """Each stage's activation recomputation: "none", "selective" or "full"."""
+        return [s.recompute for s in self.stages]
 
     @property
     def memory_ok(self) -> bool:
@@ -174,12 +195,13 @@ class Partition:
 
     def table(self) -> str:
         """A plain-text table of the stages, for logs and the CLI."""
-        rows = [f"{'stage':>5} {'ops':>5} {'modules':<24} {'compute ms':>11} {'comm ms':>9} "
+        rows = [f"{'stage':>5} {'ops':>5} {'modules':<24} {'compute ms':>11} {'recompute':>14} {'comm ms':>9} "
                 f"{'time ms':>9} {'memory':>11} {'limit':>11}"]
         for s in self.stages:
             mark = "*" if s.index == self.bottleneck_stage else " "
+            rec = s.recompute if s.recompute == "none" else f"{s.recompute} {s.recompute_time * 1e3:.3f}"
             rows.append(f"{s.index:>4}{mark} {len(s.ops):>5} {s.modules[:24]:<24} {s.compute * 1e3:>11.3f} "
-                        f"{(s.comm_in_time + s.comm_out_time) * 1e3:>9.3f} {s.time * 1e3:>9.3f} "
+                        f"{rec:>14} {(s.comm_in_time + s.comm_out_time) * 1e3:>9.3f} {s.time * 1e3:>9.3f} "
                         f"{format_bytes(s.memory):>11} {format_bytes(s.memory_limit):>11}")
         rows.append(f"bottleneck {self.bottleneck * 1e3:.3f} ms, lower bound {self.lower_bound * 1e3:.3f} ms "
                     f"({self.bound_by or 'none'}), gap {self.gap:.2%}"
@@ -215,17 +237,31 @@ def graph_order(graph: OpGraph | nx.DiGraph) -> tuple[nx.DiGraph, list[Hashable]
     return g, list(nx.lexicographical_topological_sort(g, key=str))
 
 
+class StageTerms(NamedTuple):
+    """One stage's cost under its recomputation choice (see :meth:`Problem.stage_report`)."""
+
+    choice: str
+    time: float
+    memory: float
+    kept: float  # bytes kept per microbatch in flight, the stage's cut included
+    remade: float  # bytes one microbatch's recomputation re-creates
+    recompute_time: float  # seconds of forward run again inside one backward
+
+
 class Problem:
     """A graph, a stage count and the cost options, flattened into arrays over a topological order.
 
     Every solver and :func:`evaluate` read costs from here, so there is one cost model.
     Position ``i`` is the i-th node of ``order``; ``succ[i]`` are consumer positions.
+    ``recompute``: "none", "selective" or "full" on every stage, "auto" (each stage takes
+    the fastest choice that fits its memory, see :meth:`stage_report`), or one choice per stage.
     """
 
     def __init__(self, graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None = None,
                  microbatches: int = 1, schedule: str = "1f1b", training: bool = True,
                  memory_limit: float | None = None, state_factor: float = DEFAULT_STATE_FACTOR,
-                 order: Sequence[Hashable] | None = None, ranks: int | None = None):
+                 order: Sequence[Hashable] | None = None, ranks: int | None = None,
+                 recompute: str | Sequence[str] = "none"):
         g, default_order = graph_order(graph)
         self.graph = graph
         self.g = g
@@ -274,10 +310,12 @@ class Problem:
         # receives until its backward, and the whole of each tensor it sends (the backward's
         # roots), of which only the part some consumer saves is in the producer's saved bytes.
         self.keeps_received = bool(saved)
-        # The storage a sent output lives in (an op's own, or the one it views) and what it adds.
+        # The storage a sent output lives in (an op's own, or the one it views).
         self.root = [self.pos.get(g.nodes[v].get("view_of") or v, i) for i, v in enumerate(self.order)]
-        self.root_extra = np.maximum(attr("storage_bytes") - attr("saved_output_bytes"), 0.0) if saved \
-            else np.zeros(self.n)
+        # What each recomputation choice keeps, re-creates and runs again, per op.
+        self.rec = op_recompute(self.fwd, attr("flops"), self.act_bytes,
+                                attr("saved_output_bytes") if saved else self.out_bytes,
+                                attr("storage_bytes") if saved else self.out_bytes, exact=saved)
         self.modules = [str(g.nodes[v].get("module", "") or "") for v in self.order]
         # The model's output node (OpGraph.OUTPUT_OP) is no op: a stage must hold a real one.
         self.is_output = [g.nodes[v].get("op") == OUTPUT_OP for v in self.order]
@@ -295,7 +333,9 @@ class Problem:
                 self.bw[a, t], self.lat[a, t] = lk.bandwidth, lk.latency
         # Microbatches each stage holds at its peak, read off the schedule's own order
         # (interleaved: ``ranks`` pipeline ranks hold the ``stages`` stages round robin).
+        self.ranks = ranks
         self.in_flight = peak_in_flight(self.schedule, stages, microbatches, num_ranks=ranks, training=training)
+        self.recomputing = peak_recomputing(self.schedule, stages, microbatches, num_ranks=ranks, training=training)
         factor = self.state_factor if training else 1.0
         # A parameter read on several stages (a tied embedding and LM head) is held, with
         # its gradient and optimizer state, by every stage that reads it; ``params`` counts
@@ -309,6 +349,26 @@ class Problem:
             self.mem_limit: list[float | None] = [float(memory_limit)] * stages
         else:
             self.mem_limit = [d.memory for d in self.cluster.devices]
+        self.recompute_mode, self.choices = self._stage_choices(recompute)
+        # Per op, the least time it costs on any stage (recomputation included): what bounds may count.
+        union = sorted({c for opts in self.choices for c in opts}, key=CHOICES.index)
+        self.least_work = self.work + np.min([self.rec.seconds[c] for c in union], axis=0)
+
+    def _stage_choices(self, recompute: str | Sequence[str]) -> tuple[str, list[tuple[str, ...]]]:
+        """(the mode, each stage's allowed recomputation choices, fastest first)."""
+        mode = check_mode(recompute, self.p)
+        if isinstance(mode, tuple):
+            if not self.training and any(c != "none" for c in mode):
+                raise PlanningError("recomputation applies to training only; plan inference with recompute='none'")
+            return "given", [(c,) for c in mode]
+        if not self.training:
+            if mode not in ("auto", "none"):
+                raise PlanningError(f"recompute={mode!r} applies to training only; plan inference with "
+                                    "recompute='none' (or 'auto')")
+            return mode, [("none",)] * self.p
+        if mode == "auto":  # where memory is unlimited the fastest choice, none, is the only one worth taking
+            return mode, [CHOICES if lim is not None else CHOICES[:1] for lim in self.mem_limit]
+        return mode, [(mode,)] * self.p
 
     # ---------------------------------------------------------------- pieces
 
@@ -318,52 +378,86 @@ class Problem:
             return 0.0
         return nbytes / self.bw[a, t] + self.lat[a, t]
 
-    def node_memory(self, i: int, s: int) -> float:
-        return self.fixed_mem[i] + self.in_flight[s] * self.act_bytes[i]
+    def node_memory(self, i: int, s: int, choice: str = "none") -> float:
+        """Op ``i``'s own share of stage ``s``'s memory under ``choice`` (the cut's tensors come on top)."""
+        return (self.fixed_mem[i] + self.in_flight[s] * self.rec.kept[choice][i]
+                + self.recomputing[s] * self.rec.remade[choice][i])
 
     # ---------------------------------------------------------------- fast costs
 
-    def stage_costs(self, assign: Sequence[int]) -> tuple[list[float], list[float]]:
+    def stage_costs(self, assign: Sequence[int], choices: Sequence[str] | None = None
+                    ) -> tuple[list[float], list[float]]:
         """Per-stage time and memory of ``assign`` (stage per position); no validity checks."""
+        terms = self.stage_report(assign, choices)
+        return [t.time for t in terms], [t.memory for t in terms]
+
+    def stage_report(self, assign: Sequence[int], choices: Sequence[str] | None = None) -> list[StageTerms]:
+        """Each stage's time and memory under its recomputation choice.
+
+        Without ``choices`` each stage takes, among its allowed choices (fastest first), the
+        first that fits its memory limit (the fastest that fits: a stage's choice changes
+        nothing on other stages), or the one needing least memory when none fits.
+        """
         p = self.p
-        comp = [0.0] * p
-        mem = [0.0] * p
-        work, fixed, act, ob, infl = self.work, self.fixed_mem, self.act_bytes, self.out_bytes, self.in_flight
-        for i, s in enumerate(assign):
-            comp[s] += work[i]
-            mem[s] += fixed[i] + infl[s] * act[i]
-        t = [comp[s] / self.speed[s] for s in range(p)]
+        a = np.asarray(assign, dtype=np.int64)
+        options = self.choices if choices is None else [(c,) for c in check_mode(choices, p)]
+        used = {c for opts in options for c in opts}
+        speed, infl, rinfl = self.speed, self.in_flight, self.recomputing
+        comp = np.bincount(a, weights=self.work, minlength=p)
+        fixed = np.bincount(a, weights=self.fixed_mem, minlength=p)
+        per = {c: (np.bincount(a, weights=self.rec.kept[c], minlength=p),
+                   np.bincount(a, weights=self.rec.remade[c], minlength=p),
+                   np.bincount(a, weights=self.rec.seconds[c], minlength=p)) for c in used}
+        t = [float(comp[s]) / speed[s] for s in range(p)]
+        recv = [0.0] * p
         k = self.directions
+        ob = self.out_bytes
         roots: set[int] = set()
         for u, succ in enumerate(self.succ):
             b = ob[u]
             if b <= 0 or not succ:
                 continue
-            a = assign[u]
+            src = assign[u]
             for dst in {assign[v] for v in succ}:
-                if dst != a:
-                    c = k * (b / self.bw[a, dst] + self.lat[a, dst])
-                    t[a] += c
+                if dst != src:
+                    c = k * (b / self.bw[src, dst] + self.lat[src, dst])
+                    t[src] += c
                     t[dst] += c
                     roots.add(u)
-                    if self.keeps_received:
-                        mem[dst] += infl[dst] * b
-        for s, extra in enumerate(self.kept_for_sending(assign, roots)):
-            mem[s] += infl[s] * extra
-        return t, mem
+                    recv[dst] += b
+        sent = self.kept_for_sending(assign, roots, used)
+        out = []
+        for s in range(p):
+            pick = None
+            for c in options[s]:
+                kept_s, remade_s, seconds_s = per[c]
+                kept = float(kept_s[s]) + (recv[s] if self.rec.received[c] else 0.0) + sent[c][s]
+                remade = float(remade_s[s])
+                memory = float(fixed[s]) + infl[s] * kept + rinfl[s] * remade
+                rec_t = float(seconds_s[s]) / speed[s]
+                term = StageTerms(c, float(t[s] + rec_t), float(memory), float(kept), remade, rec_t)
+                if self.mem_limit[s] is None or memory <= self.mem_limit[s] * (1 + 1e-12):
+                    pick = term
+                    break
+                if pick is None or memory < pick.memory:
+                    pick = term
+            out.append(pick)
+        return out
 
-    def kept_for_sending(self, assign: Sequence[int], sent: Iterable[int]) -> list[float]:
-        """Per stage, the bytes it keeps because it sends them (the backward's roots) beyond what autograd saves.
+    def kept_for_sending(self, assign: Sequence[int], sent: Iterable[int],
+                         choices: Iterable[str] = ("none",)) -> dict[str, list[float]]:
+        """Per choice and stage, the bytes a stage keeps because it sends them (the backward's roots) beyond
+        what the choice keeps anyway.
 
         Each storage once: several sent views of one tensor keep one storage, and a view of
         a tensor received from an earlier stage keeps nothing more (the received copy is counted).
         """
-        out = [0.0] * self.p
-        if not self.keeps_received:
-            return out
+        out = {c: [0.0] * self.p for c in choices}
+        sent = list(sent)
         for r in {self.root[u] for u in sent}:
             if any(assign[r] == assign[u] for u in sent if self.root[u] == r):
-                out[assign[r]] += float(self.root_extra[r])
+                for c, per_stage in out.items():
+                    per_stage[assign[r]] += float(self.rec.sent[c][r])
         return out
 
     def bottleneck(self, assign: Sequence[int]) -> float:
@@ -390,7 +484,7 @@ class Problem:
     # ---------------------------------------------------------------- the full report
 
     def partition(self, assign: Sequence[int], *, method: str = "manual",
-                  solve_seconds: float = 0.0) -> Partition:
+                  solve_seconds: float = 0.0, choices: Sequence[str] | None = None) -> Partition:
         p, k = self.p, self.directions
         speed = self.speed
         ops: list[list[int]] = [[] for _ in range(p)]
@@ -399,7 +493,6 @@ class Problem:
         transfers: list[Transfer] = []
         cin_b, cout_b = [0.0] * p, [0.0] * p
         cin_t, cout_t = [0.0] * p, [0.0] * p
-        sent: set[int] = set()
         for u, succ in enumerate(self.succ):
             b = float(self.out_bytes[u])
             if b <= 0 or not succ:
@@ -413,29 +506,25 @@ class Problem:
                 cin_b[dst] += b
                 cout_t[a] += k * sec
                 cin_t[dst] += k * sec
-            if dsts:
-                sent.add(u)
-        kept_sent = self.kept_for_sending(assign, sent)
+        terms = self.stage_report(assign, choices)
         stats = []
         for s in range(p):
-            idx = ops[s]
+            idx, term = ops[s], terms[s]
             fwd = float(self.fwd[idx].sum()) / speed[s]
             bwd = float(self.bwd[idx].sum()) / speed[s] if self.training else 0.0
             bwd_w = float(self.bwd_w[idx].sum()) / speed[s] if self.training else 0.0
             compute = float(self.work[idx].sum()) / speed[s]
-            params = float(self.held[idx].sum())
-            buffers = float(self.buffers[idx].sum())
-            acts = float(self.act_bytes[idx].sum()) + (cin_b[s] + kept_sent[s] if self.keeps_received else 0.0)
-            memory = float(self.fixed_mem[idx].sum()) + self.in_flight[s] * acts
             stats.append(StageStats(
                 index=s, device=s, ops=[str(self.order[i]) for i in idx],
                 modules=module_range([self.modules[i] for i in idx]),
                 fwd=fwd, bwd=bwd, bwd_w=bwd_w, compute=compute,
                 comm_in_bytes=cin_b[s], comm_out_bytes=cout_b[s],
                 comm_in_time=cin_t[s], comm_out_time=cout_t[s],
-                time=compute + cin_t[s] + cout_t[s], params=params, buffers=buffers,
-                activations=acts, in_flight=self.in_flight[s], memory=memory,
-                memory_limit=self.mem_limit[s]))
+                time=compute + term.recompute_time + cin_t[s] + cout_t[s],
+                params=float(self.held[idx].sum()), buffers=float(self.buffers[idx].sum()),
+                activations=term.kept, in_flight=self.in_flight[s], memory=term.memory,
+                memory_limit=self.mem_limit[s], recompute=term.choice, recompute_time=term.recompute_time,
+                recompute_bytes=term.remade, recomputing=self.recomputing[s] if term.choice != "none" else 0))
         times = [st.time for st in stats]
         worst = int(np.argmax(times))
         part = Partition(
@@ -443,13 +532,15 @@ class Problem:
             stages=stats, transfers=transfers, bottleneck=times[worst], bottleneck_stage=worst,
             lower_bound=0.0, optimal=False, gap=1.0, method=method, solve_seconds=solve_seconds,
             cluster=self.cluster.to_dict(), microbatches=self.microbatches, schedule=self.schedule,
-            training=self.training, memory_limit=self.memory_limit_arg, state_factor=self.state_factor)
+            training=self.training, memory_limit=self.memory_limit_arg, state_factor=self.state_factor,
+            recompute_mode=self.recompute_mode if choices is None else "given")
         name, bound = max(named_lower_bounds(self).items(), key=lambda kv: kv[1])
         part.with_report(lower_bound=bound, bound_by=name)
         over = [st.index for st in stats if not st.fits]
         if over:
             part.notes.append(f"stages {over} exceed their memory limit")
         return part
+
 
     def assignment(self, stage_of: Mapping[Hashable, int]) -> list[int]:
         """Positions -> stage from a node -> stage mapping (keys may be names as strings)."""
@@ -526,11 +617,14 @@ def evaluate(graph: OpGraph | nx.DiGraph, stage_of: Mapping[Hashable, int], *,
              cluster: Cluster | None = None, microbatches: int = 1, schedule: str = "1f1b",
              training: bool = True, memory_limit: float | None = None,
              state_factor: float = DEFAULT_STATE_FACTOR, stages: int | None = None,
-             method: str = "manual", ranks: int | None = None) -> Partition:
+             method: str = "manual", ranks: int | None = None,
+             recompute: str | Sequence[str] = "none") -> Partition:
     """The cost of any assignment ``stage_of`` (node -> stage index), per stage and overall.
 
     ``stages`` defaults to the largest stage index + 1; ``ranks`` is the pipeline ranks an
-    interleaved schedule spreads them over (default: one stage per rank). Raises
+    interleaved schedule spreads them over (default: one stage per rank). ``recompute``:
+    one choice for every stage ("none", "selective", "full"), one per stage, or "auto"
+    (each stage the fastest choice that fits its memory). Raises
     :class:`~partitioner.errors.InvalidAssignmentError` when the assignment is not a
     pipeline (an op without a stage, an empty stage, an edge flowing to an earlier
     stage). Memory over the limit is reported (``Partition.memory_ok``, ``notes``), not
@@ -541,7 +635,8 @@ def evaluate(graph: OpGraph | nx.DiGraph, stage_of: Mapping[Hashable, int], *,
             raise InvalidAssignmentError("stage_of is empty; map every node to a stage")
         stages = int(max(stage_of.values())) + 1
     prob = Problem(graph, stages, cluster=cluster, microbatches=microbatches, schedule=schedule,
-                   training=training, memory_limit=memory_limit, state_factor=state_factor, ranks=ranks)
+                   training=training, memory_limit=memory_limit, state_factor=state_factor, ranks=ranks,
+                   recompute=recompute)
     assign = prob.assignment(stage_of)
     problems = prob.check(assign)
     if problems:

@@ -31,11 +31,20 @@ class StageCountError(PlanningError):
 
 
 class MemoryLimitError(PlanningError):
-    """No assignment fits the per-device memory limit; ``needed`` is a bound on the least that works."""
+    """No assignment fits the per-device memory limit.
 
-    def __init__(self, message: str, *, needed: float | None = None):
+    ``needed``: bytes no assignment can do with less than (a lower bound); ``works``: bytes
+    per device at which a plan exists (its peak, or None when not computed);
+    ``recompute_fits``: whether activation recomputation would fit the limit (None when it
+    was already allowed).
+    """
+
+    def __init__(self, message: str, *, needed: float | None = None, works: float | None = None,
+                 recompute_fits: bool | None = None):
         super().__init__(message)
         self.needed = needed
+        self.works = works
+        self.recompute_fits = recompute_fits
 
 
 class ColocationError(PlanningError):

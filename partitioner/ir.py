@@ -71,7 +71,8 @@ _ALIASES = {"interleaved-1f1b": "interleaved", "zbh1": "zb-h1", "pipedream-flush
 
 
 class ActionKind(str, enum.Enum):
-    """What an action does. F/B/W are compute; the rest move one cut tensor for one microbatch."""
+    """What an action does. F/B/W are compute; SEND/RECV move one cut tensor for one microbatch;
+    ALLREDUCE averages a stage's gradients over its data-parallel replicas."""
 
     F = "F"  #: forward of (stage, mb)
     B = "B"  #: backward of (stage, mb): full backward, or only the input gradient when split
@@ -80,10 +81,15 @@ class ActionKind(str, enum.Enum):
     RECV_F = "RECV_F"  #: receive activation of an edge, consumer side
     SEND_B = "SEND_B"  #: send the gradient of an edge back, consumer side
     RECV_B = "RECV_B"  #: receive the gradient of an edge, producer side
+    ALLREDUCE = "ALLREDUCE"  #: all-reduce of a stage's gradients over the data-parallel group (once a step)
 
     @property
     def is_compute(self) -> bool:
         return self in (ActionKind.F, ActionKind.B, ActionKind.W)
+
+    @property
+    def is_transfer(self) -> bool:
+        return self in _MATCH
 
 
 _MATCH = {
@@ -93,6 +99,7 @@ _MATCH = {
     ActionKind.RECV_B: ActionKind.SEND_B,
 }
 _COMPUTE_RE = re.compile(r"^(F|B|W)(\d+)\.(\d+)$")
+_ALLREDUCE_RE = re.compile(r"^AR(\d+)$")
 _COMM_RE = re.compile(r"^(SEND_F|RECV_F|SEND_B|RECV_B)\[(\d+)->(\d+) t=(\S+) mb=(\d+)\]$")
 
 
@@ -126,9 +133,11 @@ class Action:
         object.__setattr__(self, "kind", kind)
         if self.stage < 0 or self.mb < 0:
             raise ValueError(f"stage and mb must be >= 0, got stage={self.stage} mb={self.mb}")
-        if kind.is_compute:
+        if not kind.is_transfer:
             if self.peer is not None or self.tensor is not None:
-                raise ValueError(f"compute action {kind.value} takes no peer/tensor")
+                raise ValueError(f"{kind.value} takes no peer/tensor")
+            if kind is ActionKind.ALLREDUCE and self.mb != 0:
+                raise ValueError("ALLREDUCE is once a step, for every microbatch: mb must be 0")
         else:
             if self.peer is None or self.tensor is None:
                 raise ValueError(f"{kind.value} needs a peer stage and a tensor name")
@@ -146,6 +155,10 @@ class Action:
         return self.kind.is_compute
 
     @property
+    def is_transfer(self) -> bool:
+        return self.kind.is_transfer
+
+    @property
     def is_send(self) -> bool:
         return self.kind in (ActionKind.SEND_F, ActionKind.SEND_B)
 
@@ -160,18 +173,20 @@ class Action:
             return (self.stage, self.peer, self.tensor)  # type: ignore[return-value]
         if self.kind in (ActionKind.RECV_F, ActionKind.SEND_B):
             return (self.peer, self.stage, self.tensor)  # type: ignore[return-value]
-        raise ValueError(f"{self} is a compute action, it has no edge")
+        raise ValueError(f"{self} moves no cut tensor, it has no edge")
 
     def matching(self) -> Action:
         """The counterpart on the peer rank: SEND_F <-> RECV_F, SEND_B <-> RECV_B."""
-        if self.is_compute:
-            raise ValueError(f"{self} is a compute action, it has no counterpart")
+        if not self.is_transfer:
+            raise ValueError(f"{self} moves no cut tensor, it has no counterpart")
         return Action(_MATCH[self.kind], self.peer, self.mb, self.stage, self.tensor)  # type: ignore[arg-type]
 
     # -- text / json
     def __str__(self) -> str:
         if self.is_compute:
             return f"{self.kind.value}{self.stage}.{self.mb}"
+        if self.kind is ActionKind.ALLREDUCE:
+            return f"AR{self.stage}"
         if self.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
             a, b = self.stage, self.peer
         else:
@@ -185,6 +200,9 @@ class Action:
         m = _COMPUTE_RE.match(s)
         if m:
             return Action(ActionKind(m.group(1)), int(m.group(2)), int(m.group(3)))
+        m = _ALLREDUCE_RE.match(s)
+        if m:
+            return Action(ActionKind.ALLREDUCE, int(m.group(1)), 0)
         m = _COMM_RE.match(s)
         if m:
             kind = ActionKind(m.group(1))
@@ -195,13 +213,13 @@ class Action:
                 stage, peer = b, a
             return Action(kind, stage, int(m.group(5)), peer, m.group(4))
         raise ValueError(
-            f"cannot parse action {text!r}: expected e.g. 'F3.2', 'B3.2', 'W3.2' or "
+            f"cannot parse action {text!r}: expected e.g. 'F3.2', 'B3.2', 'W3.2', 'AR3' or "
             "'SEND_F[3->5 t=add_7 mb=2]'"
         )
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"kind": self.kind.value, "stage": self.stage, "mb": self.mb}
-        if not self.is_compute:
+        if self.is_transfer:
             d["peer"] = self.peer
             d["tensor"] = self.tensor
         return d
@@ -338,6 +356,7 @@ class Schedule:
     split_backward: bool = False
     meta: dict[str, Any] = field(default_factory=dict)
     forward_only: bool = False
+    data_parallel: int = 1
 
     def __post_init__(self) -> None:
         self.stage_to_rank = tuple(int(r) for r in self.stage_to_rank)
@@ -387,7 +406,7 @@ class Schedule:
         keep = (ActionKind.F, ActionKind.SEND_F, ActionKind.RECV_F)
         return Schedule(self.name, self.graph, self.num_microbatches, self.stage_to_rank,
                         tuple(tuple(a for a in prog if a.kind in keep) for prog in self.actions),
-                        False, dict(self.meta), forward_only=True)
+                        False, dict(self.meta), forward_only=True, data_parallel=self.data_parallel)
 
     def validate(self) -> None:
         from partitioner.walk import validate
@@ -410,6 +429,7 @@ class Schedule:
             "actions": [[str(a) for a in rank] for rank in self.actions],
             "meta": dict(self.meta),
             "forward_only": self.forward_only,
+            "data_parallel": self.data_parallel,
         }
 
     @staticmethod
@@ -433,4 +453,5 @@ class Schedule:
             split_backward=bool(d.get("split_backward", False)),
             meta=dict(d.get("meta", {})),
             forward_only=bool(d.get("forward_only", False)),
+            data_parallel=int(d.get("data_parallel", 1)),
         )

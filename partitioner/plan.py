@@ -11,21 +11,27 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from partitioner.cluster import Cluster
+from partitioner.cluster import Cluster, Link
 from partitioner.cost import Partition, evaluate
 from partitioner.errors import InvalidAssignmentError, PlanError
 from partitioner.graph import OpGraph
 from partitioner.ir import Schedule, ScheduleError, ScheduleKind, stage_graph_from_transfers
+from partitioner.recompute import CHOICES
 from partitioner.schedule import make_schedule
 from partitioner.simulate import SimResult, simulate, stage_costs_from
 from partitioner.timeline import Timeline
 from partitioner.units import format_bytes
 
-__all__ = ["Plan", "PlanError", "ModelInfo", "PLAN_SCHEMA_VERSION", "package_version", "schedule_for",
-           "simulate_partition"]
+__all__ = ["Plan", "PlanError", "ModelInfo", "PLAN_SCHEMA_VERSION", "PLACEMENTS", "package_version",
+           "schedule_for", "simulate_partition"]
 
 #: 2: typed model section; microbatches, ranks and fx_stage_of derived, not stored.
 PLAN_SCHEMA_VERSION = 2
+
+#: How D x P ranks are laid out (SMP v1's names): "cluster" puts each pipeline on consecutive
+#: ranks (inside a node when it fits: activations cross the fast links, gradients the slower
+#: ones), "spread" puts each stage's replicas on consecutive ranks (gradients on the fast links).
+PLACEMENTS = ("cluster", "spread")
 
 
 def package_version() -> str:
@@ -81,6 +87,10 @@ class Plan:
     The parts are typed and nothing derivable is stored twice: the microbatch count and
     the ranks are the schedule's, ``fx_stage_of`` (every traced call node's stage, which
     the runtime splits the program with) follows from the graph and the partition.
+    With ``data_parallel`` > 1 the pipeline is replicated; ``placement`` says how the
+    D x P ranks are laid out ("cluster": each pipeline on consecutive ranks, inside a node
+    where it fits; "spread": each stage's replicas on consecutive ranks) and ``dp_link`` is
+    the link its gradient all-reduces are priced on.
     """
 
     model: ModelInfo
@@ -90,6 +100,8 @@ class Plan:
     simulated: SimResult
     smp_version: str = field(default_factory=package_version)
     schema: int = PLAN_SCHEMA_VERSION
+    placement: str = "cluster"
+    dp_link: Link | None = None  # what a stage's replicas all-reduce its gradients over (data_parallel > 1)
 
     # ---------------------------------------------------------------- views
 
@@ -98,8 +110,19 @@ class Plan:
         return self.schedule.num_microbatches
 
     @property
-    def num_ranks(self) -> int:
+    def pipeline_ranks(self) -> int:
+        """Ranks of one pipeline (P)."""
         return self.schedule.num_ranks
+
+    @property
+    def data_parallel(self) -> int:
+        """Replicas of the pipeline (D), each on its own P ranks with its share of the global batch."""
+        return self.schedule.data_parallel
+
+    @property
+    def num_ranks(self) -> int:
+        """Every rank the plan runs on: D x P."""
+        return self.pipeline_ranks * self.data_parallel
 
     @property
     def num_stages(self) -> int:
@@ -111,7 +134,7 @@ class Plan:
 
     @property
     def virtual_stages(self) -> int:
-        return self.num_stages // self.num_ranks
+        return self.num_stages // self.pipeline_ranks
 
     @property
     def step_time(self) -> float:
@@ -135,8 +158,14 @@ class Plan:
 
     @property
     def stage_memory(self) -> list[float]:
-        """Each stage's predicted peak bytes (its state, plus its activations times its microbatches in flight)."""
+        """Each stage's predicted peak bytes: its state, what it keeps per microbatch times its microbatches
+        in flight, and what its recomputation re-creates (``StageStats.memory``)."""
         return [s.memory for s in self.partition.stages]
+
+    @property
+    def recompute(self) -> list[str]:
+        """Each stage's activation recomputation, "none", "selective" or "full" (what the runtime executes)."""
+        return self.partition.recompute
 
     @property
     def rank_memory(self) -> list[float]:
@@ -148,11 +177,11 @@ class Plan:
         """
         per_rank = self.simulated.peak_activation_bytes_per_rank
         out = []
-        for r in range(self.num_ranks):
+        for r in range(self.pipeline_ranks):
             stages = [self.partition.stages[s] for s in self.schedule.stages_of(r)]
-            fixed = sum(s.memory - s.in_flight * s.activations for s in stages)
-            acts = per_rank[r] if per_rank is not None else sum(s.in_flight * s.activations for s in stages)
-            out.append(fixed + acts)
+            acts = [s.in_flight * s.activations + s.recomputing * s.recompute_bytes for s in stages]
+            fixed = sum(s.memory for s in stages) - sum(acts)
+            out.append(fixed + (per_rank[r] if per_rank is not None else sum(acts)))
         return out
 
     @cached_property
@@ -184,6 +213,10 @@ class Plan:
             extra, missing = sorted(assigned - nodes), sorted(nodes - assigned)
             raise PlanError(f"{where}: its partition does not cover the op graph (ops without a stage: "
                             f"{missing[:3]}, unknown ops: {extra[:3]}); re-create it with `smp plan`")
+        bad = [(st.index, st.recompute) for st in part.stages if st.recompute not in CHOICES]
+        if bad:
+            raise PlanError(f"{where}: stage {bad[0][0]} has recompute {bad[0][1]!r}; each stage takes one of "
+                            f"{', '.join(CHOICES)}; re-create it with `smp plan`")
         if sched.num_stages != part.num_stages:
             raise PlanError(f"{where}: the schedule has {sched.num_stages} stages, the partition "
                             f"{part.num_stages}; re-create it with `smp plan`")
@@ -223,13 +256,13 @@ class Plan:
                 "interleaving changes the number of stages per rank, so the assignment must be solved again: "
                 f"run `smp plan` with --schedule {kind.value}")
         graph = self.graph if m == self.microbatches else self.graph.scaled(self.microbatches / m)
-        ranks = self.num_ranks
+        ranks = self.pipeline_ranks
         stage_cluster = (cluster.for_stages(ranks).interleaved(ranks, self.virtual_stages) if cluster is not None
                          else Cluster.from_dict(self.partition.cluster))
         old = self.partition
         part = evaluate(graph, old.stage_of, cluster=stage_cluster, microbatches=m, schedule=kind.value,
                         training=old.training, memory_limit=old.memory_limit, state_factor=old.state_factor,
-                        ranks=ranks)
+                        ranks=ranks, recompute=old.recompute)
         # What the original solve proved carries over only to the same cluster and, under a
         # memory limit, the same schedule (another schedule's memory may allow better plans).
         # Op costs scale by s = m / m' but link latency does not, so a stage's time s*C + T is
@@ -241,8 +274,9 @@ class Plan:
                          method=old.method, solve_seconds=old.solve_seconds,
                          notes=[f"re-timed from {self.schedule_name}, m={self.microbatches}"
                                 + (", on another cluster" if cluster is not None else "")])
-        sched = schedule_for(kind, part, m, ranks)
-        return replace(self, graph=graph, partition=part, schedule=sched, simulated=simulate_partition(sched, part))
+        sched = schedule_for(kind, part, m, ranks, self.data_parallel)
+        return replace(self, graph=graph, partition=part, schedule=sched,
+                       simulated=simulate_partition(sched, part, self.dp_link))
 
     # ---------------------------------------------------------------- (de)serialisation
 
@@ -256,6 +290,8 @@ class Plan:
                 "schedule": self.schedule_name,
                 "microbatches": self.microbatches,
                 "num_ranks": self.num_ranks,
+                "pipeline_ranks": self.pipeline_ranks,
+                "data_parallel": self.data_parallel,
                 "num_stages": self.num_stages,
                 "step_time": self.step_time,
                 "bubble_fraction": self.bubble,
@@ -264,9 +300,12 @@ class Plan:
                 "gap": self.partition.gap,
                 "optimal": self.partition.optimal,
                 "speedup": self.speedup,
+                "recompute": self.recompute,
             },
             "partition": self.partition.to_dict(),
             "schedule": self.schedule.to_dict(),
+            "replicas": {"placement": self.placement,
+                         "link": self.dp_link.to_dict() if self.dp_link is not None else None},
             "simulated": self.simulated.to_dict(),
             "graph": self.graph.to_dict(),
         }
@@ -296,6 +335,8 @@ class Plan:
                 simulated=SimResult.from_dict(data["simulated"]),
                 smp_version=str(data.get("smp_version", "?")),
                 schema=schema,
+                placement=str(data.get("replicas", {}).get("placement", "cluster")),
+                dp_link=Link.from_dict(data["replicas"]["link"]) if data.get("replicas", {}).get("link") else None,
             )
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
             missing = f"missing field {err}" if isinstance(err, KeyError) else f"{type(err).__name__}: {err}"
@@ -336,6 +377,8 @@ class Plan:
                 "comm_in_bytes": s.comm_in_bytes,
                 "comm_out_bytes": s.comm_out_bytes,
                 "time": s.time,
+                "recompute": s.recompute,
+                "recompute_time": s.recompute_time,
                 "memory": s.memory,
                 "memory_limit": s.memory_limit,
                 "share": s.time / part.bottleneck if part.bottleneck > 0 else 0.0,
@@ -348,13 +391,13 @@ class Plan:
             f"{self.model.name}: {len(self.graph)} ops into {self.num_stages} stages on "
             f"{self.num_ranks} ranks, {self.schedule_name}, {self.microbatches} microbatches",
             f"{'stage':>5} {'rank':>4} {'modules':<22} {'ops':>5} {'params':>10} {'act/mb':>10} {'fwd ms':>8} "
-            f"{'bwd ms':>8} {'comm ms':>8} {'memory':>10} {'limit':>10} {'share':>6}",
+            f"{'bwd ms':>8} {'recompute':>9} {'comm ms':>8} {'memory':>10} {'limit':>10} {'share':>6}",
         ]
         for r in self.stage_rows():
             lines.append(
                 f"{r['stage']:>5} {r['rank']:>4} {r['modules'][:22]:<22} {r['ops']:>5} {format_bytes(r['params']):>10} "
                 f"{format_bytes(r['activations']):>10} {r['fwd'] * 1e3:>8.3f} {r['bwd'] * 1e3:>8.3f} "
-                f"{(r['comm_in'] + r['comm_out']) * 1e3:>8.3f} {format_bytes(r['memory']):>10} "
+                f"{r['recompute']:>9} {(r['comm_in'] + r['comm_out']) * 1e3:>8.3f} {format_bytes(r['memory']):>10} "
                 f"{format_bytes(r['memory_limit']):>10} {r['share']:>6.0%}")
         part = self.partition
         lines.append(
@@ -372,16 +415,21 @@ class Plan:
 # ------------------------------------------------------------------ shared with the compiler
 
 
-def schedule_for(kind: ScheduleKind | str, part: Partition, microbatches: int, ranks: int) -> Schedule:
-    """The per-rank programs of ``kind`` over the partition's cut tensors."""
+def schedule_for(kind: ScheduleKind | str, part: Partition, microbatches: int, ranks: int,
+                 data_parallel: int = 1) -> Schedule:
+    """The per-rank programs of ``kind`` over the partition's cut tensors (for ``data_parallel`` replicas)."""
     graph = stage_graph_from_transfers(part.num_stages, part.transfers)
-    return make_schedule(kind, graph, microbatches, num_ranks=ranks)
+    return make_schedule(kind, graph, microbatches, num_ranks=ranks, data_parallel=data_parallel)
 
 
-def simulate_partition(schedule: Schedule, part: Partition) -> SimResult:
-    """The schedule timed with the partition's stage and transfer costs."""
-    return simulate(schedule, stage_costs_from(part.stages, part.transfers,
-                                               act_bytes=[s.activations for s in part.stages]))
+def simulate_partition(schedule: Schedule, part: Partition, dp_link: Link | None = None) -> SimResult:
+    """The schedule timed with the partition's stage and transfer costs, and each stage's gradient
+    all-reduce (its held parameters' bytes, a ring over its replicas on ``dp_link``)."""
+    costs = stage_costs_from(part.stages, part.transfers, act_bytes=[s.activations for s in part.stages])
+    if schedule.data_parallel > 1:
+        link = dp_link or Link()
+        costs.allreduce = [link.allreduce_seconds(s.params, schedule.data_parallel) for s in part.stages]
+    return simulate(schedule, costs)
 
 
 def _json_default(value: Any) -> Any:

@@ -37,6 +37,7 @@ __all__ = [
     "interleaved_1f1b",
     "zb_h1",
     "make_schedule",
+    "with_allreduce",
     "compute_orders",
     "peak_in_flight",
     "SCHEDULES",
@@ -332,10 +333,41 @@ SCHEDULES: dict[ScheduleKind, Callable[..., Schedule]] = {
 
 
 def make_schedule(kind: ScheduleKind | str, graph: StageGraph | int, num_microbatches: int, *,
-                  num_ranks: int | None = None) -> Schedule:
-    """Build a schedule by kind (any spelling :meth:`ScheduleKind.parse` takes); ``num_ranks`` for interleaved."""
+                  num_ranks: int | None = None, data_parallel: int = 1) -> Schedule:
+    """Build a schedule by kind (any spelling :meth:`ScheduleKind.parse` takes); ``num_ranks`` for interleaved.
+
+    With ``data_parallel`` > 1 replicas, each stage's gradient all-reduce is placed in its
+    rank's program (:func:`with_allreduce`).
+    """
     kind = ScheduleKind.parse(kind)
     if kind is ScheduleKind.INTERLEAVED:
         g = _as_graph(graph)
-        return interleaved_1f1b(g, num_microbatches, num_ranks if num_ranks is not None else g.num_stages)
-    return SCHEDULES[kind](graph, num_microbatches)
+        sched = interleaved_1f1b(g, num_microbatches, num_ranks if num_ranks is not None else g.num_stages)
+    else:
+        sched = SCHEDULES[kind](graph, num_microbatches)
+    return with_allreduce(sched, data_parallel) if data_parallel > 1 else sched
+
+
+def with_allreduce(schedule: Schedule, data_parallel: int) -> Schedule:
+    """``schedule`` for ``data_parallel`` replicas (1: none): each stage's gradient all-reduce as early as it can.
+
+    A stage's gradients are final when its last microbatch's weight gradients are (its
+    last B, or W when the backward is split), so its ALLREDUCE goes right after that
+    action and the transfers posted with it: the all-reduce then overlaps the rest of the
+    rank's program (the other stages' cool-down), rather than waiting for the step to end.
+    """
+    last = ActionKind.W if schedule.split_backward else ActionKind.B
+    programs = []
+    for prog in schedule.actions:
+        prog = tuple(a for a in prog if a.kind is not ActionKind.ALLREDUCE)  # a schedule for other replicas
+        final = {a.stage: i for i, a in enumerate(prog) if a.kind is last} if data_parallel > 1 else {}
+        out = list(prog)
+        for stage, i in sorted(final.items(), key=lambda item: -item[1]):  # from the end: indices stay valid
+            at = i + 1
+            while at < len(prog) and prog[at].is_transfer:
+                at += 1
+            out.insert(at, Action(ActionKind.ALLREDUCE, stage, 0))
+        programs.append(tuple(out))
+    # not validated here: whoever runs or prices it does (a broken input is refused there, named)
+    return Schedule(schedule.name, schedule.graph, schedule.num_microbatches, schedule.stage_to_rank,
+                    tuple(programs), schedule.split_backward, dict(schedule.meta), data_parallel=data_parallel)

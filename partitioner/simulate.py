@@ -25,7 +25,11 @@ class StageCosts:
     microbatch (the gradient going back takes the same); an empty mapping means
     free communication, a non-empty one must cover every cross-rank edge.
     ``act_bytes[s]`` is the activation memory stage s keeps per microbatch in
-    flight (optional).
+    flight (optional). ``allreduce[s]`` is the time of stage s's gradient all-reduce over
+    its data-parallel replicas (a schedule with ALLREDUCE actions). ``recompute[s]``: seconds
+    of forward that stage s runs again at the start of each B (activation recomputation),
+    added to B's duration; ``recompute_bytes[s]``: the activations that recomputation
+    re-creates, held from the start of B until the microbatch's backward ends (its W when split).
     """
 
     fwd: Sequence[float]
@@ -33,17 +37,26 @@ class StageCosts:
     bwd_w: Sequence[float] | None = None
     comm: Mapping[EdgeKey, float] = field(default_factory=dict)
     act_bytes: Sequence[float] | None = None
+    allreduce: Sequence[float] | None = None
+    recompute: Sequence[float] | None = None
+    recompute_bytes: Sequence[float] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.fwd)
         if self.bwd_w is None:
             self.bwd_w = [0.0] * n
-        for name in ("bwd", "bwd_w", "act_bytes"):
+        if self.allreduce is None:
+            self.allreduce = [0.0] * n
+        if self.recompute is None:
+            self.recompute = [0.0] * n
+        if self.recompute_bytes is None:
+            self.recompute_bytes = [0.0] * n
+        for name in ("bwd", "bwd_w", "act_bytes", "allreduce", "recompute", "recompute_bytes"):
             v = getattr(self, name)
             if v is not None and len(v) != n:
                 raise ValueError(f"StageCosts.{name} has {len(v)} entries, fwd has {n}")
         for s in range(n):
-            if min(self.fwd[s], self.bwd[s], self.bwd_w[s]) < 0:  # type: ignore[index]
+            if min(self.fwd[s], self.bwd[s], self.bwd_w[s], self.recompute[s]) < 0:  # type: ignore[index]
                 raise ValueError(f"stage {s}: negative time")
             if self.bwd_w[s] > self.bwd[s] + 1e-15:  # type: ignore[index]
                 raise ValueError(f"stage {s}: bwd_w ({self.bwd_w[s]}) exceeds bwd ({self.bwd[s]}); "  # type: ignore[index]
@@ -66,13 +79,16 @@ def comm_from_transfers(transfers: Iterable[Any]) -> dict[EdgeKey, float]:
 
 def stage_costs_from(stages: Sequence[Any], transfers: Iterable[Any] = (),
                      act_bytes: Sequence[float] | None = None) -> StageCosts:
-    """StageCosts from the optimizer's per-stage objects (duck typed: .fwd, .bwd, optional .bwd_w)."""
+    """StageCosts from the optimizer's per-stage objects (duck typed: .fwd, .bwd, optional .bwd_w,
+    .recompute_time and .recompute_bytes, as on :class:`~partitioner.cost.StageStats`)."""
     return StageCosts(
         fwd=[float(s.fwd) for s in stages],
         bwd=[float(s.bwd) for s in stages],
         bwd_w=[float(getattr(s, "bwd_w", 0.0) or 0.0) for s in stages],
         comm=comm_from_transfers(transfers),
         act_bytes=act_bytes,
+        recompute=[float(getattr(s, "recompute_time", 0.0) or 0.0) for s in stages],
+        recompute_bytes=[float(getattr(s, "recompute_bytes", 0.0) or 0.0) for s in stages],
     )
 
 
@@ -130,18 +146,22 @@ class SimResult:
 def _durations(schedule: Schedule, costs: StageCosts) -> Callable[[Action], float]:
     """What each action costs: compute on its stage's device, a SEND the link time of its tensor."""
     split = schedule.split_backward
-    fwd, bwd, bwd_w = costs.fwd, costs.bwd, costs.bwd_w
-    assert bwd_w is not None
+    fwd, bwd, bwd_w, rec = costs.fwd, costs.bwd, costs.bwd_w, costs.recompute
+    assert bwd_w is not None and rec is not None
     compute = {
         ActionKind.F: [float(x) for x in fwd],
-        ActionKind.B: [float(b - w) if split else float(b) for b, w in zip(bwd, bwd_w)],
+        ActionKind.B: [float(r) + (float(b - w) if split else float(b)) for b, w, r in zip(bwd, bwd_w, rec)],
         ActionKind.W: [float(x) for x in bwd_w],
     }
     comm = costs.comm
+    allreduce = costs.allreduce
+    assert allreduce is not None
 
     def duration(a: Action) -> float:
         if a.is_compute:
             return compute[a.kind][a.stage]
+        if a.kind is ActionKind.ALLREDUCE:
+            return float(allreduce[a.stage])
         return float(comm.get(a.edge, 0.0)) if a.is_send else 0.0
 
     return duration
@@ -159,16 +179,33 @@ def _peak_inflight(w: Walk, num_stages: int, release: ActionKind) -> list[int]:
     return peak
 
 
-def _peak_bytes_per_rank(w: Walk, num_ranks: int, release: ActionKind, act: Sequence[float]) -> list[float]:
-    current = [0.0] * num_ranks
-    best = [0.0] * num_ranks
+def _peak_bytes(w: Walk, size: int, bucket: Callable[[int, Action], int], release: ActionKind,
+                act: Sequence[float], remade: Sequence[float]) -> list[float]:
+    """Peak activation bytes per bucket (a rank or a stage): F adds what a microbatch keeps, its release
+    frees it; a B that recomputes holds the re-created activations until its backward ends (the W
+    when the backward is split, else B itself)."""
+    current = [0.0] * size
+    best = [0.0] * size
     for r, a in zip(w.rank, w.actions):
+        k = bucket(r, a)
         if a.kind is ActionKind.F:
-            current[r] += act[a.stage]
-            best[r] = max(best[r], current[r])
-        elif a.kind is release:
-            current[r] -= act[a.stage]
+            current[k] += act[a.stage]
+        elif a.kind is ActionKind.B:
+            current[k] += remade[a.stage]
+        best[k] = max(best[k], current[k])
+        if a.kind is release:
+            current[k] -= act[a.stage] + remade[a.stage]
     return best
+
+
+def _events(rank: int, a: Action, start: float, end: float, recompute: float) -> list[TimelineEvent]:
+    """The timeline's bars for one compute or all-reduce action: a B that recomputes is an R bar (the forward run
+    again) followed by the B bar proper."""
+    if a.kind is ActionKind.B and recompute > 0:
+        return [TimelineEvent(rank, a.stage, "R", a.mb, start, start + recompute),
+                TimelineEvent(rank, a.stage, "B", a.mb, start + recompute, end)]
+    kind = "AR" if a.kind is ActionKind.ALLREDUCE else a.kind.value
+    return [TimelineEvent(rank, a.stage, kind, a.mb, start, end)]
 
 
 def simulate(schedule: Schedule, costs: StageCosts, *, timeline: bool = True, label: str = "predicted",
@@ -206,12 +243,14 @@ def simulate(schedule: Schedule, costs: StageCosts, *, timeline: bool = True, la
     inflight = _peak_inflight(w, schedule.num_stages, release)
     peak_bytes = per_rank = None
     if costs.act_bytes is not None:
-        peak_bytes = [inflight[s] * float(costs.act_bytes[s]) for s in range(schedule.num_stages)]
-        per_rank = _peak_bytes_per_rank(w, R, release, costs.act_bytes)
+        remade = costs.recompute_bytes
+        assert remade is not None
+        peak_bytes = _peak_bytes(w, schedule.num_stages, lambda r, a: a.stage, release, costs.act_bytes, remade)
+        per_rank = _peak_bytes(w, R, lambda r, a: r, release, costs.act_bytes, remade)
     tl = None
     if timeline:
-        events = [TimelineEvent(w.rank[i], a.stage, a.kind.value, a.mb, start[i], end[i])
-                  for i, a in enumerate(w.actions) if a.is_compute]
+        events = [e for i, a in enumerate(w.actions) if not a.is_transfer
+                  for e in _events(w.rank[i], a, start[i], end[i], float(costs.recompute[a.stage]))]  # type: ignore[index]
         tl = Timeline(events, step, label, R, {"schedule": schedule.name, "num_microbatches": m})
     return SimResult(tl, step, bubble, thr, busy, inflight, peak_bytes, per_rank,
                      thr * samples_per_microbatch if samples_per_microbatch else None)

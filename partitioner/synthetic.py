@@ -294,22 +294,33 @@ def brute_force(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | 
                 microbatches: int = 1, schedule: str = "1f1b", training: bool = True,
                 memory_limit: float | None = None, colocate: Iterable[Iterable[Hashable]] = (),
                 state_factor: float = DEFAULT_STATE_FACTOR,
-                order: Sequence[Hashable] | None = None) -> Partition:
+                order: Sequence[Hashable] | None = None, recompute: str = "auto") -> Partition:
     """The true optimum by exhaustive enumeration (small graphs only: it is exponential).
 
     Enumerates every valid assignment (each op on a stage no earlier than its inputs',
-    every stage non-empty, colocation groups together, memory within limits), or, with
-    ``order``, every placement of contiguous cuts in that order. Partial assignments are
-    abandoned once some stage already costs at least the best found (costs only grow as
-    ops are added), which keeps it exact. Raises MemoryLimitError when nothing fits.
+    every stage non-empty, colocation groups together), or, with ``order``, every
+    placement of contiguous cuts in that order; and for each, every combination of the
+    stages' allowed recomputation choices (``recompute``, as in ``solve``), keeping the
+    fastest that fits memory. Partial assignments are abandoned once some stage already
+    costs at least the best found, or needs more memory than the limit under every choice
+    (costs only grow as ops are added), which keeps it exact. Raises MemoryLimitError when
+    nothing fits.
     """
     prob = Problem(graph, stages, cluster=cluster, microbatches=microbatches, schedule=schedule,
                    training=training, memory_limit=memory_limit, state_factor=state_factor,
-                   order=order)
+                   order=order, recompute=recompute)
     n, p, k = prob.n, prob.p, prob.directions
     group_of = _group_ids(prob, colocate)
     lim = [math.inf if x is None else x * (1 + 1e-12) for x in prob.mem_limit]
-    best_val, best = math.inf, None
+    best_val, best, best_choices = math.inf, None, None
+
+    def offer(assign: list[int]) -> None:
+        """Every combination of the stages' choices, priced with the choices given (not picked)."""
+        nonlocal best_val, best, best_choices
+        for combo in itertools.product(*prob.choices):
+            t, mem = prob.stage_costs(assign, list(combo))
+            if all(m <= lm for m, lm in zip(mem, lim)) and max(t) < best_val:
+                best_val, best, best_choices = max(t), list(assign), list(combo)
 
     if order is not None:
         for cuts in itertools.combinations(range(1, n), p - 1):
@@ -317,22 +328,19 @@ def brute_force(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | 
             assign = [s for s in range(p) for _ in range(bounds[s], bounds[s + 1])]
             if any(len({assign[i] for i in group_of if group_of[i] == g}) > 1 for g in set(group_of.values())):
                 continue
-            t, mem = prob.stage_costs(assign)
-            if all(m <= lm for m, lm in zip(mem, lim)) and max(t) < best_val:
-                best_val, best = max(t), assign
+            offer(assign)
     else:
         assign = [-1] * n
         load = [0.0] * p
-        mem = [0.0] * p
+        mem = [dict.fromkeys(prob.choices[s], 0.0) for s in range(p)]  # per stage, per allowed choice
         used = [0] * p
         sent: set[tuple[int, int]] = set()
         group_stage: dict[int, int] = {}
 
         def rec(v: int) -> None:
-            nonlocal best_val, best
             if v == n:
                 if all(used) and max(load) < best_val:
-                    best_val, best = max(load), list(assign)
+                    offer(assign)
                 return
             if sum(1 for s in range(p) if not used[s]) > n - v:
                 return
@@ -345,7 +353,8 @@ def brute_force(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | 
                 added = []
                 assign[v] = s
                 load[s] += prob.work[v] / prob.speed[s]
-                mem[s] += prob.node_memory(v, s)
+                for c in mem[s]:
+                    mem[s][c] += prob.node_memory(v, s, c)
                 used[s] += 1
                 for u in prob.pred[v]:
                     a = assign[u]
@@ -358,7 +367,7 @@ def brute_force(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | 
                 new_group = g is not None and g not in group_stage
                 if new_group:
                     group_stage[g] = s
-                if mem[s] <= lim[s] and max(load) < best_val:
+                if min(mem[s].values()) <= lim[s] and max(load) < best_val:
                     rec(v + 1)
                 if new_group:
                     del group_stage[g]
@@ -367,14 +376,16 @@ def brute_force(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | 
                     load[a] -= c
                     load[s] -= c
                 used[s] -= 1
-                mem[s] -= prob.node_memory(v, s)
+                for c in mem[s]:
+                    mem[s][c] -= prob.node_memory(v, s, c)
                 load[s] -= prob.work[v] / prob.speed[s]
                 assign[v] = -1
 
         rec(0)
     if best is None:
         raise MemoryLimitError("brute force: no valid assignment fits the memory limit", needed=None)
-    part = prob.partition(best, method="brute_force" if order is None else "brute_force(order)")
+    part = prob.partition(best, method="brute_force" if order is None else "brute_force(order)",
+                          choices=best_choices)
     if order is None:
         part.with_report(lower_bound=part.bottleneck, optimal=True)
     return part
@@ -403,14 +414,15 @@ def check_partition(graph: OpGraph | nx.DiGraph, part: Partition, *,
 
     Checks that every op has a stage, stages are non-empty, edges never flow backward,
     colocation groups share a stage, memory fits (when ``memory``), the lower bound does
-    not exceed the bottleneck, and the reported stage times match a fresh evaluation.
+    not exceed the bottleneck, and the reported stage times match a fresh evaluation
+    (under the stages' own recomputation choices).
     """
     problems = []
     try:
         fresh = evaluate(graph, part.stage_of, cluster=Cluster.from_dict(part.cluster),
                          microbatches=part.microbatches, schedule=part.schedule, training=part.training,
                          memory_limit=part.memory_limit, state_factor=part.state_factor,
-                         stages=part.num_stages)
+                         stages=part.num_stages, recompute=part.recompute)
     except ValueError as err:
         return [str(err)]
     for a, b in zip(fresh.stages, part.stages):

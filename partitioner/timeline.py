@@ -7,20 +7,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TimelineEvent", "Timeline", "render_timeline", "KIND_COLORS"]
+__all__ = ["TimelineEvent", "Timeline", "render_timeline", "KIND_COLORS", "COLLECTIVE_COLORS"]
 
 #: Bar colours by action kind (others, e.g. measured "wait"/"SEND_F", are grey).
 KIND_COLORS: dict[str, str] = {
     "F": "#4C72B0",  # blue
     "B": "#DD8452",  # orange (full backward, or input gradient when split)
     "W": "#55A868",  # green (weight gradient)
+    "R": "#C44E52",  # red (forward recomputed at the start of a B: activation recomputation)
 }
+#: Collectives a rank runs beside its compute (drawn as thin bars under the rank's row).
+COLLECTIVE_COLORS: dict[str, str] = {"AR": "#8172B3"}  # purple: gradient all-reduce over replicas
 _OTHER_COLOR = "#9E9E9E"
 
 
 @dataclass(frozen=True)
 class TimelineEvent:
-    """One action on one rank: ``kind`` is 'F', 'B', 'W' (or anything a runtime records)."""
+    """One action on one rank: ``kind`` is 'F', 'B', 'W', 'R' (the recomputation that opens a B), or
+    anything a runtime records."""
 
     rank: int
     stage: int
@@ -63,12 +67,12 @@ class Timeline:
             self.num_ranks = 1 + max((e.rank for e in self.events), default=0)
 
     def busy_time(self, rank: int) -> float:
-        """Sum of compute (F/B/W) time on ``rank``."""
+        """Sum of compute (F/B/W/R) time on ``rank``."""
         return sum(e.duration for e in self.events if e.rank == rank and e.kind in KIND_COLORS)
 
     @property
     def bubble_fraction(self) -> float:
-        """Idle share of ranks x step_time (only F/B/W count as busy)."""
+        """Idle share of ranks x step_time (only F/B/W/R count as busy)."""
         total = (self.num_ranks or 1) * self.step_time
         if total <= 0:
             return 0.0
@@ -110,7 +114,7 @@ def render_timeline(timelines: Timeline | Sequence[Timeline], path: str | Path, 
     """Draw one or more timelines to ``path`` (.png or .svg, by suffix) and return it.
 
     One row per rank (rank 0 on top), bars coloured by kind (F blue, B orange, W
-    green, anything else grey), microbatch numbers on the bars, idle time left blank
+    green, R red: the forward recomputed before a B, anything else grey), microbatch numbers on the bars, idle time left blank
     (the bubbles). With virtual stages (several stages per rank) later chunks are
     drawn lighter and labelled ``stage.mb``. Several timelines are stacked as
     panels sharing the time axis, e.g. predicted above measured; each panel's title
@@ -146,6 +150,10 @@ def render_timeline(timelines: Timeline | Sequence[Timeline], path: str | Path, 
         min_w = t_max * scale / 90  # narrower bars get no text
         for e in tl.events:
             kinds_seen.add(e.kind)
+            if e.kind in COLLECTIVE_COLORS:  # beside the compute, not on it: a thin bar under the row
+                ax.broken_barh([(e.start * scale, (e.end - e.start) * scale)], (e.rank + 0.3, 0.15),
+                               facecolors=COLLECTIVE_COLORS[e.kind], edgecolors="none")
+                continue
             base = KIND_COLORS.get(e.kind, _OTHER_COLOR)
             chunk = sorted(stages_per_rank[e.rank]).index(e.stage) if multi else 0
             color = _lighten(base, min(0.6, 0.35 * chunk))
@@ -166,9 +174,12 @@ def render_timeline(timelines: Timeline | Sequence[Timeline], path: str | Path, 
         ax.set_xlim(0, t_max * scale * 1.01)
         ax.grid(axis="x", alpha=0.3)
     axes[-1, 0].set_xlabel(f"time ({unit})")
-    order = [k for k in ("F", "B", "W") if k in kinds_seen] + sorted(kinds_seen - set(KIND_COLORS))
-    names = {"F": "F forward", "B": "B backward (input grad when W is split off)", "W": "W weight grad"}
-    handles = [Patch(color=KIND_COLORS.get(k, _OTHER_COLOR), label=names.get(k, k)) for k in order]
+    order = [k for k in ("F", "R", "B", "W", "AR") if k in kinds_seen] + sorted(
+        kinds_seen - set(KIND_COLORS) - set(COLLECTIVE_COLORS))
+    names = {"F": "F forward", "R": "R recomputed forward", "B": "B backward (input grad when W is split off)",
+             "W": "W weight grad", "AR": "gradient all-reduce (over replicas, beside compute)"}
+    colors = {**KIND_COLORS, **COLLECTIVE_COLORS}
+    handles = [Patch(color=colors.get(k, _OTHER_COLOR), label=names.get(k, k)) for k in order]
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     if title:
         fig.suptitle(title, fontsize=12)

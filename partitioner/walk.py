@@ -76,6 +76,9 @@ class Walk:
                         t = end[d]
                 start[i] = t
                 end[i] = clock[r] = t + duration(a)
+            elif a.kind is ActionKind.ALLREDUCE:  # posted, it runs beside the rank's later compute
+                start[i] = clock[r]
+                end[i] = clock[r] + duration(a)
             else:
                 j = self.mate[i]
                 send, recv = (i, j) if a.is_send else (j, i)
@@ -144,6 +147,9 @@ class _Walker:
             return [Action(ActionKind.F, a.stage, mb)]
         if kind is ActionKind.SEND_B:
             return [Action(ActionKind.B, a.stage, mb)]
+        if kind is ActionKind.ALLREDUCE:  # every microbatch's weight gradients are final
+            last = ActionKind.W if self.sch.split_backward else ActionKind.B
+            return [Action(last, a.stage, k) for k in range(self.sch.num_microbatches)]
         return []
 
     def run(self) -> Walk:
@@ -185,7 +191,7 @@ class _Walker:
                 while pc[r] < len(progs[r]):
                     i = self.first[r] + pc[r]
                     a = self.actions[i]
-                    if a.is_compute:
+                    if not a.is_transfer:
                         if not ready(i):
                             break
                         complete(i)
@@ -212,20 +218,20 @@ class _Walker:
         progs = self.sch.actions
         s2r = self.sch.stage_to_rank
         blocked = [(r, pc[r]) for r in range(len(progs)) if pc[r] < len(progs[r])]
-        if all(progs[r][i].is_compute for r, i in blocked):
+        if all(not progs[r][i].is_transfer for r, i in blocked):
             r, i = min(blocked, key=lambda ri: (ri[1], ri[0]))
             return ScheduleError("compute order can never run: it waits (directly or through other ranks) on an "
                                  "action that comes after it", r, i, progs[r][i])
         lines = []
         for r, i in blocked:
             a = progs[r][i]
-            if a.is_compute:
+            if not a.is_transfer:
                 lines.append(f"rank {r} at {a} waits for its inputs")
                 continue
             peer = s2r[a.peer]  # type: ignore[index]
             at = progs[peer][pc[peer]] if pc[peer] < len(progs[peer]) else "its end"
             lines.append(f"rank {r} at {a} waits for rank {peer} to reach {a.matching()} (rank {peer} is at {at})")
-        r, i = next((ri for ri in blocked if not progs[ri[0]][ri[1]].is_compute), blocked[0])
+        r, i = next((ri for ri in blocked if progs[ri[0]][ri[1]].is_transfer), blocked[0])
         return ScheduleError("deadlock under blocking point-to-point semantics: " + "; ".join(lines),
                              r, i, progs[r][i])
 
@@ -269,7 +275,10 @@ def _check_structure(sch: Schedule) -> None:
                 raise ScheduleError("W in a schedule whose backward is not split (split_backward=False)", r, i, a)
             if sch.forward_only and a.kind in backward:
                 raise ScheduleError("backward action in a forward-only schedule", r, i, a)
-            if not a.is_compute:
+            if a.kind is ActionKind.ALLREDUCE and (sch.data_parallel < 2 or sch.forward_only):
+                raise ScheduleError("ALLREDUCE in a schedule without data-parallel replicas to reduce over",
+                                    r, i, a)
+            if a.is_transfer:
                 if a.edge not in edges:
                     raise ScheduleError("no such cut edge in the stage graph", r, i, a)
                 if s2r[a.peer] == r:  # type: ignore[index]
@@ -289,8 +298,12 @@ def _check_structure(sch: Schedule) -> None:
                 a = Action(kind, s, k)
                 if a not in seen:
                     raise ScheduleError(f"missing {a}: rank {s2r[s]} never runs it", s2r[s], None, a)
+        if sch.data_parallel > 1 and not sch.forward_only and Action(ActionKind.ALLREDUCE, s, 0) not in seen:
+            a = Action(ActionKind.ALLREDUCE, s, 0)
+            raise ScheduleError(f"missing {a}: stage {s}'s gradients are never reduced over its "
+                                f"{sch.data_parallel} replicas", s2r[s], None, a)
     for a, (r, i) in seen.items():
-        if not a.is_compute and a.matching() not in seen:
+        if a.is_transfer and a.matching() not in seen:
             what = "send without a matching receive" if a.is_send else "receive without a matching send"
             raise ScheduleError(f"{what} {a.matching()} on rank {s2r[a.peer]}", r, i, a)  # type: ignore[index]
     for e in g.edges:

@@ -33,6 +33,8 @@ class Pending:
     tensors: list[torch.Tensor]
     what: str
     peer: int
+    #: For a collective: the other ranks of its group (global ranks), named if it fails.
+    group: tuple[int, ...] = ()
 
 
 class Comm:
@@ -44,16 +46,25 @@ class Comm:
     receives can never match the wrong send (gloo matches on (peer, tag)); they are also
     posted in the schedule's order, which is what NCCL (tag-blind) needs.
 
+    Ranks here are the pipeline's own (0 .. P-1, as the schedule numbers them);
+    ``global_ranks[r]`` is pipeline rank r's rank in the default group (with data-parallel
+    replicas, each replica's pipeline is P ranks of a larger world). Collectives over a
+    group (:meth:`all_reduce`) are waited for in the same bounded way. Messages name
+    global ranks.
+
     A failed wait raises :class:`PipelineError` naming the peer. The first rank to fail
     writes its reason to the rendezvous store; the others report that root cause. A
     rank whose process dies closes its gloo connections, so peers blocked on it fail at
     once; a rank that hangs is detected by the timeout.
     """
 
-    def __init__(self, rank: int, timeout: float, stage_of_rank: Sequence[Sequence[int]] = ()) -> None:
+    def __init__(self, rank: int, timeout: float, stage_of_rank: Sequence[Sequence[int]] = (),
+                 global_ranks: Sequence[int] | None = None) -> None:
         self.rank = rank
         self.timeout = float(timeout)
         self.stage_of_rank = [list(s) for s in stage_of_rank]
+        self.global_ranks = list(global_ranks) if global_ranks is not None else list(range(len(self.stage_of_rank)))
+        self.me = self.global_ranks[rank] if rank < len(self.global_ranks) else rank
         try:
             self.store = dist.distributed_c10d._get_default_store()
         except Exception:  # noqa: BLE001 - a custom init without a store: failures are still named locally
@@ -62,10 +73,16 @@ class Comm:
     # ------------------------------------------------------------------ transfers
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
-        return dist.isend(tensor, peer, tag=tag)
+        return dist.isend(tensor, self.global_ranks[peer], tag=tag)
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
-        return dist.irecv(tensor, peer, tag=tag)
+        return dist.irecv(tensor, self.global_ranks[peer], tag=tag)
+
+    def all_reduce(self, tensor: torch.Tensor, group: Any, what: str) -> Pending:
+        """Start a sum over ``group``; its wait is bounded and names the group's other ranks if it fails."""
+        work = dist.all_reduce(tensor, group=group, async_op=True)
+        others = tuple(r for r in dist.get_process_group_ranks(group) if r != self.me)
+        return Pending([work], [tensor], what, -1, others)
 
     def wait(self, pending: Pending) -> list[torch.Tensor]:
         """Wait (bounded) for every work of ``pending``; returns its tensors."""
@@ -78,30 +95,38 @@ class Comm:
                 raise self._failed(pending, TimeoutError("wait returned False"))
         return pending.tensors
 
-    def _peer_text(self, peer: int) -> str:
-        if 0 <= peer < len(self.stage_of_rank):
+    def _peer_text(self, pending: Pending) -> str:
+        peer = pending.peer
+        if peer < 0:
+            return f"the data-parallel group ({_ranks_text(pending.group)})"
+        if peer < len(self.stage_of_rank):
             stages = self.stage_of_rank[peer]
-            return f"rank {peer} (stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))})"
+            return (f"rank {self.global_ranks[peer]} "
+                    f"(stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))})")
         return f"rank {peer}"
 
     def _failed(self, pending: Pending, err: BaseException) -> PipelineError:
         text = str(err)
         peer = pending.peer
-        who = self._peer_text(peer)
+        who = self._peer_text(pending)
+        if peer < 0:
+            them = _ranks_text(pending.group) if len(pending.group) == 1 else f"one of {_ranks_text(pending.group)}"
+        else:
+            them = f"rank {self.global_ranks[peer]}" if peer < len(self.global_ranks) else f"rank {peer}"
         if "imed out" in text or isinstance(err, TimeoutError):
-            desc = (f"rank {self.rank} timed out after {self.timeout:g} s waiting for {pending.what} "
-                    f"with {who}: rank {peer} is dead or stuck")
+            desc = (f"rank {self.me} timed out after {self.timeout:g} s waiting for {pending.what} "
+                    f"with {who}: {them} is dead or stuck")
         elif "closed" in text.lower() or "connection" in text.lower() or "reset" in text.lower():
-            desc = (f"rank {self.rank} lost its connection to {who} during {pending.what}: "
-                    f"rank {peer} exited or crashed")
+            desc = (f"rank {self.me} lost its connection to {who} during {pending.what}: "
+                    f"{them} exited or crashed")
         else:
             first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
-            desc = f"rank {self.rank} failed during {pending.what} with {who}: {first}"
+            desc = f"rank {self.me} failed during {pending.what} with {who}: {first}"
         cause = self.failure()
         if cause is None:
             self.report_failure(desc)
             return PipelineError(f"pipeline step failed: {desc}", rank=self.rank, peer=peer)
-        return PipelineError(f"pipeline step failed: {cause} (seen on rank {self.rank}: {desc})",
+        return PipelineError(f"pipeline step failed: {cause} (seen on rank {self.me}: {desc})",
                              rank=self.rank, peer=peer)
 
     # ------------------------------------------------------------------ failure notes
@@ -126,6 +151,10 @@ class Comm:
         except Exception:  # noqa: BLE001
             return None
         return None
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 class LocalComm:

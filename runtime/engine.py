@@ -13,7 +13,6 @@ from torch import nn
 
 from partitioner.ir import Action, ActionKind, Schedule, ScheduleError
 from partitioner.microbatch import split_microbatches
-from partitioner.plan import Plan
 from partitioner.timeline import Timeline, TimelineEvent
 from partitioner.trace import flatten_inputs
 from partitioner.walk import validate, walk
@@ -22,7 +21,7 @@ from runtime.materialize import names_by_id
 from runtime.split import OUTPUT_KEY, SplitError, SplitProgram, ValueMeta, propagate_meta, split_program, \
     stage_state_names
 
-__all__ = ["Engine", "Program", "Ownership", "RuntimeConfigError", "check_world", "concat_outputs", "split_batch"]
+__all__ = ["Engine", "Program", "Ownership", "RuntimeConfigError", "concat_outputs", "split_batch"]
 
 EdgeKey = tuple[int, int, str]
 
@@ -216,15 +215,23 @@ class Engine:
     (:attr:`partitioner.walk.Walk.sequence`), each rank with its own mailboxes and a
     :class:`LocalComm` for its transfers: the same interpreter, action by action, as a
     multi-rank run over torch.distributed.
+
+    With data-parallel replicas (``dp_group`` of ``dp_size`` ranks, the same pipeline rank
+    of every replica) each stage's ALLREDUCE action averages its gradients over them, in
+    buckets launched as the action comes and waited for at the end of the step, and the
+    step's loss is the mean over the replicas.
     """
 
     def __init__(self, program: Program, ownership: Ownership, *, rank: int = 0, comm: Comm | None = None,
-                 device: torch.device, example_flat: Sequence[Any]) -> None:
+                 device: torch.device, example_flat: Sequence[Any], dp_group: Any = None,
+                 dp_size: int = 1) -> None:
         self.program = program
         self.ownership = ownership
         self.rank = rank
         self.comm = comm
         self.single = comm is None
+        self.dp_group = dp_group
+        self.dp_size = dp_size
         sch = program.schedule
         try:
             validate(sch)
@@ -245,6 +252,7 @@ class Engine:
         except SplitError as err:
             raise RuntimeConfigError(str(err)) from None
         self.out_rank = self.s2r[self.split.output_stage]
+        self.reduced_by = self._reducing_stages()
         self._meta_cache: dict[Any, _StepMeta] = {}
         self._traced_key = _shape_key(example_flat)
         self.events: list[TimelineEvent] = []
@@ -252,6 +260,23 @@ class Engine:
         self.stash_peak: dict[int, int] = {}  # rank -> peak stashed activation bytes of the last step
         self.step_start = 0.0
         self.step_end = 0.0
+
+    def _reducing_stages(self) -> dict[int, list[nn.Parameter]]:
+        """Stage -> the parameters its ALLREDUCE reduces: each parameter of this rank once, by the last of its
+        stages to reduce (a weight two stages of one rank share is final only after both)."""
+        if self.single or self.dp_size < 2:
+            return {}
+        order = [a.stage for a in self.schedule.actions[self.rank] if a.kind is ActionKind.ALLREDUCE]
+        last: dict[int, int] = {}
+        for s in order:
+            for i in self.ownership.stage_param_ids.get(s, ()):
+                last[i] = s
+        out: dict[int, list[nn.Parameter]] = {s: [] for s in order}
+        # in the model's parameter order: every replica must put the same gradients in the same buckets
+        for p in self.ownership.model.parameters():
+            if id(p) in last and not p.is_meta and p.requires_grad:
+                out[last[id(p)]].append(p)
+        return out
 
     # ------------------------------------------------------------------ shapes
 
@@ -340,10 +365,13 @@ class Engine:
             loss = self._share_loss(meta, st.mean_loss()) if training else None
             if training:
                 self._sum_tied_grads(meta)
+                if self.dp_size > 1:  # the mean over every replica's batch
+                    pend = self.comm.all_reduce(loss.clone(), self.dp_group, "the loss mean over the replicas")
+                    loss = self.comm.wait(pend)[0] / self.dp_size
         except PipelineError:
             raise
         except Exception as err:
-            self.comm.report_failure(f"rank {self.rank} raised {type(err).__name__}: "
+            self.comm.report_failure(f"rank {self.comm.me} raised {type(err).__name__}: "
                                      f"{str(err).splitlines()[0] if str(err) else ''} during {st.current}")
             raise
         return loss, st.outputs
@@ -433,6 +461,7 @@ class _RankState:
         self.recv_f: dict[tuple[EdgeKey, int], Pending] = {}
         self.recv_b: dict[tuple[EdgeKey, int], Pending] = {}
         self.sends: list[Pending] = []
+        self.reductions: list[tuple[Pending, list[torch.Tensor], list[torch.Tensor]]] = []
         self.stash: dict[tuple[int, int], _Stash] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.outputs: list[Any] = []
@@ -466,14 +495,46 @@ class _RankState:
             self.recv_f[(a.edge, a.mb)] = self._post_recv(a, backward=False)
         elif kind is ActionKind.RECV_B:
             self.recv_b[(a.edge, a.mb)] = self._post_recv(a, backward=True)
+        elif kind is ActionKind.ALLREDUCE:
+            self._all_reduce(a.stage)
 
     def finish(self) -> None:
-        """Wait for this rank's sends (their tensors were kept alive until now) and gather its outputs."""
+        """Wait for this rank's sends (their tensors were kept alive until now) and gradient all-reduces; gather
+        its outputs."""
         for pend in self.sends:
             self.comm.wait(pend)
         self.sends = []
+        for pend, flat, grads in self.reductions:
+            self.comm.wait(pend)
+            flat /= self.eng.dp_size
+            for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                g.copy_(reduced)
+        self.reductions = []
         self.outputs = [self._outputs[k] for k in sorted(self._outputs)]
         self.eng.stash_peak[self.rank] = self.meter.peak
+
+    #: Gradient bytes per all-reduce bucket (DistributedDataParallel's default).
+    BUCKET_BYTES = 25 << 20
+
+    def _all_reduce(self, stage: int) -> None:
+        """Launch the sum of this stage's final gradients over the replicas, in buckets; averaged in ``finish``."""
+        params = self.eng.reduced_by.get(stage, [])
+        for p in params:
+            if p.grad is None:  # every replica must send the same buckets: a missing gradient is a zero one
+                p.grad = torch.zeros_like(p)
+        buckets: list[list[torch.Tensor]] = []
+        size = 0
+        for p in params:
+            g = p.grad
+            if not buckets or size + g.numel() * g.element_size() > self.BUCKET_BYTES or buckets[-1][0].dtype != g.dtype:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(g)
+            size += g.numel() * g.element_size()
+        for grads in buckets:
+            flat = torch._utils._flatten_dense_tensors(grads)
+            pend = self.comm.all_reduce(flat, self.eng.dp_group, f"the gradient all-reduce of stage {stage}")
+            self.reductions.append((pend, flat, grads))
 
     # -------------------------------------------------------------- transfers
 
@@ -685,16 +746,3 @@ def concat_outputs(outputs: list[Any]) -> Any:
 def split_batch(gm_like: Any, args: Sequence[Any], kwargs: Mapping[str, Any], m: int) -> list[list[Any]]:
     """The flat placeholder values of each of ``m`` microbatches."""
     return [flatten_inputs(gm_like, a, k) for a, k in split_microbatches(args, kwargs, m)]
-
-
-def check_world(plan: Plan, world_size: int) -> None:
-    if world_size % plan.num_ranks:
-        raise RuntimeConfigError(
-            f"the world size {world_size} is not a multiple of the plan's {plan.num_ranks} pipeline ranks: "
-            f"launch {plan.num_ranks} processes (torchrun --nproc_per_node {plan.num_ranks}) or re-plan with "
-            f"stages={world_size}")
-    if world_size != plan.num_ranks:
-        raise RuntimeConfigError(
-            f"the world size {world_size} is {world_size // plan.num_ranks} x the plan's {plan.num_ranks} ranks; "
-            "data parallelism across pipeline replicas is not supported yet: launch "
-            f"{plan.num_ranks} processes or re-plan with stages={world_size}")

@@ -19,6 +19,7 @@ from smp.units import format_bytes, format_time
 
 __all__ = [
     "REPORT_SCHEMA", "report", "stage_table", "comm_legend", "headline", "cut_tensors", "warnings_for", "render_stage_graph",
+    "candidate_table",
     "IMBALANCE_SHARE", "MEMORY_WARN_FRACTION", "GAP_WARN", "NO_GAIN_SPEEDUP", "COMM_HEAVY_SHARE",
 ]
 
@@ -160,7 +161,8 @@ def report(plan: Plan, *, plan_file: str | Path | None = None, files: dict[str, 
             "fwd_s": _num(r["fwd"]), "bwd_s": _num(r["bwd"]),
             "comm_in_s": _num(r["comm_in"]), "comm_out_s": _num(r["comm_out"]),
             "comm_in_bytes": _num(r["comm_in_bytes"]), "comm_out_bytes": _num(r["comm_out_bytes"]),
-            "time_s": _num(r["time"]), "memory_bytes": _num(r["memory"]),
+            "time_s": _num(r["time"]), "recompute": r["recompute"], "recompute_s": _num(r["recompute_time"]),
+            "memory_bytes": _num(r["memory"]),
             "memory_limit_bytes": _num(r["memory_limit"]), "share": _num(r["share"]),
         })
     out: dict[str, Any] = {
@@ -176,6 +178,8 @@ def report(plan: Plan, *, plan_file: str | Path | None = None, files: dict[str, 
         "num_stages": plan.num_stages,
         "cluster": part.cluster.get("name"),
         "memory_limit_bytes": _num(part.memory_limit),
+        "recompute_mode": part.recompute_mode,
+        "recompute": plan.recompute,
         "stages": stages,
         "step_time_s": _num(plan.step_time),
         "bubble_fraction": _num(plan.bubble),
@@ -224,7 +228,7 @@ def stage_table(plan: Plan, *, title: str | None = None) -> Table:
     num = {"justify": "right", "no_wrap": True}
     for name, kw in (("stage", num), ("rank", num),
                      ("modules", {"no_wrap": True, "overflow": "ellipsis", "max_width": 40}),
-                     ("ops", num), ("params", num), ("act/mb", num), ("fwd", num), ("bwd", num),
+                     ("ops", num), ("params", num), ("act/mb", num), ("fwd", num), ("bwd", num), ("recompute", num),
                      ("comm in", num), ("comm out", num), ("memory / limit", num), ("share", num)):
         t.add_column(name, **kw)
     for r in plan.stage_rows():
@@ -236,10 +240,55 @@ def stage_table(plan: Plan, *, title: str | None = None) -> Table:
         mark = " ◀" if r["stage"] == part.bottleneck_stage else ""
         t.add_row(str(r["stage"]), str(r["rank"]), r["modules"] or "-", str(r["ops"]),
                   _b(r["params"]), _b(r["activations"]),
-                  format_time(r["fwd"]), format_time(r["bwd"]),
+                  format_time(r["fwd"]), format_time(r["bwd"]), _recompute(r["recompute"], r["recompute_time"]),
                   _comm(r["comm_in"], r["comm_in_bytes"]), _comm(r["comm_out"], r["comm_out_bytes"]),
                   mem, f"{r['share']:.0%}{mark}")
     return t
+
+
+def _recompute(choice: str, seconds: float) -> str:
+    """A stage's recomputation for the table: "-" when none, else the choice and the forward it runs again."""
+    return "-" if choice == "none" else f"{choice} +{format_time(seconds)}"
+
+
+def candidate_table(candidates: Sequence[Any], *, shapes: bool = False, title: str | None = None) -> Table:
+    """The candidates a search weighed (:class:`partitioner.shapes.Candidate`), best first; with ``shapes``
+    the replicas x stages and placement columns too."""
+    t = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD, show_edge=False,
+              pad_edge=False)
+    num = {"justify": "right", "no_wrap": True}
+    cols: list[tuple[str, dict[str, Any]]] = [("replicas x stages", num), ("placement", {})] if shapes else []
+    cols += [("microbatches", num), ("schedule", {}), ("step time", num), ("samples/s", num), ("bubble", num),
+             ("peak memory", num), ("fits", {}), ("proven", {}), ("recompute", {"overflow": "fold"}),
+             ("why not", {"overflow": "fold", "max_width": 40})]
+    for name, kw in cols:
+        t.add_column(name, **kw)
+    for c in candidates:
+        p = c.plan
+        peak = _b(c.memory) if c.memory is not None else "-"
+        if p is None and c.memory is not None:
+            peak = f"needs {peak}"
+        rec = ", ".join(f"{n} {x}" for x, n in _runs(c.recompute)) if c.recompute else "-"
+        why = "" if p is not None else (c.reason if len(c.reason) <= 120 else c.reason[:117] + "...")
+        row = [f"{c.shape.data_parallel} x {c.shape.stages}", p.placement if p is not None and
+               c.shape.data_parallel > 1 and c.shape.stages > 1 else "-"] if shapes else []
+        row += [str(c.shape.microbatches), c.shape.schedule, format_time(c.step_time) if p is not None else "-",
+                f"{c.samples_per_second:,.1f}" if p is not None else "-",
+                f"{p.bubble:.1%}" if p is not None else "-", peak, "yes" if c.fits else "no",
+                "yes" if c.proven else "", rec, escape(why)]
+        t.add_row(*row)
+    return t
+
+
+def _runs(choices: Sequence[str]) -> list[tuple[str, int]]:
+    """(choice, count) for each run of equal choices: ["full", "full", "none"] -> [("full", 2), ("none", 1)]."""
+    out: list[tuple[str, int]] = []
+    for c in choices:
+        if out and out[-1][0] == c:
+            out[-1] = (c, out[-1][1] + 1)
+        else:
+            out.append((c, 1))
+    return out
 
 
 def comm_legend(plan: Plan) -> str | None:
@@ -285,6 +334,10 @@ def headline(plan: Plan, *, solved: Plan | None = None) -> list[str]:
     limit = "no memory limit" if part.memory_limit is None and not any(
         s.memory_limit for s in part.stages) else (
         "fits the memory limit" if part.memory_ok else "DOES NOT fit the memory limit")
+    recomputing = [s for s in part.stages if s.recompute != "none"]
+    recompute = (f"recompute            {part.recompute_mode}: " + (
+        ", ".join(f"stage {s.index} {s.recompute} (+{format_time(s.recompute_time)} per microbatch)"
+                  for s in recomputing) if recomputing else "none on every stage"))
     return [
         f"predicted step time  {format_time(plan.step_time)}  ({plan.schedule_name}, {plan.microbatches} "
         f"microbatches, {plan.num_ranks} ranks)",
@@ -294,6 +347,7 @@ def headline(plan: Plan, *, solved: Plan | None = None) -> list[str]:
         f"bottleneck           {format_time(part.bottleneck)} per microbatch (stage {part.bottleneck_stage}); lower bound "
         f"{format_time(part.lower_bound)}, gap {part.gap:.1%}",
         f"solver               {part.method}, {format_time(part.solve_seconds)}: {proven}; {limit}",
+        recompute,
     ]
 
 

@@ -28,6 +28,7 @@ __all__ = ["app", "main", "CLIUsageError"]
 
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 METHOD_CHOICES = ("auto", "dp", "cpsat", "uniform", "params", "blocks")
+RECOMPUTE_CHOICES = ("auto", "none", "selective", "full")
 TIMING_CHOICES = ("measured", "analytic")
 DEVICE_CHOICES = ("cpu", "cuda")
 
@@ -121,6 +122,13 @@ def _choice(value: str | None, choices: tuple[str, ...], option: str) -> str | N
     return low
 
 
+def _count(value: str, option: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise CLIUsageError(f"bad value {value!r} for {option}: give a whole number or auto") from None
+
+
 def _size(value: str | None, option: str) -> int | None:
     from smp.units import parse_size
 
@@ -153,7 +161,7 @@ def _json_default(value: Any) -> Any:
 
 
 @contextmanager
-def _progress(label: str, enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
+def _progress(label: str, enabled: bool, unit: str = "ops") -> Iterator[Callable[[int, int], None] | None]:
     """A rich progress bar on stderr; yields the ``progress(done, total)`` callback (None when disabled)."""
     con = _console(stderr=True)
     if not enabled or not con.is_terminal:  # no bar in logs and pipes: it would only leave blank lines
@@ -162,7 +170,7 @@ def _progress(label: str, enabled: bool) -> Iterator[Callable[[int, int], None] 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("ops"), TimeElapsedColumn(), console=con, transient=True) as bar:
+                  TextColumn(unit), TimeElapsedColumn(), console=con, transient=True) as bar:
         task = bar.add_task(label, total=None)
 
         def update(done: int, total: int) -> None:
@@ -468,7 +476,8 @@ def _print_profile(graph, spec: str, top: int, output: Path | None, seconds: flo
 def _make_plan(model: str, *, stages: int, microbatches: int, schedule: str, cluster: str | None,
                memory_limit: int | None, method: str, time_limit: float | None, batch_size: int | None,
                seq_len: int | None, timing: str | None, device: str | None, meta: bool, dtype: str | None,
-               repeats: int, virtual_stages: int, show_progress: bool, objective: str = "step_time"):
+               repeats: int, virtual_stages: int, show_progress: bool, objective: str = "step_time",
+               recompute: str = "auto"):
     """A Plan from a model spec (trace + profile + solve) or from an op graph JSON (solve only)."""
     import smp
     from smp.models import build_step
@@ -486,7 +495,8 @@ def _make_plan(model: str, *, stages: int, microbatches: int, schedule: str, clu
         with _status(f"solving ({method})…", show_progress):
             return plan_from_graph(graph, stages=stages, microbatches=microbatches, schedule=schedule,
                                    cluster=cluster, memory_limit=memory_limit, method=method,
-                                   time_limit=time_limit, virtual_stages=virtual_stages, objective=objective)
+                                   time_limit=time_limit, virtual_stages=virtual_stages, objective=objective,
+                                   recompute=recompute)
     device = _choice(device, DEVICE_CHOICES, "--device")
     timing_, profile_name = _timing_for(timing, meta, cluster)
     bundle = build_step(model, microbatches=microbatches, batch_size=batch_size, seq_len=seq_len, meta=meta)
@@ -500,7 +510,52 @@ def _make_plan(model: str, *, stages: int, microbatches: int, schedule: str, clu
                         microbatches=microbatches, schedule=schedule, cluster=cluster, memory_limit=memory_limit,
                         method=method, time_limit=time_limit, timing=timing_, device=device,
                         device_profile=profile_name, dtype=dtype, virtual_stages=virtual_stages,
-                        repeats=repeats, name=model, objective=objective, progress=progress)
+                        repeats=repeats, name=model, objective=objective, progress=progress, recompute=recompute)
+
+
+def _search_plans(model: str, *, devices: int | None, stages: int | None, microbatches: int | None,
+                  schedule: str | None, batch_size: int | None, global_batch: int | None, cluster: str | None,
+                  memory_limit: int | None, method: str, time_limit: float | None, seq_len: int | None,
+                  timing: str | None, device: str | None, meta: bool, dtype: str | None, repeats: int,
+                  virtual_stages: int, show_progress: bool, objective: str, recompute: str):
+    """``--devices N`` (replicas x stages x microbatches), ``--microbatches auto``, ``--schedule auto``.
+
+    With --devices the spec's sample batch (or --batch-size) is one device's share and the
+    global batch defaults to N of them; without it the pipeline's step batch is split, as
+    for one plan. Returns (the search, a note on the batch)."""
+    from partitioner.microbatch import batch_size as batch_of
+    from smp.models import build_step
+    from smp.plan import plan_shapes
+
+    if _is_graph_file(model):
+        raise CLIUsageError("--devices, --microbatches auto and --schedule auto trace the model to record it in the "
+                            f"plans they weigh, so they need a model spec, not the op graph {model}")
+    _check_cluster(cluster)
+    device = _choice(device, DEVICE_CHOICES, "--device")
+    timing_, profile_name = _timing_for(timing, meta, cluster)
+    if devices is None:
+        assert stages is not None
+        bundle = build_step(model, microbatches=(microbatches or 2 * stages) if batch_size is None else 1,
+                            batch_size=batch_size, seq_len=seq_len, meta=meta)
+        batch = batch_of(bundle.example_args, bundle.example_kwargs)
+        note = None if batch_size is not None or microbatches is not None else (
+            f"--microbatches auto: the batch is {batch} (2 x {stages} stages x the spec's sample batch; set it with "
+            "--batch-size)")
+    else:
+        bundle = build_step(model, microbatches=1, batch_size=batch_size, seq_len=seq_len, meta=meta)
+        sample = batch_of(bundle.example_args, bundle.example_kwargs)
+        batch = global_batch or devices * sample
+        note = (f"--devices {devices}: a global batch of {batch}"
+                + ("" if global_batch else f" ({devices} devices x the sample batch of {sample}; set it with "
+                                           "--global-batch)"))
+    with _progress("weighing shapes", show_progress, unit="shapes") as cb:
+        search = plan_shapes(
+            bundle.model, bundle.example_args, bundle.example_kwargs, devices=devices or stages,
+            global_batch=batch, stages=stages, microbatches=microbatches, schedule=schedule or "auto",
+            cluster=cluster, memory_limit=memory_limit, method=method, time_limit=time_limit, timing=timing_,
+            device=device, device_profile=profile_name, dtype=dtype, virtual_stages=virtual_stages,
+            repeats=repeats, name=model, objective=objective, recompute=recompute, shape_progress=cb)
+    return search, note
 
 
 def _microbatches(stages: int, microbatches: int | None, batch_size: int | None) -> tuple[int, str | None]:
@@ -611,14 +666,29 @@ def _write_timeline(plan, path: Path, title: str | None = None) -> str:
 
 
 @app.command("plan", epilog="Example: smp plan gpt:layers=8,d_model=256 --stages 4 --microbatches 8 "
-                             "--schedule 1f1b -o plan.json")
+                             "--schedule 1f1b -o plan.json; smp plan gpt-1b --meta --devices 16 --cluster h100-sxm")
 @_command
 def plan_cmd(
     model: Annotated[str, typer.Argument(metavar="MODEL|GRAPH.json",
                                          help="zoo spec, path/to/file.py:factory, or an op graph from `smp profile`")],
-    stages: StagesOpt,
-    microbatches: MicrobatchesOpt = None,
-    schedule: ScheduleOpt = "1f1b",
+    stages: Annotated[Optional[int], typer.Option("--stages", "-p", help="pipeline ranks (devices) \\[with "
+                                                  "--devices: searched among the divisors of N]")] = None,
+    devices: Annotated[Optional[int], typer.Option(
+        "--devices", "-n", help="weigh every replicas x stages x microbatches shape on N devices of --cluster and "
+                                "keep the fastest")] = None,
+    global_batch: Annotated[Optional[int], typer.Option(
+        "--global-batch", help="with --devices: samples per step over all replicas \\[default: N x the sample "
+                               "batch]")] = None,
+    microbatches: Annotated[Optional[str], typer.Option(
+        "--microbatches", "-m", help="microbatches per step, or auto: try the divisors of the batch from stages "
+                                     "to 4 x stages and keep the fastest simulated step that fits memory \\[default: 2 x stages; with "
+                                     "--batch-size, the largest divisor of the batch not above that]")] = None,
+    schedule: Annotated[str, typer.Option(
+        "--schedule", "-s", help="gpipe | 1f1b | interleaved | zb-h1 | auto (try each, keep the fastest that "
+                                 "fits)")] = "1f1b",
+    recompute: Annotated[str, typer.Option(
+        "--recompute", help="activation recomputation per stage: auto (chosen with the partition, only where the "
+                            "memory limit needs it) | none | selective | full")] = "auto",
     cluster: ClusterOpt = None,
     memory_limit: MemoryOpt = None,
     method: MethodOpt = "auto",
@@ -639,15 +709,43 @@ def plan_cmd(
     timeline: TimelineOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Partition a model into pipeline stages: per-stage table, predicted step time, bubble, lower bound, gap."""
+    """Partition a model into pipeline stages: per-stage table, predicted step time, bubble, lower bound, gap.
+
+    With --devices N, weigh every replicas x stages x microbatches shape on N devices and show the candidates.
+    """
     objective = _choice(objective.replace("-", "_"), ("bottleneck", "step_time"), "--objective")
-    m, note, sched, meth, limit = _plan_args(stages, microbatches, batch_size, schedule, method, memory_limit,
-                                             time_limit, repeats)
+    recompute = _choice(recompute, RECOMPUTE_CHOICES, "--recompute")
+    auto_m = microbatches is not None and microbatches.strip().lower() == "auto"
+    auto_s = schedule.strip().lower() == "auto"
+    count = None if auto_m or microbatches is None else _count(microbatches, "--microbatches")
     _positive(virtual_stages, "--virtual-stages")
-    p = _make_plan(model, stages=stages, microbatches=m, schedule=sched, cluster=cluster, memory_limit=limit,
-                   method=meth, time_limit=time_limit, batch_size=batch_size, seq_len=seq_len, timing=timing,
-                   device=device, meta=meta, dtype=dtype, repeats=repeats, virtual_stages=virtual_stages,
-                   show_progress=not json_out, objective=objective)
+    _positive(devices, "--devices")
+    _positive(global_batch, "--global-batch")
+    if devices is None and stages is None:
+        raise CLIUsageError("pass --stages P (pipeline ranks), or --devices N to weigh replicas x stages x "
+                            "microbatches on N devices")
+    if global_batch is not None and devices is None:
+        raise CLIUsageError("--global-batch goes with --devices; for one pipeline the step batch is --batch-size")
+    search = None
+    if auto_m or auto_s or devices is not None:
+        _, _, _, meth, limit = _plan_args(stages or 1, None, None, "1f1b", method, memory_limit, time_limit, repeats)
+        if devices is None and count is not None:
+            count = _microbatches(stages or 1, count, batch_size)[0]
+        search, note = _search_plans(
+            model, devices=devices, stages=stages, microbatches=count,
+            schedule=None if auto_s else _choice(schedule, SCHEDULE_CHOICES, "--schedule"), batch_size=batch_size,
+            global_batch=global_batch, cluster=cluster, memory_limit=limit, method=meth, time_limit=time_limit,
+            seq_len=seq_len, timing=timing, device=device, meta=meta, dtype=dtype, repeats=repeats,
+            virtual_stages=virtual_stages, show_progress=not json_out, objective=objective, recompute=recompute)
+        p = search.best
+    else:
+        assert stages is not None
+        m, note, sched, meth, limit = _plan_args(stages, count, batch_size, schedule, method, memory_limit,
+                                                 time_limit, repeats)
+        p = _make_plan(model, stages=stages, microbatches=m, schedule=sched, cluster=cluster, memory_limit=limit,
+                       method=meth, time_limit=time_limit, batch_size=batch_size, seq_len=seq_len, timing=timing,
+                       device=device, meta=meta, dtype=dtype, repeats=repeats, virtual_stages=virtual_stages,
+                       show_progress=not json_out, objective=objective, recompute=recompute)
     files: dict[str, str | None] = {"plan": None, "timeline": None}
     if output is not None:
         files["plan"] = str(p.save(output))
@@ -656,8 +754,18 @@ def plan_cmd(
     if json_out:
         from smp._cli_render import report
 
-        _print_json(report(p, plan_file=output, files=files))
+        extra = {"search": search.to_dict(), "candidates": [c.to_dict() for c in search.candidates]} \
+            if search is not None else None
+        _print_json(report(p, plan_file=output, files=files, extra=extra))
         return
+    if search is not None:
+        from smp._cli_render import candidate_table
+
+        con = _console()
+        con.print(candidate_table(search.candidates, shapes=devices is not None, title=(
+            f"candidates weighed ({len(search.candidates)}, best first: the fastest simulated step that fits "
+            "memory)")))
+        con.print()
     _print_plan(p, files=files, note=note)
 
 

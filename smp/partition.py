@@ -17,11 +17,12 @@ from partitioner.compile import plan as make_plan
 from partitioner.ir import Edge, ScheduleKind, StageGraph
 from partitioner.microbatch import MicrobatchError, split_microbatches
 from partitioner.plan import Plan, PlanError
-from partitioner.schedule import make_schedule
+from partitioner.schedule import make_schedule, with_allreduce
 from partitioner.timeline import Timeline, TimelineEvent
 from partitioner.trace import fingerprint, flatten_inputs, trace
 from runtime.comm import Comm, PipelineError
-from runtime.engine import Engine, Ownership, Program, RuntimeConfigError, check_world, concat_outputs, split_batch
+from runtime.engine import Engine, Ownership, Program, RuntimeConfigError, concat_outputs, split_batch
+from runtime.layout import ReplicaLayout
 from runtime.checkpoint import CheckpointError, load_pipeline, open_weights, save_pipeline
 from runtime.gradients import global_grad_norm
 from runtime.memory import rank_memory
@@ -97,6 +98,15 @@ class PipelinedModel:
     and the module's name. A ``checkpoint`` given for a model with real weights replaces
     them. ``broadcast_output``: ``pipe(x)`` returns the output on every rank, not only on
     the one holding the output stage.
+
+    Data parallel: in a world of D x P ranks (``stages`` = P) the pipeline runs as D
+    replicas, laid out by ``placement`` ("cluster": each pipeline on consecutive ranks;
+    "spread": each stage's replicas on consecutive ranks; default the plan's, else
+    "cluster"). Each rank passes its replica's share of the global batch, as with
+    DistributedDataParallel; gradients become the mean over the global batch (each stage's
+    all-reduced over its replicas as soon as they are final, overlapping the rest of the
+    step) and ``step()`` returns the global mean loss on every rank. ``dp_rank``,
+    ``dp_size``, ``pp_rank``, ``pp_size`` say where this rank sits.
     """
 
     def __init__(self, model: nn.Module, *, stages: int | None = None, microbatches: int = 1,
@@ -105,7 +115,7 @@ class PipelinedModel:
                  timeout: float = DEFAULT_TIMEOUT, plan_options: Mapping[str, Any] | None = None,
                  device: str | torch.device | None = None, checkpoint: str | Path | None = None,
                  init_fn: Callable[[nn.Module], None] | None = None, init_seed: int = 0,
-                 broadcast_output: bool = False) -> None:
+                 broadcast_output: bool = False, placement: str | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"smp.partition takes a torch.nn.Module, got {type(model).__name__}")
         self.module = model
@@ -124,27 +134,21 @@ class PipelinedModel:
             plan = Plan.load(plan)
         self._plan: Plan | None = plan
         if plan is not None:
-            if self.distributed:
-                check_world(plan, self.world_size)
-            if stages is not None and stages * plan.virtual_stages != plan.num_stages and stages != plan.num_ranks:
-                raise RuntimeConfigError(f"stages={stages} disagrees with the plan's {plan.num_ranks} ranks")
-            self.stages = plan.num_ranks
+            if stages is not None and stages * plan.virtual_stages != plan.num_stages and \
+                    stages != plan.pipeline_ranks:
+                raise RuntimeConfigError(f"stages={stages} disagrees with the plan's {plan.pipeline_ranks} ranks")
+            self.stages = plan.pipeline_ranks
             self.microbatches = plan.microbatches
+            placement = placement or plan.placement
         else:
             self.stages = int(stages) if stages is not None else self.world_size
             if self.stages < 1:
                 raise RuntimeConfigError(f"stages must be >= 1, got {stages}")
-            if self.distributed and self.world_size != self.stages:
-                if self.world_size % self.stages:
-                    raise RuntimeConfigError(
-                        f"the world size {self.world_size} is not a multiple of stages={self.stages}: launch "
-                        f"{self.stages} processes or pass stages={self.world_size}")
-                raise RuntimeConfigError(
-                    f"the world size {self.world_size} is a multiple of stages={self.stages}, but data parallelism "
-                    f"across pipeline replicas is not supported yet: launch {self.stages} processes")
             self.microbatches = int(microbatches)
             if self.microbatches < 1:
                 raise RuntimeConfigError(f"microbatches must be >= 1, got {microbatches}")
+        self.layout = ReplicaLayout.build(self.world_size, self.stages, placement or "cluster", self.device,
+                                          plan.data_parallel if plan is not None else None)
         self.schedule = ScheduleKind.parse(schedule).value if plan is None else plan.schedule_name
         self.cluster = cluster
         self.memory_limit = memory_limit
@@ -152,6 +156,26 @@ class PipelinedModel:
         self._setup: _SetUp | None = None
         self._engine: Engine | None = None  # the engine of the last mode used
         self._engines: dict[bool, Engine] = {}
+
+    # ------------------------------------------------------------------ where this rank sits
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's place in its pipeline (0 .. pp_size - 1)."""
+        return self.layout.pp_rank
+
+    @property
+    def pp_size(self) -> int:
+        return self.layout.pp_size
+
+    @property
+    def dp_rank(self) -> int:
+        """Which replica of the pipeline this rank belongs to (0 .. dp_size - 1)."""
+        return self.layout.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp_size
 
     # ------------------------------------------------------------------ set-up
 
@@ -172,8 +196,9 @@ class PipelinedModel:
             if program is None:
                 raise RuntimeConfigError(f"the model cannot run in {'train' if mode else 'eval'} mode as partitioned: "
                                          f"{setup.errors[mode]}")
-            engine = Engine(program, setup.ownership, rank=self.rank, comm=setup.comm, device=setup.device,
-                            example_flat=setup.example_flat[mode])
+            engine = Engine(program, setup.ownership, rank=self.pp_rank, comm=setup.comm, device=setup.device,
+                            example_flat=setup.example_flat[mode], dp_group=self.layout.dp_group,
+                            dp_size=self.layout.dp_size)
             self._engines[mode] = engine
         self._engine = engine
         return engine
@@ -187,8 +212,6 @@ class PipelinedModel:
         if self._plan is None:
             self._plan = self._make_plan(args, kwargs)
         plan = self._plan
-        if self.distributed:
-            check_world(plan, self.world_size)
         # traced on one microbatch: an export-traced program is specialised to the shapes it runs on
         micro_args, micro_kwargs = _first_microbatch(args, kwargs, plan.microbatches)
         on_meta = any(t.is_meta for t in [*self.module.parameters(), *self.module.buffers()])
@@ -217,15 +240,15 @@ class PipelinedModel:
         finally:
             self.module.train(was_training)
         ownership = Ownership(self.module, programs[True], [p.gm for p in programs.values()],
-                              rank=self.rank if self.distributed else None)
+                              rank=self.pp_rank if self.distributed else None)
         try:
             replaced = materialize(self.module, [p.gm for p in programs.values()], ownership.local_ids, self.device,
                                    source=self.checkpoint, init_fn=self.init_fn, seed=self.init_seed)
         except (MaterializeError, CheckpointError) as err:
             raise RuntimeConfigError(f"rank {self.rank}: {err}") from None
         ownership.rekey(replaced)
-        comm = Comm(self.rank, self.timeout, [plan.schedule.stages_of(r) for r in range(plan.num_ranks)]) \
-            if self.distributed else None
+        comm = Comm(self.pp_rank, self.timeout, [plan.schedule.stages_of(r) for r in range(plan.pipeline_ranks)],
+                    global_ranks=self.layout.pp_ranks) if self.distributed else None
         return _SetUp(programs, errors, ownership, comm, self.device, flat)
 
     def _program(self, plan: Plan, gm: Any, train: Program | None, errors: dict[bool, str], mode: bool
@@ -234,7 +257,8 @@ class PipelinedModel:
         frontend = gm.meta["smp_trace"].frontend
         got = fingerprint(gm, self.module)
         if got == plan.model.fingerprint:
-            return Program(gm, plan.fx_stage_of, plan.fx_to_op, plan.schedule, state_meta_of(gm), frontend)
+            return Program(gm, plan.fx_stage_of, plan.fx_to_op, with_allreduce(plan.schedule, self.layout.dp_size),
+                           state_meta_of(gm), frontend)
         if mode or train is None:
             raise RuntimeConfigError(
                 f"this plan was made for another model (plan fingerprint {plan.model.fingerprint}, this model "
@@ -248,7 +272,8 @@ class PipelinedModel:
             errors[mode] = str(err)
             return None
         graph = StageGraph(plan.num_stages, tuple(Edge(a, b, t) for a, b, t in cut_edges(gm, stage_of)))
-        schedule = make_schedule(plan.schedule_name, graph, plan.microbatches, num_ranks=plan.num_ranks)
+        schedule = make_schedule(plan.schedule_name, graph, plan.microbatches, num_ranks=plan.pipeline_ranks,
+                                 data_parallel=self.layout.dp_size)
         return Program(gm, stage_of, {}, schedule, state_meta_of(gm), frontend)
 
     def _make_plan(self, args: tuple, kwargs: dict) -> Plan:
@@ -259,7 +284,8 @@ class PipelinedModel:
             with torch.random.fork_rng(devices=[]):
                 return make_plan(self.module, args, kwargs, stages=self.stages, microbatches=self.microbatches,
                                  schedule=self.schedule, cluster=self.cluster, memory_limit=self.memory_limit,
-                                 **{**opts, "training": True})
+                                 **{**opts, "training": True, "data_parallel": self.layout.dp_size,
+                                    "placement": self.layout.placement})
 
         if not self.distributed:
             return build()
@@ -320,7 +346,7 @@ class PipelinedModel:
         output = concat_outputs(outputs) if outputs else None
         if self.broadcast_output and self.distributed:
             box = [output]
-            dist.broadcast_object_list(box, src=eng.out_rank)
+            dist.broadcast_object_list(box, src=self.layout.pp_ranks[eng.out_rank], group=self.layout.pp_group)
             output = box[0]
         return output
 
@@ -378,15 +404,19 @@ class PipelinedModel:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full model state with the original names, on rank 0 ({} on the other ranks).
 
-        A collective: every rank must call it.
+        A collective: every rank must call it (the first replica's pipeline gathers; the
+        replicas hold the same weights).
         """
         local = {k: v.detach().cpu() for k, v in self.module.state_dict().items()
                  if isinstance(v, torch.Tensor) and not v.is_meta}
         if not self.distributed:
             return local
-        gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(local, gathered, dst=0)
-        if self.rank != 0:
+        if not self.layout.is_first_replica:
+            return {}
+        first = self.layout.pp_ranks[0]
+        gathered: list[Any] | None = [None] * self.layout.pp_size if self.rank == first else None
+        dist.gather_object(local, gathered, dst=first, group=self.layout.pp_group)
+        if self.rank != first:
             return {}
         full: dict[str, torch.Tensor] = {}
         order = list(self.module.state_dict().keys())
@@ -453,8 +483,8 @@ class PipelinedModel:
         setup = self._require_setup("clip_grad_norm_()")
         # a parameter several ranks hold (a tied weight) counts once, on the lowest of them
         mine = [p for p in self.parameters() if p.grad is not None
-                and (not self.distributed or min(setup.ownership.holders.get(id(p), {self.rank})) == self.rank)]
-        group = dist.group.WORLD if self.distributed else None
+                and (not self.distributed or min(setup.ownership.holders.get(id(p), {self.pp_rank})) == self.pp_rank)]
+        group = self.layout.pp_group if self.distributed else None  # the replicas' gradients are the same
         total = global_grad_norm([p.grad for p in mine], float(norm_type), group)
         clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in self.parameters():
@@ -473,7 +503,7 @@ class PipelinedModel:
         """
         setup = self._require_setup("memory_stats()")
         eng = self._engine
-        ranks = range(self._plan.num_ranks) if not self.distributed else [self.rank]  # type: ignore[union-attr]
+        ranks = range(self._plan.pipeline_ranks) if not self.distributed else [self.pp_rank]  # type: ignore[union-attr]
         return {r: rank_memory(self.module, setup.ownership, r, optimizer,
                                eng.stash_peak.get(r, 0) if eng is not None else 0) for r in ranks}
 
@@ -488,8 +518,8 @@ class PipelinedModel:
         if not (gather and self.distributed):
             return eng.timeline()
         mine = ([e.to_dict() for e in eng.events], eng.step_start, eng.step_end)
-        parts: list[Any] = [None] * self.world_size
-        dist.all_gather_object(parts, mine)
+        parts: list[Any] = [None] * self.layout.pp_size
+        dist.all_gather_object(parts, mine, group=self.layout.pp_group)
         t0 = min(p[1] for p in parts)
         t1 = max(p[2] for p in parts)
         events = [TimelineEvent.from_dict(d) for p in parts for d in p[0]]

@@ -1,6 +1,6 @@
 """smp.plan and smp.Plan: the compiler's entry points, re-exported from the partitioner (which owns them)."""
 
-from partitioner.compile import plan, plan_from_graph
+from partitioner.compile import plan, plan_from_graph, plan_shapes
 from partitioner.plan import PLAN_SCHEMA_VERSION, ModelInfo, Plan, PlanError
 
-__all__ = ["Plan", "PlanError", "ModelInfo", "plan", "plan_from_graph", "PLAN_SCHEMA_VERSION"]
+__all__ = ["Plan", "PlanError", "ModelInfo", "plan", "plan_from_graph", "plan_shapes", "PLAN_SCHEMA_VERSION"]

@@ -31,11 +31,11 @@ def make_optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
 
 
-def make_plan(spec: str, stages: int, microbatches: int, schedule: str) -> smp.Plan:
+def make_plan(spec: str, stages: int, microbatches: int, schedule: str, **options: Any) -> smp.Plan:
     """A plan from analytic costs (fast and identical everywhere)."""
     b = build(spec, seed=0)
     return smp.plan(b.model, b.example_args, b.example_kwargs, stages=stages, microbatches=microbatches,
-                    schedule=schedule, timing="analytic")
+                    schedule=schedule, timing="analytic", **options)
 
 
 def reference_run(spec: str, microbatches: int, steps: int) -> dict[str, Any]:
@@ -306,3 +306,27 @@ def hf_meta_worker(rank: int, world: int, *, spec: str, checkpoint: str, out: st
     res["held"] = sum(p.numel() for p in b.model.parameters() if not p.is_meta)
     res["total"] = sum(p.numel() for p in b.model.parameters())
     torch.save(res, Path(out) / f"hf-{rank}.pt")
+
+
+def data_parallel_worker(rank: int, world: int, *, spec: str, stages: int, schedule: str, out: str,
+                         placement: str = "cluster", steps: int = 2, microbatches: int = 2) -> None:
+    """One rank of D = world / stages replicas: its replica's shard of the global batch, ``steps`` SGD steps."""
+    b = build(spec, seed=0)
+    pipe = partition(b.model, stages=stages, microbatches=microbatches, schedule=schedule, loss_fn=b.loss_fn,
+                     timeout=60, placement=placement, plan_options={"timing": "analytic"})
+    x, y = b.example_args[0], b.target
+    share = x.shape[0] // pipe.dp_size
+    rows = slice(pipe.dp_rank * share, (pipe.dp_rank + 1) * share)
+    res: dict[str, Any] = {"losses": [], "dp_rank": pipe.dp_rank, "pp_rank": pipe.pp_rank, "dp_size": pipe.dp_size}
+    opt = None
+    for step in range(steps):
+        res["losses"].append(pipe.step(x[rows], target=y[rows]).detach())
+        if step == 0:
+            res["grads"] = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+            res["plan_dp"] = pipe.plan.data_parallel
+            res["actions"] = [str(a) for a in pipe._engine.schedule.actions[pipe.pp_rank]]
+        opt = opt or make_optimizer(pipe.parameters())
+        opt.step()
+        opt.zero_grad()
+    res["params"] = {n: p.detach().clone() for n, p in pipe.named_parameters()}
+    torch.save(res, Path(out) / f"dp-{rank}.pt")

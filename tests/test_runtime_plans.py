@@ -127,7 +127,7 @@ def test_the_runtime_executes_exactly_the_simulated_order(schedule: str) -> None
     pipe.step(*args, target=target)
     executed = pipe._engine.executed
     predicted = simulate(plan.schedule, _unit_costs(plan)).timeline
-    for r in range(plan.num_ranks):
+    for r in range(plan.pipeline_ranks):
         # every action of the rank's list, transfers included, in the list's order
         assert executed[r] == list(plan.schedule.actions[r])
         # and the simulator times the same compute actions in the same order

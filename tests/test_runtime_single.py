@@ -9,7 +9,8 @@ import torch
 
 import smp
 from partitioner.trace import trace
-from runtime.engine import RuntimeConfigError, check_world
+from runtime.engine import RuntimeConfigError
+from runtime.layout import ReplicaLayout
 from runtime.split import split_program
 from smp.models import build
 from smp.partition import partition
@@ -106,7 +107,7 @@ def test_timeline_has_every_compute_action() -> None:
     pipe.step(*b.example_args, target=b.target)
     tl = pipe.timeline()
     kinds = sorted((e.kind, e.stage, e.mb) for e in tl.events)
-    expected = sorted((a.kind.value, a.stage, a.mb) for r in range(plan.num_ranks)
+    expected = sorted((a.kind.value, a.stage, a.mb) for r in range(plan.pipeline_ranks)
                       for a in plan.schedule.compute_actions(r))
     assert kinds == expected
     assert tl.step_time > 0 and all(0 <= e.start <= e.end <= tl.step_time for e in tl.events)
@@ -146,9 +147,10 @@ def test_errors_before_any_work() -> None:
     with pytest.raises(RuntimeConfigError, match="loss_fn"):
         partition(b.model, plan=plan).step(*b.example_args, target=b.target)
     with pytest.raises(RuntimeConfigError, match="not a multiple"):
-        check_world(plan, 3)
-    with pytest.raises(RuntimeConfigError, match="data parallelism"):
-        check_world(plan, 4)
+        ReplicaLayout.replicas(3, plan.pipeline_ranks)
+    assert ReplicaLayout.replicas(4, plan.pipeline_ranks) == 2  # two replicas of the 2-rank pipeline
+    with pytest.raises(RuntimeConfigError, match="plan is for 3 replicas"):
+        ReplicaLayout.replicas(4, plan.pipeline_ranks, planned_replicas=3)
     with pytest.raises(RuntimeConfigError, match="divide"):
         partition(b.model, plan=plan, loss_fn=b.loss_fn).step(b.example_args[0][:3], target=b.target[:3])
 

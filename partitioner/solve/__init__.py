@@ -18,7 +18,7 @@ from partitioner.refine import refine_step_time, simulated_step_time
 from partitioner.solve.baselines import BASELINES, baseline_assign
 from partitioner.solve.colocate import Blocks, colocation_blocks
 from partitioner.solve.cpsat import cpsat_size, cpsat_solve
-from partitioner.solve.dp import DP_SEARCH_WORK, dp_solve
+from partitioner.solve.dp import DP_SEARCH_WORK, dp_solve, least_memory
 from partitioner.solve.ideals import MAX_IDEALS, ideal_dp
 
 __all__ = ["solve", "METHODS", "OBJECTIVES", "AUTO_CPSAT_MAX_NODES", "AUTO_CPSAT_MAX_VARS", "DEFAULT_TIME_LIMIT",
@@ -80,7 +80,7 @@ def solve(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None =
           method: str = "auto", time_limit: float | None = None,
           state_factor: float = DEFAULT_STATE_FACTOR, workers: int = 1,
           objective: str = "bottleneck", ranks: int | None = None,
-          wall_limit: float | None = None) -> Partition:
+          wall_limit: float | None = None, recompute: str = "auto") -> Partition:
     """Assign every op to one of ``stages`` pipeline stages, minimising the bottleneck stage time.
 
     ``method``: ``"dp"`` (exact over contiguous cuts of the program order), ``"cpsat"``
@@ -98,6 +98,11 @@ def solve(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None =
     then picks and refines the plan by simulated step time under ``schedule``
     (``ranks``: pipeline ranks of an interleaved schedule), see :mod:`partitioner.refine`;
     the bound, gap and ``optimal`` always speak of the bottleneck (``Partition.bound_on``).
+    ``recompute``: "auto" (each stage's activation recomputation chosen with the assignment:
+    none wherever memory allows, see :mod:`partitioner.recompute`), or "none", "selective",
+    "full" on every stage. Under ``"none"`` a limit nothing fits raises a
+    :class:`MemoryLimitError` that gives the least memory a plan needs and says whether
+    recomputation would fit.
     """
     _check_choices(method, objective)
     t0 = time.perf_counter()
@@ -107,7 +112,7 @@ def solve(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None =
     blocks = colocation_blocks(g, program_order, colocate)
     prob = Problem(graph, stages, cluster=cluster, microbatches=microbatches, schedule=schedule,
                    training=training, memory_limit=memory_limit, state_factor=state_factor,
-                   order=blocks.order, ranks=ranks)
+                   order=blocks.order, ranks=ranks, recompute=recompute)
     blocks.check_stages(prob.p, lonely=[i for i, out in enumerate(prob.is_output) if out])
     if method in BASELINES:
         part = prob.partition(baseline_assign(prob, method, _allowed_cuts(prob, blocks)), method=method)
@@ -138,7 +143,7 @@ def _optimise(prob: Problem, blocks: Blocks, method: str, budget: float, deadlin
     if _wants_cpsat(search, method):
         _run_cpsat(search, blocks, budget, deadline, workers)
     if search.assign is None:
-        raise _memory_error(prob, proven=search.infeasible)
+        raise _memory_error(prob, _allowed_cuts(prob, blocks), proven=search.infeasible)
     label = search.found_by if method != "auto" else f"auto/{search.found_by}"
     part = prob.partition(search.assign, method=label)
     for name, value in search.bounds.items():
@@ -263,19 +268,51 @@ def _allowed_cuts(prob: Problem, blocks: Blocks) -> np.ndarray:
     return allowed
 
 
-def _memory_error(prob: Problem, *, proven: bool) -> MemoryLimitError:
+def _memory_error(prob: Problem, allowed: np.ndarray, *, proven: bool) -> MemoryLimitError:
+    """Nothing fits: say the least memory any plan needs, the least at which a plan exists (over
+    contiguous cuts of the order), and whether recomputation would fit when it was not allowed."""
     needed, largest = memory_lower_bound(prob)
     limits = [x for x in prob.mem_limit if x is not None]
     limit = min(limits) if limits else None
     what = (f"memory limit {format_bytes(limit)} per device" if prob.memory_limit_arg is not None
             else f"device memory ({format_bytes(limit)} on the smallest device)")
+    recompute = "" if prob.recompute_mode == "auto" else f" with recompute={prob.recompute_mode!r}"
+    least = least_memory(prob, allowed)
+    works = least[1] if least is not None else None
+    if least is not None:
+        exact = least[1] <= least[0] * (1 + 1e-9)
+        where = f"a plan{recompute} fits in {format_bytes(least[1])} per device" + (
+            " (the least over contiguous cuts of the program order)" if exact
+            else f" (no contiguous cut of the program order needs less than {format_bytes(least[0])})")
+    else:
+        where = ""
+    rescue = _recompute_rescue(prob, allowed) if prob.recompute_mode in ("none", "selective") and prob.training \
+        else None
     fix = ("raise the memory limit, add stages, train with a schedule that keeps fewer microbatches "
            "in flight (1f1b instead of gpipe), use fewer microbatches, or a smaller state_factor")
+    if rescue is None and prob.recompute_mode in ("none", "selective") and prob.training:
+        fix = "recompute='full' or 'auto' does not fit either: " + fix
     if limit is not None and limit < needed:
-        msg = (f"{what} is below what any {prob.p}-stage assignment needs: at least "
-               f"{format_bytes(needed)} (the largest op alone needs {format_bytes(largest)}); {fix}")
+        msg = (f"{what} is below what any {prob.p}-stage assignment{recompute} needs: at least "
+               f"{format_bytes(needed)} (the largest op alone needs {format_bytes(largest)})")
     else:
-        where = "no valid assignment" if proven else "no assignment on the program order"
-        msg = (f"{what}: {where} fits, though the bound for any {prob.p}-stage assignment is "
-               f"{format_bytes(needed)} (ops cannot be split finely enough); {fix}")
-    return MemoryLimitError(msg, needed=needed)
+        kind = "no valid assignment" if proven else "no assignment on the program order"
+        msg = (f"{what}: {kind}{recompute} fits, though the bound for any {prob.p}-stage assignment is "
+               f"{format_bytes(needed)} (ops cannot be split finely enough)")
+    msg += f"; {where}" if where else ""
+    msg += f"; {rescue}" if rescue else ""
+    return MemoryLimitError(f"{msg}; {fix}", needed=needed, works=works, recompute_fits=rescue is not None
+                            if prob.recompute_mode in ("none", "selective") and prob.training else None)
+
+
+def _recompute_rescue(prob: Problem, allowed: np.ndarray) -> str | None:
+    """When recomputation was not (fully) allowed: what recompute='auto' makes fit, or None."""
+    auto = Problem(prob.graph, prob.p, cluster=prob.cluster, microbatches=prob.microbatches,
+                   schedule=prob.schedule, training=prob.training, memory_limit=prob.memory_limit_arg,
+                   state_factor=prob.state_factor, order=prob.order, ranks=prob.ranks, recompute="auto")
+    dp = dp_solve(auto, allowed)
+    if dp is None:
+        return None
+    choices = [t.choice for t in auto.stage_report(dp.assign)]
+    return (f"with recomputation it fits: recompute='auto' gives a plan with bottleneck {dp.value * 1e3:.4g} ms "
+            f"recomputing {choices}")

@@ -94,6 +94,12 @@ class _Model:
         self.r: dict[tuple[int, int], cp_model.IntVar] = {}
         self.y: dict[tuple[int, int, int], cp_model.IntVar] = {}
         self._communication()
+        # Per stage with several recomputation choices: a Boolean per choice, and the
+        # (seconds, literal) terms each choice recomputes, priced once the scale is known.
+        self.choice: list[dict[str, cp_model.IntVar]] = [{} for _ in range(prob.p)]
+        self.rec_terms: list[dict[str, list[tuple[float, cp_model.IntVar]]]] = [{} for _ in range(prob.p)]
+        self.rec_var: list[cp_model.IntVar | None] = [None] * prob.p
+        self._recompute()
         self._memory()
 
     def _assignment(self) -> None:
@@ -104,7 +110,7 @@ class _Model:
             m.AddExactlyOne(self.x[v])
         # Order encoding: z[v][s] = [stage(v) >= s]; an edge u -> v is z[u][s] <= z[v][s] for
         # every s, which propagates far better than comparing two weighted sums.
-        z = [[None] + [m.NewBoolVar(f"z{v}_{s}") for s in range(1, p)] for v in range(n)]
+        self.z = z = [[None] + [m.NewBoolVar(f"z{v}_{s}") for s in range(1, p)] for v in range(n)]
         for v in range(n):
             for s in range(1, p):
                 m.Add(z[v][s] == sum(self.x[v][t] for t in range(s, p)))
@@ -129,6 +135,28 @@ class _Model:
                 if c > 0:
                     self.load[s].append((c, self.x[v][s]))
 
+    def _received(self, u: int, t: int) -> cp_model.IntVar:
+        """r[u,t]: stage t receives u's output (forced to 1 when a consumer of u is on t and u is not)."""
+        if (u, t) not in self.r:
+            rt = self.m.NewBoolVar(f"r{u}_{t}")
+            self.r[u, t] = rt
+            for v in self.prob.succ[u]:
+                self.m.Add(rt >= self.x[v][t] - self.x[u][t])
+        return self.r[u, t]
+
+    def _sends(self, r: int, a: int) -> cp_model.IntVar:
+        """snd[r,a]: stage a holds the storage of op r and sends it (r itself, or a view of it on a,
+        has a consumer on a later stage): the stage keeps that storage for the backward."""
+        if (r, a) not in self.snd:
+            prob, m = self.prob, self.m
+            var = m.NewBoolVar(f"snd{r}_{a}")
+            self.snd[r, a] = var
+            for u in self.views[r]:
+                for w in prob.succ[u]:
+                    lits = [self.x[r][a], self.z[w][a + 1]] + ([self.x[u][a]] if u != r else [])
+                    m.AddBoolOr([lit.Not() for lit in lits] + [var])
+        return self.snd[r, a]
+
     def _communication(self) -> None:
         prob, m, k = self.prob, self.m, self.prob.directions
         for u in _comm_nodes(prob):
@@ -137,10 +165,7 @@ class _Model:
                 prices = {a: k * prob.transfer_seconds(a, t, b) for a in range(t)}
                 if not any(c > 0 for c in prices.values()):
                     continue
-                rt = m.NewBoolVar(f"r{u}_{t}")
-                self.r[u, t] = rt
-                for v in prob.succ[u]:
-                    m.Add(rt >= self.x[v][t] - self.x[u][t])
+                rt = self._received(u, t)
                 for a, c in prices.items():
                     if c <= 0:
                         continue
@@ -150,25 +175,62 @@ class _Model:
                     self.load[a].append((c, ya))
                     self.load[t].append((c, ya))
 
+    def _recompute(self) -> None:
+        """Each stage's recomputation choice (AdaPipe's per-stage decision, made with the assignment):
+        one Boolean per allowed choice; a forced choice's recomputed seconds go straight into the load."""
+        prob = self.prob
+        for s in range(prob.p):
+            options = prob.choices[s]
+            for c in options:
+                terms = [(float(prob.rec.seconds[c][v] / prob.speed[s]), self.x[v][s]) for v in range(prob.n)
+                         if prob.rec.seconds[c][v] > 0]
+                if len(options) == 1:
+                    self.load[s].extend(terms)
+                else:
+                    self.choice[s][c] = self.m.NewBoolVar(f"c{s}_{c}")
+                    self.rec_terms[s][c] = terms
+            if len(options) > 1:
+                self.m.AddExactlyOne(self.choice[s].values())
+
     def _memory(self) -> None:
-        """Per-stage memory within the limit, in integers that keep every plan fitting in floats."""
+        """Per-stage memory within the limit under the stage's choice, in integers that keep every plan
+        fitting in floats; the cut's part exactly as the cost model counts it: the tensors a stage
+        receives (``r``) and the storages it keeps because it sends them (``snd``)."""
         prob = self.prob
         limited = [s for s in range(prob.p) if prob.mem_limit[s] is not None]
         if not limited:
             return
-        mem = np.array([[prob.node_memory(v, s) for s in range(prob.p)] for v in range(prob.n)])
+        senders = [u for u in range(prob.n) if prob.out_bytes[u] > 0 and prob.succ[u]]
+        self.views: dict[int, list[int]] = {}
+        for u in senders:
+            self.views.setdefault(prob.root[u], []).append(u)
+        self.snd: dict[tuple[int, int], cp_model.IntVar] = {}
+        roots = sorted(self.views)
+        # (stage, choice) -> (per op, per sender received, per root sent)
+        rows: dict[tuple[int, str], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        for s in limited:
+            for c in prob.choices[s]:
+                per_op = np.array([prob.node_memory(v, s, c) for v in range(prob.n)])
+                recv = prob.in_flight[s] * prob.out_bytes[senders] if prob.rec.received[c] and s > 0 else np.zeros(0)
+                sent = prob.in_flight[s] * prob.rec.sent[c][roots] if s < prob.p - 1 else np.zeros(0)
+                rows[s, c] = per_op, recv, sent
         limits = {s: prob.mem_limit[s] * (1 + 1e-12) for s in limited}  # the float check's tolerance
-        exact_k = _dyadic_exponent(np.concatenate([mem.ravel(), list(limits.values())]))
-        largest = max(float(mem.sum(axis=0).max()), max(limits.values()), 1.0)
+        limit_values = np.array(list(limits.values()))
+        exact_k = _dyadic_exponent(np.concatenate([limit_values, *(a for row in rows.values() for a in row)]))
+        largest = max(max(float(sum(a.sum() for a in row)) for row in rows.values()), float(limit_values.max()), 1.0)
         k = min(exact_k, int(math.floor(math.log2(_INT_MAX / largest))))
         if k < exact_k:
             self.notes.append(f"cpsat: memory in units of 2^{-k} bytes, rounded down (a relaxation; "
                               "the plan is checked in floats)")
         q = 2.0**k
-        for s in limited:
-            coef = [int(math.floor(mem[v, s] * q)) for v in range(prob.n)]
+        for (s, c), (per_op, recv, sent) in rows.items():
+            terms = [(int(math.floor(per_op[v] * q)), self.x[v][s]) for v in range(prob.n)]
+            terms += [(int(math.floor(b * q)), self._received(u, s)) for u, b in zip(senders, recv) if b > 0]
+            terms += [(int(math.floor(b * q)), self._sends(r, s)) for r, b in zip(roots, sent) if b > 0]
             cap = math.floor(Fraction(limits[s]) * Fraction(2) ** k)
-            self.m.Add(sum(c * self.x[v][s] for v, c in enumerate(coef) if c) <= cap)
+            ct = self.m.Add(sum(coef * lit for coef, lit in terms if coef) <= cap)
+            if c in self.choice[s]:
+                ct.OnlyEnforceIf(self.choice[s][c])
 
     def objective(self, ref: float, upper: float | None, lower_bound: float) -> None:
         """B >= every stage's integer load, minimised; ``upper``/``lower_bound`` (seconds) narrow B.
@@ -179,22 +241,41 @@ class _Model:
         lower_bound - terms`` is a valid floor for B, and ``scale * upper + 1`` a cap that keeps
         every plan at least as good as ``upper``.
         """
-        widest = max((sum(c for c, _ in terms) for terms in self.load), default=0.0)
+        def most(terms: dict[str, list[tuple[float, cp_model.IntVar]]]) -> float:
+            return max((sum(c for c, _ in t) for t in terms.values()), default=0.0)
+
+        widest = max((sum(c for c, _ in terms) + most(rec) for terms, rec in zip(self.load, self.rec_terms)),
+                     default=0.0)
         target = _UNITS_PER_OP * max(1000, self.prob.n)
         self.scale = min(target / max(ref, 1e-300), _INT_MAX / max(widest, 1e-300))
         self.int_load = [[(int(math.floor(c * self.scale)), lit) for c, lit in terms] for terms in self.load]
-        top = max((sum(c for c, _ in terms) for terms in self.int_load), default=0)
-        terms = max((len(t) for t in self.int_load), default=0)
+        self.int_rec = [{c: [(int(math.floor(sec * self.scale)), lit) for sec, lit in t] for c, t in rec.items()}
+                        for rec in self.rec_terms]
+        # A stage's recomputed seconds under its choice: R_s >= the chosen choice's terms.
+        for s, rec in enumerate(self.int_rec):
+            if not rec:
+                continue
+            cap = max(sum(c for c, _ in t) for t in rec.values())
+            self.rec_var[s] = var = self.m.NewIntVar(0, cap, f"rec{s}")
+            for c, t in rec.items():
+                if any(coef for coef, _ in t):
+                    self.m.Add(var >= sum(coef * lit for coef, lit in t if coef)).OnlyEnforceIf(self.choice[s][c])
+        tops = [sum(c for c, _ in terms) + (max(sum(c for c, _ in t) for t in rec.values()) if rec else 0)
+                for terms, rec in zip(self.int_load, self.int_rec)]
+        top = max(tops, default=0)
+        terms = max((len(t) + max((len(r) for r in rec.values()), default=0)
+                     for t, rec in zip(self.int_load, self.int_rec)), default=0)
         lo = max(0, min(top, int(math.floor(lower_bound * self.scale)) - terms))
         hi = top if upper is None else max(lo, min(top, int(math.floor(upper * self.scale)) + 1))
         self.bneck = self.m.NewIntVar(lo, hi, "bottleneck")
-        for terms_s in self.int_load:
-            if terms_s:
-                self.m.Add(sum(c * lit for c, lit in terms_s if c) <= self.bneck)
+        for terms_s, rec_var in zip(self.int_load, self.rec_var):
+            total = [c * lit for c, lit in terms_s if c] + ([rec_var] if rec_var is not None else [])
+            if total:
+                self.m.Add(sum(total) <= self.bneck)
         self.m.Minimize(self.bneck)
 
     def hint(self, assign: Sequence[int]) -> None:
-        """A full warm start: every x, r, y and B from ``assign``."""
+        """A full warm start: every x, r, y, recomputation choice and B from ``assign``."""
         prob, m = self.prob, self.m
         for v in range(prob.n):
             for s in range(prob.p):
@@ -206,7 +287,15 @@ class _Model:
             m.AddHint(var, int(dst[u, t] and assign[u] == a))
         on = {id(self.x[v][assign[v]]) for v in range(prob.n)}
         on |= {id(var) for (u, a, t), var in self.y.items() if dst[u, t] and assign[u] == a}
-        m.AddHint(self.bneck, max(sum(c for c, lit in terms if id(lit) in on) for terms in self.int_load))
+        loads = [sum(c for c, lit in terms if id(lit) in on) for terms in self.int_load]
+        for s, term in enumerate(prob.stage_report(assign)):
+            for c, var in self.choice[s].items():
+                m.AddHint(var, int(c == term.choice))
+            if self.rec_var[s] is not None:
+                rec = sum(coef for coef, lit in self.int_rec[s].get(term.choice, []) if id(lit) in on)
+                m.AddHint(self.rec_var[s], rec)
+                loads[s] += rec
+        m.AddHint(self.bneck, max(loads))
 
 
 def cpsat_solve(prob: Problem, groups: Sequence[Sequence[int]] = (), *, hint: Sequence[int] | None = None,

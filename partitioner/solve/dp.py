@@ -34,10 +34,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from partitioner.cost import Problem
+from partitioner.recompute import CHOICES
 from partitioner.solve.baselines import BASELINES, baseline_assign, cuts_to_assign
 from partitioner.bounds import trivial_lower_bound
 
-__all__ = ["DPResult", "dp_solve", "DP_SEARCH_WORK", "link_prices"]
+__all__ = ["DPResult", "dp_solve", "DP_SEARCH_WORK", "link_prices", "least_memory", "LEAST_MEMORY_CELLS"]
 
 _REL = 1e-12
 
@@ -73,12 +74,34 @@ def link_prices(prob: Problem) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.n
     return in_b, in_l, out_b, out_l
 
 
-def _lower_dp(prob: Problem, allowed: np.ndarray, limit: float) -> tuple[float, list[int] | None]:
-    """Min over cuts of max segment lower cost, scanning only segments with compute <= limit."""
+def _prefix(values: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0.0], np.cumsum(values)])
+
+
+def _choice_sums(prob: Problem) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """Per recomputation choice any stage may take: prefix sums of kept, remade and recomputed-seconds
+    per op, and which stages allow it."""
+    out = {}
+    for c in CHOICES:
+        allowed = np.array([c in opts for opts in prob.choices])
+        if allowed.any():
+            out[c] = (_prefix(prob.rec.kept[c]), _prefix(prob.rec.remade[c]), _prefix(prob.rec.seconds[c]), allowed)
+    return out
+
+
+def _lower_dp(prob: Problem, allowed: np.ndarray, limit: float,
+              minimise: str = "time") -> tuple[float, list[int] | None]:
+    """Min over cuts of max segment lower cost, scanning only segments with compute <= limit.
+
+    Each segment costs what its stage pays under its fastest recomputation choice that fits
+    (in this lower model's memory): the choice changes nothing on other stages. With
+    ``minimise="memory"`` a segment costs its least memory over the choices instead (pass
+    ``limit=inf``: every segment is scanned).
+    """
     n, p = prob.n, prob.p
-    cw = np.concatenate([[0.0], np.cumsum(prob.work)])
-    cf = np.concatenate([[0.0], np.cumsum(prob.fixed_mem)])
-    ca = np.concatenate([[0.0], np.cumsum(prob.act_bytes)])
+    cw = _prefix(prob.work)
+    cf = _prefix(prob.fixed_mem)
+    sums = _choice_sums(prob)
     fastest = float(prob.speed.max())
     lo = np.searchsorted(cw, cw - limit * fastest * (1 + 1e-9), side="left")
     lo = np.maximum.accumulate(lo)
@@ -88,14 +111,14 @@ def _lower_dp(prob: Problem, allowed: np.ndarray, limit: float) -> tuple[float, 
     inv_speed = 1.0 / prob.speed
     in_b, in_l, out_b, out_l = link_prices(prob)
     infl = np.array(prob.in_flight, dtype=float)
+    rinfl = np.array(prob.recomputing, dtype=float)
     lim = np.array([math.inf if x is None else x * (1 + 1e-12) for x in prob.mem_limit])
     has_limit = bool(np.isfinite(lim).any())
     # What a stage keeps for its cut (Problem.kept_for_sending): the tensors it receives (rb,
-    # exact) and the storages it sends that nobody saves, counted only for ops that own their
-    # storage, so a view sent without its base is missed: memory is never overcounted here,
-    # which keeps the DP a relaxation (its value a lower bound) where it is not exact.
-    own = np.array([prob.root_extra[u] if prob.root[u] == u else 0.0 for u in range(n)]) \
-        if prob.keeps_received else None
+    # exact) and the storages it sends beyond what it keeps anyway, counted only for ops that
+    # own their storage, so a view sent without its base is missed: memory is never
+    # overcounted here, which keeps the DP a relaxation (its value a lower bound) where it is not exact.
+    own = {c: np.array([prob.rec.sent[c][u] if prob.root[u] == u else 0.0 for u in range(n)]) for c in sums}
     # incoming[v]: (first start position, bytes) of each tensor first consumed at v from
     # a segment starting at or after that position (see R(i, j) in the module doc).
     incoming: list[list[tuple[int, float]]] = [[] for _ in range(n)]
@@ -125,13 +148,25 @@ def _lower_dp(prob: Problem, allowed: np.ndarray, limit: float) -> tuple[float, 
         sb = np.cumsum((b[lj:j] * live)[::-1])[::-1]
         sc = np.cumsum((nz[lj:j] * live)[::-1])[::-1]
         comp = cw[j] - cw[lj:j]
-        cost = (np.outer(inv_speed, comp) + np.outer(in_b, rb[lj:j]) + np.outer(in_l, rc[lj:j])
+        base = (np.outer(inv_speed, comp) + np.outer(in_b, rb[lj:j]) + np.outer(in_l, rc[lj:j])
                 + np.outer(out_b, sb) + np.outer(out_l, sc))
-        if has_limit:
-            mem = (cf[j] - cf[lj:j])[None, :] + np.outer(infl, ca[j] - ca[lj:j])
-            if own is not None:
-                mem = mem + np.outer(infl, rb[lj:j] + np.cumsum((own[lj:j] * live)[::-1])[::-1])
-            cost[mem > lim[:, None]] = math.inf
+        cost = np.full_like(base, math.inf)
+        taken = np.zeros(base.shape, dtype=bool)
+        for c, (ck, cr, cs, ok) in sums.items():  # fastest first: the first choice that fits is taken
+            fits = np.broadcast_to(ok[:, None], base.shape)
+            if has_limit or minimise == "memory":
+                kept = ck[j] - ck[lj:j] + np.cumsum((own[c][lj:j] * live)[::-1])[::-1]
+                if prob.rec.received[c]:
+                    kept = kept + rb[lj:j]
+                mem = (cf[j] - cf[lj:j])[None, :] + np.outer(infl, kept) + np.outer(rinfl, cr[j] - cr[lj:j])
+                if minimise == "memory":
+                    cost = np.where(fits, np.minimum(cost, mem), cost)
+                    continue
+                fits = fits & (mem <= lim[:, None])
+            take = fits & ~taken
+            if take.any():
+                cost[take] = (base + np.outer(inv_speed, cs[j] - cs[lj:j]))[take]
+                taken |= take
         if lj == 0:
             best[0, j] = cost[0, 0]
         if p > 1:
@@ -180,9 +215,9 @@ def _branch_and_bound(prob: Problem, allowed: np.ndarray, assign0: list[int], va
     work, speed = prob.work, prob.speed
     ob = prob.out_bytes
     mc = [s[-1] if s else -1 for s in prob.succ]
-    cw = np.concatenate([[0.0], np.cumsum(work)]).tolist()
-    cf = np.concatenate([[0.0], np.cumsum(prob.fixed_mem)]).tolist()
-    ca = np.concatenate([[0.0], np.cumsum(prob.act_bytes)]).tolist()
+    cw = _prefix(work).tolist()
+    cf = _prefix(prob.fixed_mem).tolist()
+    sums = {c: (ck.tolist(), cr.tolist(), cs.tolist()) for c, (ck, cr, cs, _) in _choice_sums(prob).items()}
     lim = [math.inf if x is None else x * (1 + 1e-12) for x in prob.mem_limit]
     bw, lat = prob.bw, prob.lat
     best_assign, best_val = list(assign0), value0
@@ -191,13 +226,19 @@ def _branch_and_bound(prob: Problem, allowed: np.ndarray, assign0: list[int], va
     sent: set[tuple[int, int]] = set()
     finished = True
 
-    def seg_memory(s: int, i: int, j: int) -> float:
-        return cf[j] - cf[i] + prob.in_flight[s] * (ca[j] - ca[i])
+    def segment(s: int, i: int, j: int) -> float | None:
+        """Seconds stage s recomputes at least with positions [i, j) (the fastest choice whose memory
+        without the cut fits: the cut only adds); None when no choice fits even so."""
+        for c in prob.choices[s]:
+            ck, cr, cs = sums[c]
+            if cf[j] - cf[i] + prob.in_flight[s] * (ck[j] - ck[i]) + prob.recomputing[s] * (cr[j] - cr[i]) <= lim[s]:
+                return (cs[j] - cs[i]) / speed[s]
+        return None
 
-    def place(s: int, i: int, j: int) -> list[tuple[int, int, float]]:
+    def place(s: int, i: int, j: int, recompute: float) -> list[tuple[int, int, float]]:
         """Put positions [i, j) on stage s; return the transfers added (for undo)."""
         added = []
-        exact[s] += (cw[j] - cw[i]) / speed[s]
+        exact[s] += (cw[j] - cw[i]) / speed[s] + recompute
         for v in range(i, j):
             assign[v] = s
             for u in prob.pred[v]:
@@ -210,8 +251,8 @@ def _branch_and_bound(prob: Problem, allowed: np.ndarray, assign0: list[int], va
                     added.append((u, a, c))
         return added
 
-    def unplace(s: int, i: int, j: int, added: list[tuple[int, int, float]]) -> None:
-        exact[s] -= (cw[j] - cw[i]) / speed[s]
+    def unplace(s: int, i: int, j: int, added: list[tuple[int, int, float]], recompute: float) -> None:
+        exact[s] -= (cw[j] - cw[i]) / speed[s] + recompute
         for u, a, c in added:
             sent.discard((u, s))
             exact[a] -= c
@@ -234,7 +275,7 @@ def _branch_and_bound(prob: Problem, allowed: np.ndarray, assign0: list[int], va
             finished = False
             return
         if s == p - 1:
-            if seg_memory(s, i, n) > lim[s]:
+            if segment(s, i, n) is None:
                 return
             for v in range(i, n):
                 assign[v] = s
@@ -248,14 +289,15 @@ def _branch_and_bound(prob: Problem, allowed: np.ndarray, assign0: list[int], va
         for j in range(i + 1, n - (p - 1 - s) + 1):
             if (cw[j] - cw[i]) / speed[s] >= best_val * (1 - _REL):
                 break  # compute only grows with j
-            if not allowed[j] or seg_memory(s, i, j) > lim[s]:
+            recompute = segment(s, i, j) if allowed[j] else None
+            if recompute is None:
                 continue
-            added = place(s, i, j)
+            added = place(s, i, j, recompute)
             if not budget.spend(j):  # bound() scans the j placed positions
                 finished = False
             elif bound(s + 1, j) < best_val * (1 - _REL):
                 search(s + 1, j)
-            unplace(s, i, j, added)
+            unplace(s, i, j, added, recompute)
             if not finished:
                 return
 
@@ -314,4 +356,28 @@ def dp_solve(prob: Problem, allowed: np.ndarray, *, work: int = DP_SEARCH_WORK,
     assign, exact = _best_seed(prob, allowed, assign, exact)
     budget = _Budget(work, time.perf_counter() + wall_limit)
     assign, exact, finished = _branch_and_bound(prob, allowed, assign, exact, value, budget)
+    if finished and not math.isfinite(exact):
+        return None  # the lower model's cuts fit only in its relaxed memory; no cut of the order fits
     return DPResult(assign, exact, exact if finished else value, finished, budget.used, budget.wall_stopped)
+
+
+#: ``least_memory`` scans every segment of every stage (n²·p/2 cells); above this it is skipped.
+LEAST_MEMORY_CELLS = 40_000_000
+
+
+def least_memory(prob: Problem, allowed: np.ndarray) -> tuple[float, float, list[int]] | None:
+    """The least peak memory over contiguous cuts of ``prob.order``: (lower bound, a plan's peak, its cuts).
+
+    The min-max DP of :func:`_lower_dp` with memory as the cost (each stage its least-memory
+    recomputation choice); its value bounds every cut of this order from below, and its cuts,
+    priced exactly, give a peak at which a plan exists. None above :data:`LEAST_MEMORY_CELLS`.
+    """
+    if prob.n * prob.n * prob.p / 2 > LEAST_MEMORY_CELLS:
+        return None
+    lower, cuts = _lower_dp(prob, allowed, math.inf, minimise="memory")
+    if cuts is None:
+        return None
+    assign = cuts_to_assign(cuts, prob.n)
+    per_choice = {c: prob.stage_report(assign, [c] * prob.p) for c in CHOICES}
+    peak = max(min(per_choice[c][s].memory for c in prob.choices[s]) for s in range(prob.p))
+    return lower, peak, assign

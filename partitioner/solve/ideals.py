@@ -57,9 +57,12 @@ class _Lattice:
         self.succ = [sum(1 << w for w in prob.succ[v]) for v in range(prob.n)]
         self.masks: list[int] = []
         self.index: dict[int, int] = {}
-        self.sums: dict[str, list[float]] = {"work": [], "fixed": [], "acts": []}
         self.maximal: list[int] = []  # per ideal, its ops with no consumer inside it
-        self._values = {"work": prob.work, "fixed": prob.fixed_mem, "acts": prob.act_bytes}
+        self._values = {"work": prob.work, "fixed": prob.fixed_mem}
+        for c in {c for opts in prob.choices for c in opts}:  # per recomputation choice a stage may take
+            self._values.update({f"kept:{c}": prob.rec.kept[c], f"remade:{c}": prob.rec.remade[c],
+                                 f"seconds:{c}": prob.rec.seconds[c]})
+        self.sums: dict[str, list[float]] = {key: [] for key in self._values}
 
     def enumerate(self, cap: int) -> bool:
         """Breadth-first from ∅, adding one available op at a time; False past ``cap`` ideals."""
@@ -163,9 +166,10 @@ def _chain_dp(prob: Problem, lattice: _Lattice, pairs: dict[str, np.ndarray]) ->
     p, k_ideals = prob.p, len(lattice.masks)
     j, i = pairs["j"], pairs["i"]
     sums = {key: np.asarray(values) for key, values in lattice.sums.items()}
-    comp = sums["work"][i] - sums["work"][j]
-    fixed = sums["fixed"][i] - sums["fixed"][j]
-    acts = sums["acts"][i] - sums["acts"][j]
+    def seg(key: str) -> np.ndarray:
+        return sums[key][i] - sums[key][j]
+
+    comp, fixed = seg("work"), seg("fixed")
     in_b, in_l, out_b, out_l = link_prices(prob)
     order = np.lexsort((j, i))  # group pairs by their ideal I
     i_sorted = i[order]
@@ -175,11 +179,16 @@ def _chain_dp(prob: Problem, lattice: _Lattice, pairs: dict[str, np.ndarray]) ->
     best = np.full((p, k_ideals), math.inf)
     arg = np.full((p, k_ideals), -1, dtype=np.int64)
     for s in range(p):
-        cost = (comp / prob.speed[s] + in_b[s] * pairs["rb"] + in_l[s] * pairs["rc"]
+        base = (comp / prob.speed[s] + in_b[s] * pairs["rb"] + in_l[s] * pairs["rc"]
                 + out_b[s] * pairs["sb"] + out_l[s] * pairs["sc"])
-        lim = prob.mem_limit[s]
-        if lim is not None:
-            cost = np.where(fixed + prob.in_flight[s] * acts > lim * (1 + 1e-12), math.inf, cost)
+        # The fastest recomputation choice whose memory fits: what the segment keeps (with the
+        # tensors it receives, exact; what it sends is left out, so memory is a relaxation).
+        lim = math.inf if prob.mem_limit[s] is None else prob.mem_limit[s] * (1 + 1e-12)
+        cost = np.full_like(base, math.inf)
+        for c in reversed(prob.choices[s]):
+            kept = seg(f"kept:{c}") + (pairs["rb"] if prob.rec.received[c] else 0.0)
+            mem = fixed + prob.in_flight[s] * kept + prob.recomputing[s] * seg(f"remade:{c}")
+            cost = np.where(mem <= lim, base + seg(f"seconds:{c}") / prob.speed[s], cost)
         cand = np.where(j == 0, cost, math.inf) if s == 0 else np.maximum(best[s - 1][j], cost)
         cand_sorted = cand[order]
         mins = np.minimum.reduceat(cand_sorted, starts)

@@ -1,0 +1,133 @@
+"""Activation recomputation as a planner choice: what each choice keeps, re-creates and recomputes, per op.
+
+Each stage runs under one of three choices (docs/memory.md):
+
+- ``none``: autograd keeps what it saves (the profiler's ``saved_bytes``) for every
+  microbatch in flight.
+- ``selective``: keep the outputs of the matmul-like ops (and what they save of their
+  own), recompute every other op inside the backward: Megatron-LM's selective
+  recomputation (Korthikanti et al., "Reducing Activation Recomputation in Large
+  Transformer Models", MLSys 2023), which keeps the costly matmuls and recomputes the
+  cheap element-wise, normalisation and softmax work.
+- ``full``: keep only the stage's inputs and recompute its whole forward inside the
+  backward: gradient checkpointing (Chen et al., "Training Deep Nets with Sublinear
+  Memory Cost", 2016) at stage granularity, as GPipe does (Huang et al., NeurIPS 2019).
+
+Choosing per stage, together with the partition, is AdaPipe's search (Sun et al.,
+"AdaPipe: Optimizing Pipeline Parallelism with Adaptive Recomputation and
+Partitioning", ASPLOS 2024); the solvers in partitioner/solve/ do it exactly.
+
+An op is matmul-like when ``torch.utils.flop_counter`` counts FLOPs for it: the counter
+knows exactly mm, addmm, bmm, baddbmm, the convolutions and the fused attention kernels
+(``scaled_dot_product_attention``), so an op's ``flops`` attribute decides, and no second
+list of op names is kept. A selective stage keeps a matmul output whole, saved or not:
+the recomputed ops read it (torch's selective activation checkpointing caches every
+output of the ops its policy saves, so the runtime keeps the same bytes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from partitioner.errors import PlanningError
+from partitioner.ir import ActionKind, ScheduleKind
+from partitioner.schedule import compute_orders
+
+__all__ = ["CHOICES", "MODES", "OpRecompute", "check_mode", "is_matmul", "op_recompute", "peak_recomputing"]
+
+#: The per-stage choices, fastest first (each recomputes a superset of the one before).
+CHOICES = ("none", "selective", "full")
+#: What ``recompute=`` accepts: a choice forced on every stage, or ``auto`` (the solver picks per stage).
+MODES = ("auto", *CHOICES)
+
+
+def check_mode(value: str | Sequence[str], stages: int | None = None) -> str | tuple[str, ...]:
+    """``value`` checked: a mode of :data:`MODES`, or one choice of :data:`CHOICES` per stage."""
+    if isinstance(value, str):
+        mode = value.strip().lower()
+        if mode not in MODES:
+            raise PlanningError(f"unknown recompute {value!r}; choose one of {', '.join(MODES)}")
+        return mode
+    per_stage = tuple(str(c).strip().lower() for c in value)
+    bad = [c for c in per_stage if c not in CHOICES]
+    if bad:
+        raise PlanningError(f"unknown recompute choice {bad[0]!r} for a stage; each stage takes one of "
+                            f"{', '.join(CHOICES)}")
+    if stages is not None and len(per_stage) != stages:
+        raise PlanningError(f"{len(per_stage)} recompute choices for {stages} stages; give one per stage")
+    return per_stage
+
+
+def is_matmul(flops: float) -> bool:
+    """Whether an op with this forward FLOP count is matmul-like (see the module docstring)."""
+    return flops > 0
+
+
+@dataclass(frozen=True)
+class OpRecompute:
+    """Per op (positions of a Problem's order) and per choice, what a stage holding it pays.
+
+    ``seconds``: forward seconds run again inside the backward. ``kept``: bytes kept per
+    microbatch in flight. ``remade``: bytes re-created for the one microbatch being
+    recomputed. ``sent``: for an op owning a storage it (or a view of it) sends to another
+    stage, the bytes the stage keeps for that beyond ``kept`` (the backward starts from
+    the sent tensor). ``received``: whether the stage counts the tensors it receives (its
+    stashed inputs) as its own.
+    """
+
+    seconds: dict[str, np.ndarray]
+    kept: dict[str, np.ndarray]
+    remade: dict[str, np.ndarray]
+    sent: dict[str, np.ndarray]
+    received: dict[str, bool]
+
+
+def op_recompute(fwd: np.ndarray, flops: np.ndarray, saved: np.ndarray, saved_output: np.ndarray,
+                 storage: np.ndarray, *, exact: bool) -> OpRecompute:
+    """The per-op terms of every choice.
+
+    ``exact``: ``saved``, ``saved_output`` and ``storage`` are the profiler's (autograd's
+    saved bytes, each storage once); otherwise they are the proxy every op's output is
+    (saved whole by its consumers, in a storage of its own) and received tensors are the
+    sender's bytes under ``none``.
+    """
+    matmul = np.array([is_matmul(f) for f in flops], dtype=bool)
+    zero = np.zeros_like(fwd)
+    own_extra = np.maximum(saved - saved_output, 0.0)  # intermediates an op saves beside its output
+    return OpRecompute(
+        seconds={"none": zero, "selective": np.where(matmul, 0.0, fwd), "full": fwd.copy()},
+        kept={"none": saved.copy(), "selective": np.where(matmul, storage + own_extra, 0.0), "full": zero},
+        remade={"none": zero, "selective": np.where(matmul, 0.0, saved), "full": saved.copy()},
+        sent={"none": np.maximum(storage - saved_output, 0.0) if exact else zero,
+              "selective": np.where(matmul, 0.0, storage), "full": storage.copy()},
+        received={"none": exact, "selective": True, "full": True},
+    )
+
+
+def peak_recomputing(kind: ScheduleKind | str, num_stages: int, num_microbatches: int, *,
+                     num_ranks: int | None = None, training: bool = True) -> list[int]:
+    """Most microbatches whose recomputed activations a stage holds at once.
+
+    One (the microbatch whose backward runs) unless the backward is split: then B
+    recomputes and the activations stay until the microbatch's W, which zero-bubble
+    schedules defer, so the count is read off the schedule's own compute order.
+    """
+    if not training:
+        return [0] * num_stages
+    kind = ScheduleKind.parse(kind)
+    if not kind.split_backward:
+        return [1] * num_stages
+    orders, _ = compute_orders(kind, num_stages, num_microbatches, num_ranks=num_ranks)
+    peak = [0] * num_stages
+    held = [0] * num_stages
+    for order in orders:
+        for a in order:
+            if a.kind is ActionKind.B:
+                held[a.stage] += 1
+                peak[a.stage] = max(peak[a.stage], held[a.stage])
+            elif a.kind is ActionKind.W:
+                held[a.stage] -= 1
+    return peak

@@ -1,0 +1,250 @@
+"""The data-parallel x pipeline shape search: every (replicas, stages, microbatches, schedule) on N devices.
+
+A shape is D replicas of a P-rank pipeline with D x P = N, each replica's share of the
+global batch B split into m microbatches, run under one schedule. Each shape's partition is
+solved as any plan is (proven where the solver can), and the shapes are compared by
+simulated step time, which, the global batch being the same for all, orders them by
+samples per second too. The choice is exact over the enumerated grid: a shape is skipped
+only when a lower bound on its step time (the busiest rank does at least its share of the
+work) is no better than a step time already found. Piper (Tarnawski et al., NeurIPS 2021)
+and Alpa's inter-operator pass (Zheng et al., OSDI 2022) choose such shapes;
+torch.distributed.pipelining and DeepSpeed leave them to the user.
+
+The graph is profiled once, on the sample batch as one microbatch; a shape's microbatch
+of u samples is that graph scaled by u / (sample batch) (:meth:`OpGraph.scaled`): exact for
+activation bytes, and for analytic times up to the per-op overheads that do not scale.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from partitioner.cluster import Cluster
+from partitioner.errors import PlanError, PlanningError
+from partitioner.graph import OpGraph
+from partitioner.ir import ScheduleKind, ScheduleError
+from partitioner.plan import ModelInfo, Plan
+
+__all__ = ["Shape", "Candidate", "ShapeSearch", "search_shapes", "shapes_for"]
+
+
+@dataclass(frozen=True, order=True)
+class Shape:
+    """D replicas x P pipeline ranks, m microbatches per replica per step, one schedule."""
+
+    data_parallel: int
+    stages: int
+    microbatches: int
+    schedule: str
+
+    @property
+    def devices(self) -> int:
+        return self.data_parallel * self.stages
+
+    def __str__(self) -> str:
+        return f"{self.data_parallel}x{self.stages} {self.schedule} m={self.microbatches}"
+
+
+@dataclass
+class Candidate:
+    """One shape weighed: its plan, or why it has none (does not fit, pruned by its bound, cannot be built)."""
+
+    shape: Shape
+    global_batch: int
+    plan: Plan | None = None
+    lower_bound: float = 0.0  # seconds: no plan of this shape is faster
+    reason: str = ""
+    needs: float | None = None  # bytes: the least a plan of this shape needs, when none fits
+
+    @property
+    def fits(self) -> bool:
+        return self.plan is not None
+
+    @property
+    def step_time(self) -> float:
+        return self.plan.step_time if self.plan is not None else math.inf
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.global_batch / self.step_time if self.plan is not None and self.step_time > 0 else 0.0
+
+    @property
+    def memory(self) -> float | None:
+        """The fullest rank's predicted peak bytes (what it would need, when nothing fits)."""
+        return max(self.plan.rank_memory) if self.plan is not None else self.needs
+
+    @property
+    def proven(self) -> bool:
+        """Whether the partition's bottleneck is proven optimal for this shape."""
+        return bool(self.plan is not None and self.plan.partition.optimal)
+
+    @property
+    def recompute(self) -> list[str]:
+        return list(self.plan.recompute) if self.plan is not None else []
+
+    @property
+    def pruned(self) -> bool:
+        return self.plan is None and self.reason.startswith("pruned")
+
+    def to_dict(self) -> dict[str, Any]:
+        p = self.plan
+        return {"data_parallel": self.shape.data_parallel, "stages": self.shape.stages,
+                "microbatches": self.shape.microbatches, "schedule": self.shape.schedule,
+                "placement": p.placement if p is not None else None, "fits": self.fits,
+                "step_time": self.step_time if p is not None else None,
+                "samples_per_second": self.samples_per_second if p is not None else None,
+                "bubble": p.bubble if p is not None else None, "memory_bytes": self.memory,
+                "proven": self.proven, "recompute": self.recompute, "lower_bound": self.lower_bound,
+                "reason": self.reason or None}
+
+
+@dataclass
+class ShapeSearch:
+    """Every candidate weighed, best first (those without a plan last, in the order they were enumerated)."""
+
+    devices: int
+    global_batch: int
+    candidates: list[Candidate]
+
+    @property
+    def best(self) -> Plan:
+        """The fastest plan that fits; PlanError with the reasons when no shape has one."""
+        if not self.candidates or self.candidates[0].plan is None:
+            reasons = sorted({c.reason for c in self.candidates if c.reason})
+            raise PlanError(f"no shape of {self.devices} devices runs a global batch of {self.global_batch}: "
+                            + "; ".join(reasons[:4]) + ("" if len(reasons) <= 4 else f" (and {len(reasons) - 4} "
+                                                                                      "more reasons)"))
+        return self.candidates[0].plan
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"devices": self.devices, "global_batch": self.global_batch,
+                "candidates": [c.to_dict() for c in self.candidates]}
+
+
+def shapes_for(devices: int, global_batch: int, *, schedules: Sequence[str], stages: int | None = None,
+               microbatches: Sequence[int] | None = None, max_stages: int | None = None) -> list[Shape]:
+    """Every shape of ``devices`` whose replicas and microbatches split the global batch evenly.
+
+    P runs over the divisors of N (or is ``stages``); m over the divisors of a replica's
+    batch from min(P, batch) to 4P (or over ``microbatches``, those that divide it): fewer
+    than P microbatches leave ranks idle, more than 4P cost memory for a bubble already
+    under 20%. One rank per pipeline has no schedule to choose: it is listed once, as 1f1b.
+    """
+    if devices < 1:
+        raise PlanError(f"devices must be >= 1, got {devices}")
+    if global_batch < 1:
+        raise PlanError(f"the global batch must be >= 1, got {global_batch}")
+    kinds = [ScheduleKind.parse(s).value for s in schedules]
+    if microbatches is not None and any(m < 1 for m in microbatches):
+        raise PlanError(f"microbatch counts must be >= 1, got {list(microbatches)}")
+    if stages is not None and devices % stages:
+        raise PlanError(f"{stages} stages do not divide {devices} devices; pass a divisor of {devices}")
+    out: list[Shape] = []
+    for p in [stages] if stages is not None else _divisors(devices):
+        if max_stages is not None and p > max_stages:
+            continue
+        d = devices // p
+        if global_batch % d:
+            continue
+        share = global_batch // d
+        if microbatches is not None:
+            counts = [m for m in microbatches if m >= 1 and share % m == 0]
+        else:
+            counts = [m for m in _divisors(share) if min(p, share) <= m <= 4 * p]
+        for kind in (["1f1b"] if p == 1 else kinds):
+            out.extend(Shape(d, p, m, kind) for m in counts)
+    return out
+
+
+def search_shapes(
+    graph: OpGraph,
+    *,
+    devices: int,
+    global_batch: int,
+    profiled_batch: int,
+    cluster: Cluster | None,
+    solve_plan: Callable[..., Plan],
+    schedules: Sequence[str] = ("1f1b",),
+    stages: int | None = None,
+    microbatches: int | None = None,
+    model_info: ModelInfo | None = None,
+    placement: str | None = None,
+    virtual_stages: int = 2,
+    options: Mapping[str, Any] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> ShapeSearch:
+    """Weigh every shape of ``devices`` for ``global_batch`` samples a step; the fastest first.
+
+    ``graph`` is costed for one microbatch of ``profiled_batch`` samples. ``solve_plan`` is
+    :func:`partitioner.compile.plan_from_graph` (passed in: the compiler imports this module).
+    """
+    if cluster is not None and len(cluster.devices) < devices:
+        raise PlanError(f"the cluster {cluster.name!r} has {len(cluster.devices)} devices, fewer than the {devices} "
+                        "to plan for; load it with more (Cluster.load(name, devices=N))")
+    shapes = shapes_for(devices, global_batch, schedules=schedules, stages=stages, microbatches=microbatches,
+                        max_stages=len(graph))
+    if not shapes:
+        raise PlanError(f"no shape of {devices} devices splits a global batch of {global_batch} evenly: use a global "
+                        f"batch that a divisor of {devices} divides (e.g. {devices * max(1, global_batch // devices)})")
+    if cluster is None and any(s.data_parallel > 1 for s in shapes):
+        raise PlanError("weighing data parallelism needs the links its gradient all-reduce crosses: pass a cluster "
+                        "(e.g. cluster='h100-sxm'), or fix stages= to the device count")
+    training = bool((options or {}).get("training", graph.meta.get("training", True)))
+    work = sorted((graph[v].get("fwd", 0.0) + (graph[v].get("bwd", 0.0) if training else 0.0) for v in graph.nx),
+                  reverse=True)
+    speed = max(d.speed for d in cluster.devices[:devices]) if cluster is not None else 1.0
+    candidates = [Candidate(shape, global_batch, lower_bound=_step_lower_bound(
+        shape, work, speed, global_batch / (shape.data_parallel * shape.microbatches) / profiled_batch))
+        for shape in shapes]
+    best = math.inf
+    scaled: dict[float, OpGraph] = {}
+    for done, cand in enumerate(sorted(candidates, key=lambda c: (c.lower_bound, c.shape)), 1):
+        if cand.lower_bound >= best:
+            cand.reason = f"pruned: its lower bound {cand.lower_bound:.4g} s is no better than {best:.4g} s"
+        else:
+            shape = cand.shape
+            micro = global_batch // (shape.data_parallel * shape.microbatches)
+            factor = micro / profiled_batch
+            g = scaled.get(factor)
+            if g is None:
+                g = scaled[factor] = graph if factor == 1 else graph.scaled(factor)
+            info = replace(model_info, batch_size=global_batch // shape.data_parallel) if model_info else None
+            try:
+                cand.plan = solve_plan(
+                    g, stages=shape.stages, microbatches=shape.microbatches, schedule=shape.schedule,
+                    cluster=cluster, data_parallel=shape.data_parallel, model_info=info,
+                    placement=placement if shape.data_parallel > 1 and shape.stages > 1 else "cluster",
+                    virtual_stages=virtual_stages, **dict(options or {}))
+                best = min(best, cand.plan.step_time)
+            except (PlanningError, ScheduleError) as err:
+                cand.reason = " ".join(str(err).split())
+                cand.needs = getattr(err, "works", None) or getattr(err, "needed", None)
+        if progress is not None:
+            progress(done, len(candidates))
+    candidates.sort(key=lambda c: (c.plan is None, c.step_time, c.shape.stages, c.memory or 0.0, c.shape))
+    head = candidates[0].plan if candidates else None
+    if head is not None:
+        head.partition.notes.append(
+            f"shape chosen among {len(candidates)} candidates ({devices} devices, global batch {global_batch}): the "
+            "fastest simulated step that fits memory (partitioner/shapes.py)")
+    return ShapeSearch(devices, global_batch, candidates)
+
+
+def _step_lower_bound(shape: Shape, work: Sequence[float], speed: float, factor: float) -> float:
+    """Seconds no plan of ``shape`` beats: its busiest rank computes m microbatches of at least its share.
+
+    A rank's share of one microbatch is at least the total over the ranks, the largest op,
+    and (pigeonhole) the P-th and (P+1)-th largest ops together: the compute-only part of
+    :func:`partitioner.bounds.named_lower_bounds` over ranks, for ``work`` (each op's time,
+    largest first) scaled by ``factor``. Compute only: the simulator may hide transfers.
+    """
+    p = shape.stages
+    share = max(sum(work) / p, work[0] if work else 0.0, work[p - 1] + work[p] if len(work) > p else 0.0)
+    return shape.microbatches * share * factor / speed
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,76 @@
+"""Where a rank sits among D replicas of a P-rank pipeline: its pipeline and replica groups, from a DeviceMesh."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from partitioner.plan import PLACEMENTS
+from runtime.engine import RuntimeConfigError as LayoutError
+
+__all__ = ["ReplicaLayout"]
+
+
+@dataclass
+class ReplicaLayout:
+    """This rank's place: pipeline rank ``pp_rank`` of replica ``dp_rank``, and the groups it talks in.
+
+    ``pp_ranks[r]`` is the global rank of pipeline rank r of this replica (what point-to-point
+    transfers address); ``dp_group`` holds this pipeline rank in every replica (what its
+    gradient all-reduces run over). A DeviceMesh with dimensions "dp" and "pp" makes the groups.
+    """
+
+    dp_size: int
+    pp_size: int
+    dp_rank: int
+    pp_rank: int
+    placement: str
+    pp_ranks: list[int]
+    pp_group: Any = None
+    dp_group: Any = None
+    mesh: Any = None
+
+    @classmethod
+    def build(cls, world: int, stages: int, placement: str, device: torch.device,
+              planned_replicas: int | None = None) -> ReplicaLayout:
+        """Lay ``world`` ranks out as replicas of a ``stages``-rank pipeline (a collective when they are several)."""
+        if placement not in PLACEMENTS:
+            raise LayoutError(f"unknown placement {placement!r}; choose {' or '.join(PLACEMENTS)}")
+        distributed = dist.is_available() and dist.is_initialized()
+        if not distributed:
+            return cls(1, stages, 0, 0, placement, [0])
+        replicas = cls.replicas(world, stages, planned_replicas)
+        rank = dist.get_rank()
+        if replicas == 1:
+            return cls(1, stages, 0, rank, placement, list(range(world)), dist.group.WORLD, None)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        kind = "cuda" if device.type == "cuda" else "cpu"
+        shape, names = ((replicas, stages), ("dp", "pp")) if placement == "cluster" else \
+            ((stages, replicas), ("pp", "dp"))
+        mesh = init_device_mesh(kind, shape, mesh_dim_names=names)
+        pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+        return cls(replicas, stages, mesh.get_local_rank("dp"), mesh.get_local_rank("pp"), placement,
+                   dist.get_process_group_ranks(pp_group), pp_group, dp_group, mesh)
+
+    @staticmethod
+    def replicas(world: int, stages: int, planned_replicas: int | None = None) -> int:
+        """How many replicas of a ``stages``-rank pipeline a ``world`` holds; a clear error when none fits."""
+        if world % stages:
+            raise LayoutError(
+                f"the world size {world} is not a multiple of the pipeline's {stages} ranks: launch a multiple "
+                f"of {stages} processes (torchrun --nproc_per_node {stages}, or D x {stages} for D replicas), "
+                f"or pass stages= a divisor of {world}")
+        replicas = world // stages
+        if planned_replicas not in (None, 1, replicas):
+            raise LayoutError(
+                f"the plan is for {planned_replicas} replicas of {stages} ranks ({planned_replicas * stages} in "
+                f"all), the world has {world}: launch {planned_replicas * stages} processes or re-plan")
+        return replicas
+
+    @property
+    def is_first_replica(self) -> bool:
+        return self.dp_rank == 0

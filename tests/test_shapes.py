@@ -1,0 +1,145 @@
+"""The data-parallel x pipeline shape search: the grid, the pruning bound, the choice, the errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import smp
+from partitioner import synthetic
+from partitioner.cluster import Cluster
+from partitioner.compile import plan_from_graph
+from partitioner.errors import PlanError
+from partitioner.shapes import Shape, search_shapes, shapes_for
+
+GB = 2**30
+
+
+def test_the_grid_is_every_divisor_shape_with_enough_microbatches() -> None:
+    # 4 devices, 8 samples: P=1 (D=4, 2 each: m in {1, 2}, one schedule only), P=2 (D=2, 4 each:
+    # m in [2, 8] dividing 4), P=4 (D=1, 8 each: m in [4, 16] dividing 8).
+    got = shapes_for(4, 8, schedules=["gpipe", "1f1b"])
+    want = [Shape(4, 1, 1, "1f1b"), Shape(4, 1, 2, "1f1b"),
+            Shape(2, 2, 2, "gpipe"), Shape(2, 2, 4, "gpipe"), Shape(2, 2, 2, "1f1b"), Shape(2, 2, 4, "1f1b"),
+            Shape(1, 4, 4, "gpipe"), Shape(1, 4, 8, "gpipe"), Shape(1, 4, 4, "1f1b"), Shape(1, 4, 8, "1f1b")]
+    assert got == want
+
+
+def test_fixed_stages_and_microbatches_narrow_the_grid() -> None:
+    assert shapes_for(8, 32, schedules=["1f1b"], stages=2) == [Shape(4, 2, m, "1f1b") for m in (2, 4, 8)]
+    assert shapes_for(8, 32, schedules=["1f1b"], microbatches=[4]) == [
+        Shape(8, 1, 4, "1f1b"), Shape(4, 2, 4, "1f1b"), Shape(2, 4, 4, "1f1b"), Shape(1, 8, 4, "1f1b")]
+    # A replica share that the fixed microbatch count does not divide has no shape.
+    assert shapes_for(4, 6, schedules=["1f1b"], microbatches=[4]) == []
+
+
+def test_bad_grids_are_named() -> None:
+    with pytest.raises(PlanError, match="3 stages do not divide 8 devices"):
+        shapes_for(8, 16, schedules=["1f1b"], stages=3)
+    with pytest.raises(PlanError, match="devices must be >= 1"):
+        shapes_for(0, 16, schedules=["1f1b"])
+    with pytest.raises(PlanError, match="unknown schedule"):
+        shapes_for(4, 16, schedules=["zigzag"])
+
+
+def _cluster(devices: int, memory: float | None = None) -> Cluster:
+    return Cluster.uniform(devices, bandwidth=50e9, latency=5e-6, memory=memory)
+
+
+def _search(graph, devices: int, batch: int, **kwargs):
+    return search_shapes(graph, devices=devices, global_batch=batch, profiled_batch=1, cluster=_cluster(devices),
+                         solve_plan=plan_from_graph, options={"method": "dp"}, **kwargs)
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 10_000), devices=st.sampled_from([2, 4, 6]), batch=st.sampled_from([4, 8, 12]))
+def test_pruning_keeps_the_fastest_shape_and_bounds_hold(seed: int, devices: int, batch: int) -> None:
+    graph = synthetic.random_dag(10, seed=seed)
+    cluster = _cluster(devices)
+    search = _search(graph, devices, batch, schedules=["gpipe", "1f1b"])
+    # Every shape solved without pruning, each on its own scaled graph, as a user would.
+    exhaustive = []
+    for shape in shapes_for(devices, batch, schedules=["gpipe", "1f1b"], max_stages=len(graph)):
+        micro = batch // (shape.data_parallel * shape.microbatches)
+        g = graph.scaled(micro) if micro != 1 else graph
+        p = plan_from_graph(g, stages=shape.stages, microbatches=shape.microbatches, schedule=shape.schedule,
+                            cluster=cluster, data_parallel=shape.data_parallel, method="dp",
+                            placement=None if shape.data_parallel > 1 and shape.stages > 1 else "cluster")
+        exhaustive.append((p.step_time, shape))
+        cand = next(c for c in search.candidates if c.shape == shape)
+        assert cand.lower_bound <= p.step_time * (1 + 1e-9)
+        if cand.plan is not None:
+            assert cand.plan.step_time == pytest.approx(p.step_time, rel=1e-9)
+    assert search.best.step_time == pytest.approx(min(t for t, _ in exhaustive), rel=1e-9)
+    assert search.best.data_parallel * search.best.pipeline_ranks == devices
+    pruned = [c for c in search.candidates if c.pruned]
+    assert all(c.lower_bound >= search.best.step_time for c in pruned)
+
+
+def test_memory_that_one_replica_cannot_hold_forces_a_pipeline() -> None:
+    graph = synthetic.transformer(6, d_model=1024, tokens=512, seed=0)
+    state = sum(graph[v].get("params", 0) for v in graph.nx) * 4  # weights, grads, Adam's two moments
+    cluster = _cluster(4, memory=0.6 * state)
+    search = search_shapes(graph, devices=4, global_batch=8, profiled_batch=1, cluster=cluster,
+                           solve_plan=plan_from_graph, options={"method": "dp"})
+    best = search.candidates[0]
+    assert best.plan is search.best and best.shape.stages >= 2
+    dp_only = [c for c in search.candidates if c.shape.stages == 1]
+    assert dp_only and all(c.plan is None and "memory" in c.reason for c in dp_only)
+    assert best.memory <= 0.6 * state
+
+
+def test_no_shape_fits_names_the_reasons() -> None:
+    graph = synthetic.chain(6, seed=1)
+    cluster = _cluster(2, memory=1.0)
+    search = search_shapes(graph, devices=2, global_batch=4, profiled_batch=1, cluster=cluster,
+                           solve_plan=plan_from_graph, options={"method": "dp"})
+    with pytest.raises(PlanError, match="no shape of 2 devices runs a global batch of 4"):
+        search.best  # noqa: B018
+
+
+def test_a_global_batch_no_replica_count_divides_is_refused() -> None:
+    graph = synthetic.chain(6, seed=1)
+    with pytest.raises(PlanError, match="splits a global batch of 5 evenly"):
+        search_shapes(graph, devices=4, global_batch=5, profiled_batch=2, cluster=_cluster(4),
+                      solve_plan=plan_from_graph, stages=2)
+
+
+class _Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x).sum(dim=1)
+
+
+def test_smp_plan_with_devices_returns_the_best_shape_and_plan_shapes_lists_them() -> None:
+    model, x = _Tiny(), torch.randn(2, 32)
+    search = smp.plan_shapes(model, (x,), devices=4, global_batch=8, cluster="h100-sxm", schedule="all",
+                             timing="analytic", device_profile="h100-sxm")
+    assert search.candidates and search.candidates[0].plan is search.best
+    assert {c.shape.schedule for c in search.candidates if c.shape.stages > 1} >= {"gpipe", "1f1b"}
+    times = [c.step_time for c in search.candidates if c.plan is not None]
+    assert times == sorted(times)
+    chosen = smp.plan(model, (x,), devices=4, global_batch=8, cluster="h100-sxm", schedule="all",
+                      timing="analytic", device_profile="h100-sxm")
+    assert chosen.data_parallel * chosen.pipeline_ranks == 4
+    assert chosen.step_time == pytest.approx(search.best.step_time, rel=1e-9)
+    again = smp.Plan.from_dict(chosen.to_dict())
+    assert (again.data_parallel, again.placement) == (chosen.data_parallel, chosen.placement)
+
+
+def test_smp_plan_devices_mistakes_are_named() -> None:
+    model, x = _Tiny(), torch.randn(2, 32)
+    with pytest.raises(PlanError, match="pass stages="):
+        smp.plan(model, (x,))
+    with pytest.raises(PlanError, match="global_batch= goes with devices="):
+        smp.plan(model, (x,), stages=2, global_batch=8)
+    with pytest.raises(PlanError, match="pass a cluster"):
+        smp.plan_shapes(model, (x,), devices=2)
+    with pytest.raises(PlanError, match="drop data_parallel="):
+        smp.plan(model, (x,), devices=4, data_parallel=2, cluster="h100-sxm")
