@@ -3,6 +3,9 @@ random MNIST-shaped data. The one line that changed is the import. Run it under 
 
     SM_HP_MP_PARAMETERS='{"partitions": 2, "microbatches": 4, "pipeline": "interleaved"}' \\
         python -m torch.distributed.run --standalone --nproc_per_node 2 tests/_v1_mnist.py --checkpoint-dir /tmp/ckpt
+
+With "ddp": true on 4 ranks it trains 2 replicas of the 2 partitions, each on its shard of the data
+(--batch-size is then each replica's share of the global batch).
 """
 
 from __future__ import annotations
@@ -12,11 +15,12 @@ import json
 import os
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
 from torch.optim.lr_scheduler import StepLR
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import smp.v1 as smp  # was: import smdistributed.modelparallel.torch as smp
 
@@ -79,6 +83,9 @@ def train(model, scaler, device, train_loader, optimizer, epoch, losses):
         loss = loss_mb.reduce_mean()  # SM Distributed: average the loss across microbatches
         scaler.step(optimizer)
         scaler.update()
+        if smp.dp_size() > 1:  # this replica's loss; the global batch's is the mean over the replicas
+            dist.all_reduce(loss, group=smp.get_dp_process_group())
+            loss /= smp.dp_size()
         losses.append(loss.item())
         if smp.rank() == 0:
             print("Train Epoch: {} [{}/{} ({:.0f}%)]\tLoss: {:.6f}".format(
@@ -113,6 +120,19 @@ def test(model, device, test_loader):
     return test_loss
 
 
+def write_ranks(model, directory):
+    """What the rank helpers say on this rank, and where smp's pipeline put it."""
+    helpers = ("rank", "size", "local_rank", "local_size", "pp_rank", "pp_size", "mp_rank", "mp_size", "dp_rank",
+               "dp_size", "rdp_rank", "rdp_size", "get_mp_group", "get_dp_group")
+    out = {name: getattr(smp, name)() for name in helpers}
+    out["dp_process_group"] = dist.get_process_group_ranks(smp.get_dp_process_group())
+    out["mp_process_group"] = dist.get_process_group_ranks(smp.get_mp_process_group())
+    out["pipe"] = [model.pipe.pp_rank, model.pipe.dp_rank, model.pipe.layout.pp_ranks]
+    out["local_parameters"] = [name for name, _ in model.local_named_parameters()]
+    with open(os.path.join(directory, f"rank{smp.rank()}.json"), "w") as f:
+        json.dump(out, f)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch-size", type=int, default=32)
@@ -123,6 +143,7 @@ def main():
     parser.add_argument("--test-size", type=int, default=64)
     parser.add_argument("--checkpoint-dir", required=True)
     parser.add_argument("--log-json", default=None, help="rank 0 writes its losses here")
+    parser.add_argument("--ranks-dir", default=None, help="every rank writes its rank helpers' answers here")
     args = parser.parse_args()
 
     torch.manual_seed(1)
@@ -134,7 +155,10 @@ def main():
     else:
         device = torch.device("cpu")
 
-    train_loader = DataLoader(random_mnist(args.train_size, seed=2), batch_size=args.batch_size, shuffle=False)
+    # SM Distributed: each data-parallel replica reads its own shard of the training data
+    train_set = random_mnist(args.train_size, seed=2)
+    sampler = DistributedSampler(train_set, num_replicas=smp.dp_size(), rank=smp.dp_rank(), shuffle=False)
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     test_loader = DataLoader(random_mnist(args.test_size, seed=3), batch_size=args.batch_size, shuffle=False)
 
     model = GroupedNet()
@@ -149,6 +173,9 @@ def main():
         train(model, scaler, device, train_loader, optimizer, epoch, train_losses)
         test_losses.append(test(model, device, test_loader))
         scheduler.step()
+
+    if args.ranks_dir:
+        write_ranks(model, args.ranks_dir)
 
     os.makedirs(args.checkpoint_dir, exist_ok=True)
     partial = os.path.join(args.checkpoint_dir, "pt_mnist_checkpoint.pt")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import smp.v1 as smp
 from smp.v1.config import ENV_VAR, NO_EFFECT, REFUSED, load_config
@@ -95,13 +96,29 @@ def test_placement_follows_v1s_documented_groups() -> None:
         topology(0, 3, cluster)
 
 
-@pytest.mark.parametrize("ddp,match", [(False, "set \"ddp\": true"), (True, "issue 13")])
-def test_more_ranks_than_partitions_needs_data_parallelism(monkeypatch: pytest.MonkeyPatch, ddp: bool,
-                                                          match: str) -> None:
+def test_more_ranks_than_partitions_needs_ddp(monkeypatch: pytest.MonkeyPatch) -> None:
     for k, v in {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4"}.items():
         monkeypatch.setenv(k, v)
-    with pytest.raises(smp.V1Error, match=match):
-        smp.init({"partitions": 2, "ddp": ddp})
+    with pytest.raises(smp.V1Error, match="set \"ddp\": true"):
+        smp.init({"partitions": 2, "ddp": False})
+
+
+@pytest.mark.parametrize(("strategy", "placement"), [("cluster", "cluster"), ("spread", "spread"), ("DPT", "cluster"),
+                                                     ("DTP", "cluster"), ("TDP", "cluster"), ("PDT", "spread"),
+                                                     ("PTD", "spread"), ("TPD", "spread")])
+def test_placement_strategies_map_onto_smps_placements(strategy: str, placement: str) -> None:
+    """Without tensor parallelism only the order of D and P matters: D first keeps each replica on neighbouring
+    ranks (smp's "cluster"), P first each partition's replicas (smp's "spread"); the ranks are smp's layout's."""
+    cfg = load_config({"partitions": 2, "ddp": True, "placement_strategy": strategy})
+    assert cfg.placement == placement
+    # runtime.layout.ReplicaLayout: a DeviceMesh of shape (dp, pp) for "cluster", (pp, dp) for "spread"
+    mesh = torch.arange(8).reshape((4, 2) if placement == "cluster" else (2, 4))
+    for r in range(8):
+        t = topology(r, 8, cfg)
+        pp_dim = mesh if placement == "cluster" else mesh.T
+        assert pp_dim[t.dp_rank, t.pp_rank] == r
+        assert t.mp_group == tuple(pp_dim[t.dp_rank].tolist())
+        assert t.dp_group == tuple(pp_dim[:, t.pp_rank].tolist())
 
 
 def test_helpers_need_init(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from smp.v1.comm import barrier
 from smp.v1.errors import V1Error
-from smp.v1.info import pp_rank
+from smp.v1.info import dp_rank, pp_rank
 from smp.v1.state import current
 
 if TYPE_CHECKING:
@@ -32,8 +32,11 @@ def partial_path(f: str | Path, partition: int) -> str:
 def save(obj: Any, f: str | Path, partial: bool = True, pickle_module: ModuleType = pickle,
          pickle_protocol: int = 2) -> None:
     """``torch.save(obj)``: with ``partial`` to this partition's own file (each rank its own, as v1; call it on
-    the ranks with ``dp_rank() == 0``), else to ``f``, written by rank 0 (the other ranks' calls write nothing)."""
+    the ranks with ``dp_rank() == 0``: on other replicas, which hold the same partition, it writes nothing),
+    else to ``f``, written by rank 0 (the other ranks' calls write nothing)."""
     if partial:
+        if dp_rank() != 0:  # the same file from every replica would be written concurrently
+            return
         torch.save(obj, partial_path(f, pp_rank()), pickle_module=pickle_module, pickle_protocol=pickle_protocol)
         return
     if current().topology.rank == 0:  # v1 scripts call it on every rank with dp_rank() == 0: one file

@@ -53,10 +53,10 @@ def group_ranks(group: CommGroup, state: State | None = None) -> tuple[int, ...]
 
 
 def _torch_group(state: State, ranks: Sequence[int]) -> Any:
-    if len(ranks) != state.topology.world:  # only subgroups of one rank exist until data parallelism does
-        raise V1Error(f"a collective over ranks {list(ranks)} needs a process group for them; smp makes such groups "
-                      "only with data parallelism (smp issue 13)")
-    return state.group
+    """The gloo group ``smp.init`` made for exactly ``ranks`` (the world, a model replica or a dp group)."""
+    if len(ranks) == state.topology.world:
+        return state.group
+    return state.gloo_groups[tuple(ranks)]
 
 
 def cpu_copy(obj: Any) -> Any:

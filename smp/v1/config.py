@@ -26,7 +26,9 @@ SCHEDULES = {"interleaved": "1f1b", "simple": "gpipe"}
 MEMORY_WEIGHT_OF = {"speed": 0.2, "memory": 0.8}
 
 #: ``placement_strategy`` names -> the order of the D(ata), P(ipeline), T(ensor) axes, slowest first
-#: (v1: "cluster" is "DPT": one model replica on neighbouring ranks; "spread" is "TPD").
+#: (v1: "cluster" is "DPT": one model replica on neighbouring ranks; "spread" is "TPD"). Without tensor
+#: parallelism (T has size 1) only the order of D and P matters: D before P is smp's "cluster" placement
+#: (each pipeline on consecutive ranks), P before D its "spread" (each stage's replicas on consecutive ranks).
 PLACEMENTS = {"cluster": "DPT", "spread": "TPD", **{"".join(p): "".join(p) for p in permutations("DPT")}}
 
 #: Keys v1 accepted that change nothing here, and why.
@@ -95,6 +97,12 @@ class V1Config:
     def axis_order(self) -> str:
         """The placement as an order of the D, P, T axes, slowest-varying first."""
         return PLACEMENTS[self.placement_strategy]
+
+    @property
+    def placement(self) -> str:
+        """smp's placement of the replicas for ``placement_strategy`` ("cluster" or "spread")."""
+        order = self.axis_order
+        return "cluster" if order.index("D") < order.index("P") else "spread"
 
 
 def load_config(config: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> V1Config:

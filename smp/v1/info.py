@@ -98,15 +98,22 @@ def get_world_process_group() -> Any:
     return dist.group.WORLD
 
 
+def _process_group(ranks: tuple[int, ...]) -> Any:
+    st = current()
+    if not st.distributed:
+        raise V1Error("there is no process group in a lone process (no launcher)")
+    return st.process_groups[ranks]
+
+
 def get_mp_process_group() -> Any:
-    """The torch.distributed group of this model replica's ranks (every rank, without data parallelism)."""
-    return get_world_process_group()
+    """The torch.distributed group (default backend) of this model replica's ranks (its pipeline)."""
+    return _process_group(current().topology.mp_group)
 
 
 def get_dp_process_group() -> Any:
-    """The torch.distributed group of this partition's replicas: it exists with data parallelism (smp issue 13)."""
-    raise V1Error("get_dp_process_group() needs data parallelism (\"ddp\": true over more ranks than partitions), "
-                  "which arrives with smp issue 13")
+    """The torch.distributed group (default backend) of this partition's replicas: all-reduce over it to average
+    a value over the data-parallel replicas (a group of this rank alone without data parallelism)."""
+    return _process_group(current().topology.dp_group)
 
 
 get_pp_process_group = get_mp_process_group  # v1's later names, without tensor parallelism the same groups

@@ -132,8 +132,9 @@ def _describe(graph: OpGraph, node: object) -> str:
 def manual_plan(base: Plan, stage_of: dict[str, int], memory_limit: float | None) -> Plan:
     """``base`` (a plan of the same model, batch and schedule) with its ops on the stages of ``stage_of``,
     priced by the one cost model and scheduled and simulated like any plan."""
+    ranks = base.pipeline_ranks
     part = evaluate(base.graph, stage_of, microbatches=base.microbatches, schedule=base.schedule_name,
-                    training=True, memory_limit=memory_limit, stages=base.num_ranks, ranks=base.num_ranks,
+                    training=True, memory_limit=memory_limit, stages=ranks, ranks=ranks,
                     method="manual (smp.partition)")
-    sched = schedule_for(base.schedule_name, part, base.microbatches, base.num_ranks)
-    return replace(base, partition=part, schedule=sched, simulated=simulate_partition(sched, part))
+    sched = schedule_for(base.schedule_name, part, base.microbatches, ranks, base.data_parallel)
+    return replace(base, partition=part, schedule=sched, simulated=simulate_partition(sched, part, base.dp_link))

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from smp.partition import PipelinedModel
@@ -47,10 +48,13 @@ class DistributedModel(nn.Module):
     ``parameters()`` are this rank's; ``state_dict()`` is the full model (a collective);
     ``pipe`` is smp's ``PipelinedModel`` (plan, timeline, memory_stats).
 
-    The data-parallel arguments (``overlapping_allreduce``, ``backward_passes_per_step``,
-    ``bucket_cap_mb``, ``broadcast_buffers``, ``gradient_as_bucket_view``) are kept for
-    data parallelism; ``trace_execution_times`` and ``trace_memory_usage`` change nothing:
-    smp always profiles every op's time and memory.
+    Data parallelism (``"ddp": true``): ``broadcast_buffers`` (default True) copies dp rank 0's
+    buffers to the other replicas before each training step, as DistributedDataParallel does
+    before each forward; ``overlapping_allreduce``, ``backward_passes_per_step``,
+    ``bucket_cap_mb`` and ``gradient_as_bucket_view`` change nothing: smp's engine all-reduces
+    each stage's gradients in its own buckets as soon as they are final, every step (which
+    gives the same accumulated gradients). ``trace_execution_times`` and ``trace_memory_usage``
+    change nothing either: smp always profiles every op's time and memory.
     """
 
     def __init__(self, module: nn.Module, trace_device: str = "gpu", trace_execution_times: bool = False,
@@ -69,9 +73,7 @@ class DistributedModel(nn.Module):
         self.module = module
         self.trace_device = trace_device
         self.average_grads_across_microbatches = bool(average_grads_across_microbatches)
-        self.ddp_options = {"overlapping_allreduce": overlapping_allreduce,
-                            "backward_passes_per_step": backward_passes_per_step, "bucket_cap_mb": bucket_cap_mb,
-                            "broadcast_buffers": broadcast_buffers, "gradient_as_bucket_view": gradient_as_bucket_view}
+        self.broadcast_buffers = bool(broadcast_buffers)
         # v1 put the partitions on the current device (scripts call torch.cuda.set_device(smp.local_rank()))
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
@@ -166,10 +168,20 @@ class DistributedModel(nn.Module):
     def train_step(self, args: tuple, kwargs: dict, m: int) -> None:
         """Forward and backward of every microbatch through the pipeline; gradients accumulate in the parameters."""
         pipe = self.need_pipe("a training step")
+        if self.broadcast_buffers:
+            self._broadcast_buffers()
         try:
             pipe.step(*args, target=torch.arange(m), **kwargs)
         except torch.OutOfMemoryError as err:
             raise planning.out_of_memory(pipe.plan, current(), self.device, "during a training step") from err
+
+    def _broadcast_buffers(self) -> None:
+        """dp rank 0's buffers (e.g. batch-norm statistics) to this partition's other replicas."""
+        st = current()
+        ranks = st.topology.dp_group
+        if len(ranks) > 1:
+            for _, buffer in sorted(self.local_named_buffers()):
+                dist.broadcast(buffer, src=ranks[0], group=st.process_groups[ranks])
 
     def forward_only(self, args: tuple, kwargs: dict) -> Any:
         """The pipelined forward of every microbatch (no gradients); the output on the rank holding it, else None."""
@@ -274,11 +286,15 @@ class DistributedModel(nn.Module):
         return super().cpu()
 
     def join(self) -> None:
-        raise V1Error("DistributedModel.join() is for uneven inputs under data parallelism, which arrives with smp "
-                      "issue 13")
+        raise V1Error("DistributedModel.join() (uneven inputs across data-parallel replicas) is not supported: smp's "
+                      "replicas run every step together. Give every dp rank the same number of batches of the same "
+                      "size, e.g. DistributedSampler(dataset, num_replicas=smp.dp_size(), rank=smp.dp_rank(), "
+                      "drop_last=True) and DataLoader(..., drop_last=True)")
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
-        raise V1Error("DistributedModel.register_comm_hook() is for data parallelism, which arrives with smp issue 13")
+        raise V1Error("DistributedModel.register_comm_hook() is not supported: smp's engine all-reduces each "
+                      "stage's gradients itself (their mean over the replicas, in buckets, overlapping the "
+                      "backward); a communication hook cannot replace it")
 
 
 def _merge_partials(parts: list[dict[str, Any]], order: list[str]) -> dict[str, Any]:

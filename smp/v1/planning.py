@@ -53,16 +53,19 @@ def partition_plan(module: nn.Module, args: tuple, kwargs: dict, state: State, d
     # one device holds every partition in a lone process: the cap is on their sum, checked after planning
     limit = float(memory[1]) if memory is not None and state.distributed else None
     profile_on = torch.device("cpu") if trace_device == "cpu" else (device if device.type == "cuda" else None)
+    # the plan is for every replica of the pipeline (the sample batch is one replica's share)
+    replicas = {"data_parallel": state.topology.dp_size, "placement": cfg.placement}
 
     def build() -> Plan:
         with torch.random.fork_rng(devices=[]):  # profiling runs the model; every rank's RNG stays the same
             if cfg.auto_partition:
                 fast = make_plan(module, args, kwargs, stages=cfg.partitions, microbatches=cfg.microbatches,
-                                 schedule=cfg.schedule, memory_limit=limit, device=profile_on)
+                                 schedule=cfg.schedule, memory_limit=limit, device=profile_on, **replicas)
                 return weigh_memory(fast, cfg.memory_weight, limit)
             # any quick plan gives the profiled graph and the model's identity; the stages are the user's
             base = make_plan(module, args, kwargs, stages=cfg.partitions, microbatches=cfg.microbatches,
-                             schedule=cfg.schedule, device=profile_on, method="dp", objective="bottleneck")
+                             schedule=cfg.schedule, device=profile_on, method="dp", objective="bottleneck",
+                             **replicas)
         stage_of = manual.stage_of_ops(module, base.graph, cfg.partitions, cfg.default_partition)
         return manual.manual_plan(base, stage_of, limit)
 
@@ -87,9 +90,9 @@ def weigh_memory(fast: Plan, weight: float | None, limit: float | None) -> Plan:
         if cap >= peak:
             break
         try:
-            plan = plan_from_graph(fast.graph, stages=fast.num_ranks, microbatches=fast.microbatches,
+            plan = plan_from_graph(fast.graph, stages=fast.pipeline_ranks, microbatches=fast.microbatches,
                                    schedule=fast.schedule_name, memory_limit=cap if limit is None else min(cap, limit),
-                                   model_info=fast.model)
+                                   model_info=fast.model, data_parallel=fast.data_parallel, placement=fast.placement)
         except PlanningError:
             continue
         plan.partition.notes.append(
@@ -126,7 +129,7 @@ def _on_rank0(build: Callable[[], Plan], state: State) -> Plan:
 
 
 def _ranks_here(plan: Plan, state: State) -> list[int]:
-    return [state.topology.pp_rank] if state.distributed else list(range(plan.num_ranks))
+    return [state.topology.pp_rank] if state.distributed else list(range(plan.pipeline_ranks))
 
 
 def _stage_lines(plan: Plan, ranks: list[int]) -> str:

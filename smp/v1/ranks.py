@@ -82,28 +82,23 @@ class Topology:
 
 
 def topology(rank: int, world: int, cfg: V1Config) -> Topology:
-    """Place ``rank`` on the D x P grid of ``world`` ranks by ``cfg.placement_strategy`` (v1's rules).
+    """Place ``rank`` on the D x P grid of ``world`` ranks by ``cfg.placement_strategy`` (v1's rules), as smp's
+    runtime lays replicas out (runtime.layout.ReplicaLayout, for ``cfg.placement``).
 
-    A lone process (world 1) runs every partition itself. The axis order names the
-    slowest-varying axis first: "cluster" (DPT) gives replica groups of neighbouring ranks,
-    [0, 1], [2, 3], ...; "spread" (TPD) gives [0, 4], [1, 5], ... for 8 ranks and 2 partitions.
+    A lone process (world 1) runs every partition itself. "cluster" puts each model replica
+    on neighbouring ranks, [0, 1], [2, 3], ...; "spread" puts each partition's replicas on
+    neighbouring ranks, so the replicas are [0, 4], [1, 5], ... for 8 ranks and 2 partitions.
     """
     p = cfg.partitions
     if world == 1:
         return Topology(rank, 1, 0, p, 0, 1, (0,), (0,))
     if world % p:
         raise V1Error(f"{world} ranks cannot hold {p} partitions: launch a multiple of {p} processes "
-                      f"(torchrun --nproc_per_node {p})")
+                      f"(torchrun --nproc_per_node {p}, or D x {p} for D data-parallel replicas with \"ddp\": true)")
     d = world // p
-    sizes = {"D": d, "P": p, "T": 1}
-    stride: dict[str, int] = {}
-    step = 1
-    for axis in reversed(cfg.axis_order):
-        stride[axis] = step
-        step *= sizes[axis]
 
     def coords(r: int) -> tuple[int, int]:
-        return (r // stride["P"]) % p, (r // stride["D"]) % d
+        return (r % p, r // p) if cfg.placement == "cluster" else (r // d, r % d)
 
     pp, dp = coords(rank)
     everyone = range(world)

@@ -24,13 +24,18 @@ __all__ = ["State", "init", "is_initialized", "current"]
 @dataclass
 class State:
     """What ``smp.init`` set up: ``group`` is a gloo group over every rank for object collectives (None alone);
-    ``store`` is the rendezvous store (bounded waits that name an absent rank)."""
+    ``store`` is the rendezvous store (bounded waits that name an absent rank); ``gloo_groups`` and
+    ``process_groups`` hold, for the ranks of every model replica (mp group) and of every partition's
+    replicas (dp group), a gloo group (object collectives) and a group of the default backend (the script's).
+    """
 
     config: V1Config
     launch: Launch
     topology: Topology
     group: Any = None
     store: Any = None
+    gloo_groups: dict[tuple[int, ...], Any] = field(default_factory=dict)
+    process_groups: dict[tuple[int, ...], Any] = field(default_factory=dict)
     model: DistributedModel | None = None
     optimizer: DistributedOptimizer | None = None
     generation: int = 0
@@ -62,19 +67,15 @@ def init(config: dict[str, Any] | None = None) -> None:
     cfg = load_config(config)
     launch = from_environment(os.environ)
     topo = topology(launch.rank, launch.world, cfg)
-    if topo.dp_size > 1:
-        if not cfg.ddp:
-            raise V1Error(f"{launch.world} ranks hold {topo.dp_size} copies of the {cfg.partitions} partitions, but "
-                          "ddp is false: set \"ddp\": true for data parallelism, or launch "
-                          f"{cfg.partitions} processes")
-        raise V1Error(f"\"ddp\": true on {launch.world} ranks means {topo.dp_size} data-parallel replicas of "
-                      f"{cfg.partitions} partitions; data parallelism across pipeline replicas arrives with smp "
-                      f"issue 13. Launch {cfg.partitions} processes for now (torchrun --nproc_per_node "
-                      f"{cfg.partitions})")
+    if topo.dp_size > 1 and not cfg.ddp:
+        raise V1Error(f"{launch.world} ranks hold {topo.dp_size} copies of the {cfg.partitions} partitions, but "
+                      "ddp is false: set \"ddp\": true for data parallelism (each replica trains on its share of "
+                      f"the data), or launch {cfg.partitions} processes")
     _generation += 1
     state = State(cfg, launch, topo, generation=_generation)
     if launch.world > 1:
         state.group, state.store = _join(launch, cfg.timeout)
+        state.gloo_groups, state.process_groups = _subgroups(cfg, launch.world, state.group, cfg.timeout)
     _state = state
 
 
@@ -97,6 +98,24 @@ def _join(launch: Launch, timeout: float) -> tuple[Any, Any]:
         raise V1Error(f"the default process group has no rendezvous store ({err}); initialise it with "
                       "init_method env://, tcp:// or file://") from None
     return group, store
+
+
+def _subgroups(cfg: V1Config, world: int, gloo_world: Any, timeout: float
+               ) -> tuple[dict[tuple[int, ...], Any], dict[tuple[int, ...], Any]]:
+    """A gloo group and a default-backend group for every mp group and dp group (every rank makes every group,
+    in the same order, as torch.distributed requires); the whole world's are the existing ones."""
+    places = [topology(r, world, cfg) for r in range(world)]
+    every = sorted({t.mp_group for t in places} | {t.dp_group for t in places})
+    limit = datetime.timedelta(seconds=timeout)
+    gloo: dict[tuple[int, ...], Any] = {}
+    default: dict[tuple[int, ...], Any] = {}
+    for ranks in every:
+        if len(ranks) == world:
+            gloo[ranks], default[ranks] = gloo_world, dist.group.WORLD
+        else:
+            gloo[ranks] = dist.new_group(list(ranks), backend="gloo", timeout=limit)
+            default[ranks] = dist.new_group(list(ranks), timeout=limit)
+    return gloo, default
 
 
 def is_initialized() -> bool:
