@@ -74,7 +74,7 @@ def train_step(model, scaler, data, target):
     return output, loss
 
 
-def train(model, scaler, device, train_loader, optimizer, epoch, losses):
+def train(model, scaler, device, train_loader, optimizer, epoch, losses, first_step_path=None):
     model.train()
     for batch_idx, (data, target) in enumerate(train_loader):
         data, target = data.to(device), target.to(device)
@@ -87,6 +87,10 @@ def train(model, scaler, device, train_loader, optimizer, epoch, losses):
             dist.all_reduce(loss, group=smp.get_dp_process_group())
             loss /= smp.dp_size()
         losses.append(loss.item())
+        if first_step_path and batch_idx == 0:
+            state = model.state_dict()  # a collective over the model replica's ranks
+            if smp.rank() == 0:
+                torch.save(state, first_step_path)
         if smp.rank() == 0:
             print("Train Epoch: {} [{}/{} ({:.0f}%)]\tLoss: {:.6f}".format(
                 epoch, batch_idx * len(data), len(train_loader.dataset), 100.0 * batch_idx / len(train_loader),
@@ -143,6 +147,7 @@ def main():
     parser.add_argument("--test-size", type=int, default=64)
     parser.add_argument("--checkpoint-dir", required=True)
     parser.add_argument("--log-json", default=None, help="rank 0 writes its losses here")
+    parser.add_argument("--first-step-state", default=None, help="rank 0 saves the model's state after step 1 here")
     parser.add_argument("--ranks-dir", default=None, help="every rank writes its rank helpers' answers here")
     args = parser.parse_args()
 
@@ -170,7 +175,8 @@ def main():
 
     train_losses, test_losses = [], []
     for epoch in range(1, args.epochs + 1):
-        train(model, scaler, device, train_loader, optimizer, epoch, train_losses)
+        train(model, scaler, device, train_loader, optimizer, epoch, train_losses,
+              args.first_step_state if epoch == 1 else None)
         test_losses.append(test(model, device, test_loader))
         scheduler.step()
 
