@@ -1,0 +1,220 @@
+"""The v1 parameters (a dict, or SageMaker's SM_HP_MP_PARAMETERS JSON) checked, and mapped onto smp's options."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from itertools import permutations
+from typing import Any
+
+from smp.v1.errors import V1Error
+
+__all__ = ["ENV_VAR", "V1Config", "load_config", "HONOURED", "NO_EFFECT", "REFUSED", "SCHEDULES",
+           "MEMORY_WEIGHT_OF", "PLACEMENTS"]
+
+#: Where SageMaker put the ``mp_parameters`` hyperparameter (JSON) for the training script.
+ENV_VAR = "SM_HP_MP_PARAMETERS"
+
+#: v1 pipeline names -> smp schedules. v1's "interleaved" is its backward-first schedule (1F1B);
+#: smp's own "interleaved" (virtual stages) is another schedule and is not what v1 meant.
+SCHEDULES = {"interleaved": "1f1b", "simple": "gpipe"}
+
+#: v1's documented ``memory_weight`` for each ``optimize`` value.
+MEMORY_WEIGHT_OF = {"speed": 0.2, "memory": 0.8}
+
+#: ``placement_strategy`` names -> the order of the D(ata), P(ipeline), T(ensor) axes, slowest first
+#: (v1: "cluster" is "DPT": one model replica on neighbouring ranks; "spread" is "TPD"). Without tensor
+#: parallelism (T has size 1) only the order of D and P matters: D before P is smp's "cluster" placement
+#: (each pipeline on consecutive ranks), P before D its "spread" (each stage's replicas on consecutive ranks).
+PLACEMENTS = {"cluster": "DPT", "spread": "TPD", **{"".join(p): "".join(p) for p in permutations("DPT")}}
+
+#: Keys v1 accepted that change nothing here, and why.
+NO_EFFECT = {
+    "deterministic_server": "smp's engine runs a fixed schedule, so execution is always deterministic",
+    "ddp_port": "the process group rendezvous uses MASTER_ADDR / MASTER_PORT",
+    "ddp_dist_backend": "smp uses NCCL for GPU tensors and gloo for CPU tensors",
+    "activation_loading_horizon": "it only tunes offload_activations, which smp does not do",
+}
+
+_MIXED = ("fp16 training through the v1 configuration is not supported: wrap model(...) in torch.autocast inside "
+          "the smp.step function and scale the loss with smp.amp.GradScaler")
+
+#: Keys that ask for a feature smp does not have: key -> (the value that asks for nothing, why).
+REFUSED: dict[str, tuple[Any, str]] = {
+    "tensor_parallel_degree": (1, "tensor parallelism is not part of smp (it partitions a model into pipeline "
+                                  "stages); use partitions / pipeline_parallel_degree"),
+    "sharded_data_parallel_degree": (1, "sharded data parallelism is not part of smp; use partitions (pipeline "
+                                        "stages) to spread the model's memory"),
+    "shard_optimizer_state": (False, "optimizer state sharding is not part of smp; each rank holds the optimizer "
+                                     "state of its own stages only"),
+    "offload_activations": (False, "activation offloading is not part of smp"),
+    "prescaled_batch": (False, "it applies to tensor parallelism, which smp does not do"),
+    "skip_tracing": (False, "smp plans from a trace of the model; build a model too large for one device under "
+                            "smp.delay_param_initialization() instead"),
+    "fp16": (False, _MIXED),
+    "bf16": (False, _MIXED.replace("fp16", "bf16", 1)),
+    "fp16_params": (False, _MIXED.replace("fp16 training", "fp16 parameters", 1)),
+}
+
+_SHARDED_PREFIX = "sdp_"  # the sharded-data-parallel tuning keys
+
+#: Keys that change what smp does (``timeout`` is smp's own).
+HONOURED = ("partitions", "pipeline_parallel_degree", "microbatches", "pipeline", "ddp", "placement_strategy",
+            "auto_partition", "default_partition", "memory_weight", "optimize", "active_microbatches", "timeout")
+
+DEFAULT_TIMEOUT = 300.0
+
+
+@dataclass(frozen=True)
+class V1Config:
+    """The configuration a v1 script runs with, in smp's terms.
+
+    ``memory_weight`` is None when neither it nor ``optimize`` was given: smp's planner
+    then returns its fastest plan that fits (docs/smp-v1.md). ``active_microbatches`` is
+    None when not given. ``timeout`` (seconds, smp's own key) bounds every wait on a peer.
+    """
+
+    partitions: int
+    microbatches: int = 1
+    pipeline: str = "interleaved"
+    ddp: bool = False
+    placement_strategy: str = "cluster"
+    auto_partition: bool = True
+    default_partition: int = 0
+    memory_weight: float | None = None
+    active_microbatches: int | None = None
+    timeout: float = DEFAULT_TIMEOUT
+
+    @property
+    def schedule(self) -> str:
+        """smp's schedule for v1's ``pipeline``."""
+        return SCHEDULES[self.pipeline]
+
+    @property
+    def axis_order(self) -> str:
+        """The placement as an order of the D, P, T axes, slowest-varying first."""
+        return PLACEMENTS[self.placement_strategy]
+
+    @property
+    def placement(self) -> str:
+        """smp's placement of the replicas for ``placement_strategy`` ("cluster" or "spread")."""
+        order = self.axis_order
+        return "cluster" if order.index("D") < order.index("P") else "spread"
+
+
+def load_config(config: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> V1Config:
+    """The configuration from ``config``, else from the JSON in ``SM_HP_MP_PARAMETERS``; every key checked."""
+    env = os.environ if environ is None else environ
+    if config is None:
+        text = env.get(ENV_VAR)
+        if text is None:
+            raise V1Error(f"smp.init(): no configuration. Pass one, smp.init({{\"partitions\": 2, \"microbatches\": "
+                          f"4}}), or set {ENV_VAR}='{{\"partitions\": 2, \"microbatches\": 4}}' as SageMaker did")
+        try:
+            config = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise V1Error(f"{ENV_VAR} is not valid JSON ({err}): {text[:200]!r}") from None
+        if not isinstance(config, Mapping):
+            raise V1Error(f"{ENV_VAR} must hold a JSON object of v1 parameters, got {text[:200]!r}")
+    if not isinstance(config, Mapping):
+        raise V1Error(f"smp.init(config) takes a dict of v1 parameters, got {type(config).__name__}")
+    raw = dict(config)
+    _refuse_unsupported(raw)
+    return _parse(raw)
+
+
+def _refuse_unsupported(raw: dict[str, Any]) -> None:
+    for key, value in raw.items():
+        if key.startswith(_SHARDED_PREFIX):
+            raise V1Error(f"v1 parameter {key!r}: {REFUSED['sharded_data_parallel_degree'][1]}; remove the key")
+        if key in REFUSED:
+            off, why = REFUSED[key]
+            if value != off:
+                raise V1Error(f"v1 parameter {key}={value!r} is not supported: {why}. Remove the key or set it "
+                              f"to {off!r}")
+        elif key not in NO_EFFECT and key not in HONOURED:
+            known = sorted([*HONOURED, *NO_EFFECT, *REFUSED])
+            raise V1Error(f"unknown v1 parameter {key!r}; the parameters are {', '.join(known)} "
+                          f"(and the {_SHARDED_PREFIX}* keys of sharded data parallelism, which smp does not do)")
+
+
+def _parse(raw: dict[str, Any]) -> V1Config:
+    partitions = _degree(raw)
+    microbatches = _int(raw, "microbatches", 1)
+    pipeline = raw.get("pipeline", "interleaved")
+    if pipeline not in SCHEDULES:
+        raise V1Error(f"v1 parameter pipeline={pipeline!r}: choose \"interleaved\" (1F1B) or \"simple\" (GPipe)")
+    ddp = _bool(raw, "ddp", False)
+    placement = raw.get("placement_strategy", "cluster")
+    if placement not in PLACEMENTS:
+        raise V1Error(f"v1 parameter placement_strategy={placement!r}: choose \"cluster\", \"spread\" or an order "
+                      "of the letters D, P, T (e.g. \"DPT\")")
+    auto = _bool(raw, "auto_partition", True)
+    default = _int(raw, "default_partition", 0, low=0)
+    if default >= partitions:
+        raise V1Error(f"v1 parameter default_partition={default} is not a partition: there are {partitions} "
+                      f"(0..{partitions - 1})")
+    timeout = raw.get("timeout", DEFAULT_TIMEOUT)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise V1Error(f"parameter timeout={timeout!r}: seconds, a number > 0")
+    cfg = V1Config(partitions=partitions, microbatches=microbatches, pipeline=pipeline, ddp=ddp,
+                   placement_strategy=placement, auto_partition=auto, default_partition=default,
+                   memory_weight=_memory_weight(raw), active_microbatches=_active(raw, partitions, microbatches,
+                                                                                  pipeline),
+                   timeout=float(timeout))
+    return cfg
+
+
+def _degree(raw: dict[str, Any]) -> int:
+    given = {k: raw[k] for k in ("partitions", "pipeline_parallel_degree") if k in raw}
+    if not given:
+        raise V1Error("the v1 configuration needs \"partitions\" (or \"pipeline_parallel_degree\"): the number of "
+                      "pipeline stages to split the model into")
+    values = {k: _int(raw, k, 1) for k in given}
+    if len(set(values.values())) > 1:
+        raise V1Error(f"partitions and pipeline_parallel_degree are two names of one setting and disagree: {values}")
+    return next(iter(values.values()))
+
+
+def _memory_weight(raw: dict[str, Any]) -> float | None:
+    optimize = raw.get("optimize")
+    if optimize is not None and optimize not in MEMORY_WEIGHT_OF:
+        raise V1Error(f"v1 parameter optimize={optimize!r}: choose \"speed\" or \"memory\"")
+    if "memory_weight" not in raw:
+        return MEMORY_WEIGHT_OF[optimize] if optimize is not None else None
+    w = raw["memory_weight"]
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w <= 1.0 or math.isnan(w):
+        raise V1Error(f"v1 parameter memory_weight={w!r}: a number from 0.0 (balance compute) to 1.0 (balance "
+                      "memory)")
+    return float(w)
+
+
+def _active(raw: dict[str, Any], partitions: int, microbatches: int, pipeline: str) -> int | None:
+    if "active_microbatches" not in raw:
+        return None
+    active = _int(raw, "active_microbatches", 1)
+    schedule = SCHEDULES[pipeline]
+    in_flight = min(partitions, microbatches) if schedule == "1f1b" else microbatches
+    if active < in_flight:
+        fix = ("raise it to at least the number of partitions" if schedule == "1f1b" else
+               "use pipeline: \"interleaved\" (1F1B keeps at most `partitions` in flight) or raise it")
+        raise V1Error(f"v1 parameter active_microbatches={active}: smp's {schedule} schedule keeps up to {in_flight} "
+                      f"microbatches in flight on the first stage and cannot cap it lower; {fix}")
+    return active
+
+
+def _int(raw: dict[str, Any], key: str, default: int, low: int = 1) -> int:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise V1Error(f"v1 parameter {key}={value!r}: an integer >= {low}")
+    return value
+
+
+def _bool(raw: dict[str, Any], key: str, default: bool) -> bool:
+    value = raw.get(key, default)
+    if not isinstance(value, bool):
+        raise V1Error(f"v1 parameter {key}={value!r}: true or false")
+    return value

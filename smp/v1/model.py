@@ -1,0 +1,313 @@
+"""``smp.DistributedModel``: the model, partitioned by smp at the first ``smp.step`` call (a PipelinedModel inside)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from smp.partition import PipelinedModel
+from smp.v1 import planning
+from smp.v1.comm import CommGroup, cpu_copy, gather_objects, group_ranks
+from smp.v1.errors import V1Error
+from smp.v1.state import current
+
+if TYPE_CHECKING:
+    from smp.v1.step import _Run
+
+__all__ = ["DistributedModel", "PARTIAL_KEY"]
+
+#: The key v1 put in a partial (one partition's) state dict.
+PARTIAL_KEY = "_smp_is_partial"
+
+_TRACE_DEVICES = ("gpu", "cpu")
+
+
+class _Handle:
+    """What ``register_post_partition_hook`` returns: ``remove()`` unregisters the hook."""
+
+    def __init__(self, hooks: list[Callable[[DistributedModel], None]], hook: Callable[[DistributedModel], None]):
+        self._hooks, self._hook = hooks, hook
+
+    def remove(self) -> None:
+        if self._hook in self._hooks:
+            self._hooks.remove(self._hook)
+
+
+class DistributedModel(nn.Module):
+    """The model to partition, as v1's ``smp.DistributedModel``.
+
+    It is partitioned at the first call of an ``smp.step`` function, on that batch:
+    automatically by smp's planner, or by ``with smp.partition(i):`` blocks when the
+    configuration says ``"auto_partition": false``. Call it (``model(x)``) and
+    ``model.backward(loss)`` inside ``smp.step`` functions. After partitioning,
+    ``parameters()`` are this rank's; ``state_dict()`` is the full model (a collective);
+    ``pipe`` is smp's ``PipelinedModel`` (plan, timeline, memory_stats).
+
+    Data parallelism (``"ddp": true``): ``broadcast_buffers`` (default True) copies dp rank 0's
+    buffers to the other replicas before each training step, as DistributedDataParallel does
+    before each forward; ``overlapping_allreduce``, ``backward_passes_per_step``,
+    ``bucket_cap_mb`` and ``gradient_as_bucket_view`` change nothing: smp's engine all-reduces
+    each stage's gradients in its own buckets as soon as they are final, every step (which
+    gives the same accumulated gradients). ``trace_execution_times`` and ``trace_memory_usage``
+    change nothing either: smp always profiles every op's time and memory.
+    """
+
+    def __init__(self, module: nn.Module, trace_device: str = "gpu", trace_execution_times: bool = False,
+                 overlapping_allreduce: bool = True, backward_passes_per_step: int = 1,
+                 average_grads_across_microbatches: bool = True, bucket_cap_mb: int = 25,
+                 trace_memory_usage: bool = False, broadcast_buffers: bool = True,
+                 gradient_as_bucket_view: bool = False) -> None:
+        super().__init__()
+        st = current()
+        if not isinstance(module, nn.Module):
+            raise V1Error(f"smp.DistributedModel takes a torch.nn.Module, got {type(module).__name__}")
+        if st.model is not None:
+            raise V1Error("a v1 script wraps one model in smp.DistributedModel; call smp.init() again to start over")
+        if trace_device not in _TRACE_DEVICES:
+            raise V1Error(f"trace_device={trace_device!r}: \"gpu\" or \"cpu\"")
+        self.module = module
+        self.trace_device = trace_device
+        self.average_grads_across_microbatches = bool(average_grads_across_microbatches)
+        self.broadcast_buffers = bool(broadcast_buffers)
+        # v1 put the partitions on the current device (scripts call torch.cuda.set_device(smp.local_rank()))
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+        self._pipe: PipelinedModel | None = None
+        self._active: _Run | None = None
+        self._hooks: list[Callable[[DistributedModel], None]] = []
+        # Parameter names by identity, taken now: after partitioning the model holds placeholders for other
+        # ranks' parameters, while an optimizer made earlier still holds (emptied) originals.
+        self._names: dict[int, str] = {id(p): n for n, p in module.named_parameters()}
+        self._pending_state: dict[str, torch.Tensor] | None = None
+        st.model = self
+
+    # ------------------------------------------------------------ partitioning
+
+    @property
+    def partitioned(self) -> bool:
+        """Whether the first smp.step call has partitioned the model."""
+        return self._pipe is not None
+
+    @property
+    def pipe(self) -> PipelinedModel | None:
+        """smp's PipelinedModel running the partitions (None before the first smp.step call)."""
+        return self._pipe
+
+    def register_post_partition_hook(self, hook: Callable[[DistributedModel], None]) -> _Handle:
+        """Run ``hook(model)`` right after partitioning, before the first forward (now, if already partitioned)."""
+        if self.partitioned:
+            hook(self)
+        else:
+            self._hooks.append(hook)
+        return _Handle(self._hooks, hook)
+
+    def ensure_partitioned(self, args: tuple, kwargs: dict) -> None:
+        """Partition on this batch (the model's inputs of all microbatches), once."""
+        if self._pipe is not None:
+            return
+        st = current()
+        plan = planning.partition_plan(self.module, args, kwargs, st, self.device, self.trace_device)
+        planning.check_fits(plan, st, self.device)
+        pipe = PipelinedModel(self.module, plan=plan, loss_fn=self._loss, timeout=st.config.timeout,
+                              device=self.device)
+        try:
+            pipe.prepare(*args, **kwargs)
+        except torch.OutOfMemoryError as err:
+            raise planning.out_of_memory(plan, st, self.device, "placing its partition") from err
+        self._pipe = pipe
+        for n, p in self.module.named_parameters():  # parameters made at partitioning (a model built without weights)
+            self._names.setdefault(id(p), n)
+        planning.warn_unreached(plan)
+        if self._pending_state is not None:
+            pipe.load_state_dict(self._pending_state)
+            self._pending_state = None
+        hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            hook(self)
+
+    def need_pipe(self, what: str) -> PipelinedModel:
+        if self._pipe is None:
+            raise V1Error(f"{what} needs the model partitioned, which happens at the first call of an smp.step "
+                          "function")
+        return self._pipe
+
+    # ------------------------------------------------------------ running (from smp.step)
+
+    @contextlib.contextmanager
+    def running(self, run: _Run) -> Iterator[None]:
+        """Within the block, ``model(...)`` and ``model.backward`` act for the step call ``run``."""
+        if self._active is not None:
+            raise V1Error("an smp.step function was called from inside another one; call them one after the other")
+        self._active = run
+        try:
+            yield
+        finally:
+            self._active = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._active is None:
+            raise V1Error("call the DistributedModel (model(...)) inside an smp.step function: the microbatches of "
+                          "a step run through the pipeline together")
+        return self._active.model_called(args, kwargs)
+
+    def backward(self, tensors: Any, grad_tensors: Any = None) -> None:
+        """Backpropagate the loss of this microbatch through every partition (inside an smp.step function)."""
+        if self._active is None:
+            raise V1Error("call model.backward(loss) inside an smp.step function")
+        self._active.backward(tensors, grad_tensors)
+
+    def _loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
+        assert self._active is not None
+        return self._active.loss_for(output, index)
+
+    def train_step(self, args: tuple, kwargs: dict, m: int) -> None:
+        """Forward and backward of every microbatch through the pipeline; gradients accumulate in the parameters."""
+        pipe = self.need_pipe("a training step")
+        if self.broadcast_buffers:
+            self._broadcast_buffers()
+        try:
+            pipe.step(*args, target=torch.arange(m), **kwargs)
+        except torch.OutOfMemoryError as err:
+            raise planning.out_of_memory(pipe.plan, current(), self.device, "during a training step") from err
+
+    def _broadcast_buffers(self) -> None:
+        """dp rank 0's buffers (e.g. batch-norm statistics) to this partition's other replicas."""
+        st = current()
+        ranks = st.topology.dp_group
+        if len(ranks) > 1:
+            for _, buffer in sorted(self.local_named_buffers()):
+                dist.broadcast(buffer, src=ranks[0], group=st.process_groups[ranks])
+
+    def forward_only(self, args: tuple, kwargs: dict) -> Any:
+        """The pipelined forward of every microbatch (no gradients); the output on the rank holding it, else None."""
+        pipe = self.need_pipe("an evaluation step")
+        try:
+            return pipe(*args, **kwargs)
+        except torch.OutOfMemoryError as err:
+            raise planning.out_of_memory(pipe.plan, current(), self.device, "during an evaluation step") from err
+
+    # ------------------------------------------------------------ parameters
+
+    def param_name(self, p: torch.Tensor) -> str:
+        """The model's name of parameter ``p`` (also of an emptied one another rank holds)."""
+        name = self._names.get(id(p))
+        if name is None:
+            raise V1Error(f"a parameter of shape {tuple(p.shape)} is not one of the DistributedModel's")
+        return name
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+                         ) -> Iterator[tuple[str, nn.Parameter]]:
+        """Every parameter before partitioning; this rank's afterwards (names as in the original model)."""
+        source = self._pipe.named_parameters() if self._pipe is not None else self.module.named_parameters()
+        for name, p in source:
+            yield prefix + name, p
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    def local_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters with their names (after partitioning)."""
+        return self.need_pipe("local_named_parameters()").named_parameters()
+
+    def local_parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's parameters (after partitioning)."""
+        for _, p in self.local_named_parameters():
+            yield p
+
+    def local_named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's buffers with their names (after partitioning)."""
+        self.need_pipe("local_named_buffers()")
+        return ((n, b) for n, b in self.module.named_buffers() if not b.is_meta)
+
+    def local_buffers(self) -> Iterator[torch.Tensor]:
+        """This rank's buffers (after partitioning)."""
+        for _, b in self.local_named_buffers():
+            yield b
+
+    def local_named_modules(self) -> Iterator[tuple[str, nn.Module]]:
+        """The modules whose own parameters and buffers are all on this rank (after partitioning)."""
+        self.need_pipe("local_named_modules()")
+        for name, mod in self.module.named_modules():
+            own = [*mod.parameters(recurse=False), *mod.buffers(recurse=False)]
+            if own and not any(t.is_meta for t in own):
+                yield name, mod
+
+    def local_modules(self) -> Iterator[nn.Module]:
+        """The modules held on this rank (after partitioning)."""
+        for _, mod in self.local_named_modules():
+            yield mod
+
+    # ------------------------------------------------------------ state
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's parameters and buffers by their original names, marked partial (v1's ``_smp_is_partial``)."""
+        self.need_pipe("local_state_dict()")
+        local = {k: v for k, v in self.module.state_dict().items() if isinstance(v, torch.Tensor) and not v.is_meta}
+        return {**local, PARTIAL_KEY: True}
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """The whole model's state on every rank: a collective over the ranks of this model replica once
+        partitioned (a rank that does not call it is named, after ``timeout`` seconds)."""
+        if self._pipe is None:
+            return self.module.state_dict()
+        parts = gather_objects("state_dict()", cpu_copy(self.local_state_dict()), group_ranks(CommGroup.MP_GROUP))
+        return _merge_partials(parts, list(self.module.state_dict().keys()))
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,  # type: ignore[override]
+                        assign: bool = False) -> None:
+        """Load a full state dict, or this rank's partial one (``smp.load(..., partial=True)``).
+
+        Partial ones are merged over the ranks first (a collective), so a checkpoint loads
+        whatever partition each rank now holds. Before partitioning the model takes it at once
+        (or, built without weights, right after partitioning).
+        """
+        sd = dict(state_dict)
+        if sd.pop(PARTIAL_KEY, False):
+            parts = gather_objects("load_state_dict()", cpu_copy(sd), group_ranks(CommGroup.MP_GROUP))
+            sd = _merge_partials(parts, list(self.module.state_dict().keys()))
+        if self._pipe is not None:
+            self._pipe.load_state_dict(sd, strict=strict)
+        elif any(t.is_meta for t in [*self.module.parameters(), *self.module.buffers()]):
+            self._pending_state = sd
+        else:
+            self.module.load_state_dict(sd, strict=strict, assign=assign)
+
+    def cpu(self) -> DistributedModel:
+        """Before partitioning, the model on the CPU; afterwards refused (v1 gathered every partition here)."""
+        if self._pipe is not None:
+            raise V1Error("DistributedModel.cpu() after partitioning: take the whole model with state_dict() (every "
+                          "rank gets it) and load it into an unpartitioned copy")
+        return super().cpu()
+
+    def join(self) -> None:
+        raise V1Error("DistributedModel.join() (uneven inputs across data-parallel replicas) is not supported: smp's "
+                      "replicas run every step together. Give every dp rank the same number of batches of the same "
+                      "size, e.g. DistributedSampler(dataset, num_replicas=smp.dp_size(), rank=smp.dp_rank(), "
+                      "drop_last=True) and DataLoader(..., drop_last=True)")
+
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        raise V1Error("DistributedModel.register_comm_hook() is not supported: smp's engine all-reduces each "
+                      "stage's gradients itself (their mean over the replicas, in buckets, overlapping the "
+                      "backward); a communication hook cannot replace it")
+
+
+def _merge_partials(parts: list[dict[str, Any]], order: list[str]) -> dict[str, Any]:
+    """One full state dict from the ranks' partial ones, in the model's key order; a key no rank holds is an error."""
+    full: dict[str, Any] = {}
+    for part in parts:
+        for k, v in part.items():
+            if k != PARTIAL_KEY:
+                full.setdefault(k, v)
+    missing = [k for k in order if k not in full]
+    if missing:
+        raise V1Error(f"the partial state dicts of the {len(parts)} ranks hold no {missing[:3]} ({len(missing)} "
+                      "entries): were they saved from this model, with every partition (smp.save on every rank with "
+                      "dp_rank() == 0)?")
+    extra = [k for k in full if k not in order]
+    return {**{k: full[k] for k in order}, **{k: full[k] for k in extra}}

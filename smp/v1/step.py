@@ -1,0 +1,400 @@
+"""``@smp.step``: split the arguments into microbatches, run the function once per microbatch, pipeline the model.
+
+How a step runs (docs/smp-v1.md): every rank runs the function on each microbatch up to
+its ``model(...)`` call, which records the model's inputs and stops it (the capture). The
+microbatches' inputs go through smp's pipeline in one call (``PipelinedModel.step``, or
+the forward alone under ``torch.no_grad()``); on the rank holding the model's output,
+each microbatch's function runs again (the replay) with ``model(...)`` returning that
+microbatch's output and ``model.backward(loss)`` handing the loss to the engine. What the
+function returns is then shared with every rank of the pipeline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from partitioner.microbatch import batch_size
+from smp.v1.comm import cpu_copy, share_from_holder
+from smp.v1.errors import V1Error
+from smp.v1.state import current
+
+if TYPE_CHECKING:
+    from smp.v1.model import DistributedModel
+
+__all__ = ["step", "StepOutput", "StepFunction", "split_arguments"]
+
+_AUTOCAST_DEVICES = ("cuda", "cpu")
+
+
+class StepOutput:
+    """One tensor the step function returned, per microbatch (v1's ``StepOutput``)."""
+
+    def __init__(self, outputs: Sequence[torch.Tensor]) -> None:
+        self.outputs = list(outputs)
+
+    def reduce_mean(self) -> torch.Tensor:
+        """The element-wise mean over microbatches (the batch's loss, for a mean-reduced loss)."""
+        return torch.stack(self.outputs).mean(dim=0)
+
+    def reduce_sum(self) -> torch.Tensor:
+        """The element-wise sum over microbatches."""
+        return torch.stack(self.outputs).sum(dim=0)
+
+    def concat(self) -> torch.Tensor:
+        """The microbatches' tensors concatenated along the batch dimension (dim 0)."""
+        return torch.cat(self.outputs, dim=0)
+
+    def stack(self) -> torch.Tensor:
+        """The microbatches' tensors stacked along a new dim 0."""
+        return torch.stack(self.outputs)
+
+    def __repr__(self) -> str:
+        return f"StepOutput({len(self.outputs)} microbatches, {self.outputs!r})"
+
+
+# ---------------------------------------------------------------------- arguments
+
+
+def split_arguments(signature: inspect.Signature, args: tuple, kwargs: dict, m: int,
+                    non_split: Sequence[str] = (), axes: dict[str, int] | None = None) -> list[tuple[tuple, dict]]:
+    """The step function's arguments of each of ``m`` microbatches (v1's rules).
+
+    Every tensor, also inside lists, tuples and dicts, is cut into ``m`` equal pieces along
+    its batch axis (0, or ``axes[name]``); an object with ``smp_slice(num_mb, mb, axis)`` is
+    sliced by it; arguments named in ``non_split`` and everything else go to every
+    microbatch as they are.
+    """
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as err:
+        raise V1Error(f"the smp.step function was called with arguments that do not fit it: {err}") from None
+    axes = axes or {}
+    per_mb: list[dict[str, Any]] = [{} for _ in range(m)]
+    for name, value in bound.arguments.items():
+        if name in non_split or m == 1:
+            pieces = [value] * m
+        else:
+            pieces = _split_value(value, m, axes.get(name, 0), name)
+        for i in range(m):
+            per_mb[i][name] = pieces[i]
+    out = []
+    for values in per_mb:
+        b = inspect.BoundArguments(signature, values)  # type: ignore[arg-type]
+        out.append((b.args, b.kwargs))
+    return out
+
+
+def _split_value(value: Any, m: int, axis: int, name: str) -> list[Any]:
+    leaves, spec = pytree.tree_flatten(value)
+    columns = [_split_leaf(leaf, m, axis, name) for leaf in leaves]
+    return [pytree.tree_unflatten([col[i] for col in columns], spec) for i in range(m)]
+
+
+def _split_leaf(leaf: Any, m: int, axis: int, name: str) -> list[Any]:
+    if hasattr(leaf, "smp_slice"):
+        return [leaf.smp_slice(m, i, axis) for i in range(m)]
+    if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
+        return [leaf] * m
+    if axis >= leaf.dim():
+        raise V1Error(f"argument {name!r} of the smp.step function has {leaf.dim()} dimensions, so it cannot be split "
+                      f"along axis {axis}; fix input_split_axes or list it in non_split_inputs")
+    size = leaf.shape[axis]
+    if size % m:
+        raise V1Error(f"argument {name!r} of the smp.step function has size {size} along axis {axis}, which does not "
+                      f"divide into {m} microbatches: use a batch size that is a multiple of {m} (e.g. "
+                      "DataLoader(drop_last=True)), or list the argument in non_split_inputs")
+    return list(torch.chunk(leaf, m, dim=axis))
+
+
+# ---------------------------------------------------------------------- one step
+
+
+class _ModelCalled(BaseException):
+    """Raised by ``model(...)`` while capturing: the microbatch's model inputs (a BaseException, so that a step
+    function's own ``except Exception`` lets it through)."""
+
+    def __init__(self, call: _Call) -> None:
+        super().__init__()
+        self.call = call
+
+
+@dataclass
+class _Call:
+    """The inputs one microbatch gave the model, and the autocast state around the call."""
+
+    args: tuple
+    kwargs: dict
+    autocast: tuple[tuple[str, torch.dtype], ...]
+
+
+class _Run:
+    """One call of a step function: its microbatches, and what ``model(...)`` / ``model.backward`` do right now."""
+
+    def __init__(self, fn: StepFunction, micro: list[tuple[tuple, dict]], training: bool, average: bool) -> None:
+        self.fn = fn
+        self.micro = micro
+        self.training = training
+        self.average = average
+        self.capturing = True
+        self.output: Any = None
+        self.called = False
+        self.current = -1
+        self.losses: list[torch.Tensor | None] = [None] * len(micro)
+        self.returns: list[Any] = [None] * len(micro)
+        self.replayed = False
+
+    # ------------------------------------------------------------ what the model does
+
+    def model_called(self, args: tuple, kwargs: dict) -> Any:
+        if self.capturing:
+            state = tuple((d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d))
+            raise _ModelCalled(_Call(args, kwargs, state))
+        if self.called:
+            raise V1Error(f"{self.fn.name} called the DistributedModel twice for one microbatch: smp pipelines one "
+                          "forward per microbatch; combine the calls into one forward")
+        self.called = True
+        return self.output
+
+    def backward(self, tensors: Any, grad_tensors: Any) -> None:
+        if self.capturing:
+            raise V1Error(f"{self.fn.name} called model.backward() before model(...)")
+        if not self.training:
+            raise V1Error(f"{self.fn.name} called model.backward() under torch.no_grad(): run training steps with "
+                          "gradients enabled, evaluation steps without model.backward()")
+        loss = _scalar(tensors, grad_tensors)
+        before = self.losses[self.current]
+        self.losses[self.current] = loss if before is None else before + loss
+
+    # ------------------------------------------------------------ the phases
+
+    def capture(self, i: int) -> _Call:
+        args, kwargs = self.micro[i]
+        try:
+            self.fn.fn(*args, **kwargs)
+        except _ModelCalled as called:
+            return called.call
+        raise V1Error(f"{self.fn.name} returned without calling the DistributedModel: an smp.step function runs "
+                      "the model (model(...)) once per microbatch")
+
+    def replay(self, i: int, output: Any) -> None:
+        self.capturing, self.current, self.output, self.called = False, i, output, False
+        self.replayed = True
+        args, kwargs = self.micro[i]
+        result = self.fn.fn(*args, **kwargs)
+        if not self.called:
+            raise V1Error(f"{self.fn.name} did not call the DistributedModel for microbatch {i} when it ran again "
+                          "with the model's output: its control flow must not depend on running twice")
+        self.returns[i] = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, result)
+
+    def loss_for(self, output: Any, index: torch.Tensor) -> torch.Tensor:
+        """The engine's loss function: microbatch ``index``'s function, replayed on its output."""
+        i = int(index.reshape(-1)[0])
+        self.replay(i, output)
+        loss = self.losses[i]
+        if loss is None:
+            self.fn.warn_no_backward()
+            device = next((t.device for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)), None)
+            # connected to nothing: the stages' backward carries zero gradients (added to, never changing, .grad)
+            return torch.zeros((), device=device, requires_grad=True)
+        return loss if self.average else loss * len(self.micro)
+
+
+def _scalar(tensors: Any, grad_tensors: Any) -> torch.Tensor:
+    """``model.backward(tensors, grad_tensors)`` as one scalar whose gradient is the same (torch.autograd.backward's
+    contract): a scalar loss as it is, tensors with output gradients as sum(t * g)."""
+    ts = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
+    if grad_tensors is None:
+        gs: list[Any] = [None] * len(ts)
+    else:
+        gs = list(grad_tensors) if isinstance(grad_tensors, (list, tuple)) else [grad_tensors]
+        if len(gs) != len(ts):
+            raise V1Error(f"model.backward got {len(ts)} tensors and {len(gs)} gradients")
+    total = None
+    for t, g in zip(ts, gs):
+        if not isinstance(t, torch.Tensor) or not t.requires_grad:
+            raise V1Error("model.backward(loss): the loss does not depend on the DistributedModel's output (it does "
+                          "not require grad); compute it from what model(...) returned")
+        if g is None:
+            if t.numel() != 1:
+                raise V1Error(f"model.backward got a tensor of shape {tuple(t.shape)} without its gradient: pass a "
+                              "scalar loss, or model.backward(outputs, output_gradients)")
+            term = t.reshape(())
+        else:
+            term = (t * g.detach()).sum()
+        total = term if total is None else total + term
+    assert total is not None
+    return total
+
+
+def _merge(calls: list[_Call], m: int, name: str) -> tuple[tuple, dict]:
+    """The microbatches' model inputs as one batch that smp's pipeline splits back into the same microbatches.
+
+    A tensor that is the same object in every microbatch (a non-split argument) goes in
+    once; the others are concatenated along dim 0, which must then be the batch's.
+    """
+    if m == 1:
+        return calls[0].args, calls[0].kwargs
+    flat = [pytree.tree_flatten((c.args, c.kwargs)) for c in calls]
+    spec = flat[0][1]
+    if any(f[1] != spec for f in flat[1:]):
+        raise V1Error(f"{name} calls the model with differently structured inputs in different microbatches")
+    merged: list[Any] = []
+    concatenated: list[torch.Tensor] = []
+    for j, first in enumerate(flat[0][0]):
+        column = [f[0][j] for f in flat]
+        if all(v is first for v in column):
+            merged.append(first)
+        elif all(isinstance(v, torch.Tensor) and v.dim() > 0 for v in column):
+            merged.append(torch.cat(column, dim=0))
+            concatenated.append(merged[-1])
+        elif any(isinstance(v, torch.Tensor) for v in column):
+            raise V1Error(f"{name}: model input {j} is a tensor without a batch dimension that differs between "
+                          "microbatches; smp cannot split it")
+        elif all(v == first for v in column):
+            merged.append(first)
+        else:
+            raise V1Error(f"{name}: model input {j} ({first!r}, ...) differs between microbatches; smp runs one "
+                          "program for all of them, so non-tensor inputs must be the same")
+    args, kwargs = pytree.tree_unflatten(merged, spec)
+    size = batch_size(args, kwargs)
+    stray = [t for t in concatenated if t.shape[0] != size]
+    if stray or not concatenated:
+        raise V1Error(f"{name}: smp's pipeline splits every model input along dim 0 by the first input's batch "
+                      f"size ({size}); the model's inputs do not all have that batch size once the microbatches are "
+                      "joined. Give the model its batch-sized tensor first, and split every per-example input along "
+                      "dim 0 (input_split_axes)")
+    if "target" in kwargs:
+        raise V1Error(f"{name}: a model keyword argument named 'target' cannot pass through smp's pipeline "
+                      "(PipelinedModel.step uses the name); pass it positionally")
+    return args, kwargs
+
+
+def _autocast(state: tuple[tuple[str, torch.dtype], ...]) -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    for device, dtype in state:
+        stack.enter_context(torch.autocast(device, dtype=dtype))
+    return stack
+
+
+def _split_output(output: Any, m: int, name: str) -> list[Any]:
+    """The forward's output (microbatches joined on dim 0) back into the microbatches' outputs."""
+    leaves, spec = pytree.tree_flatten(output)
+    columns = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() == 0 and m > 1:
+            raise V1Error(f"{name}: the model returns a 0-dim tensor; smp's forward-only pipeline joins the "
+                          "microbatches' outputs on dim 0 and keeps one such value, so each microbatch's cannot "
+                          "be told apart. Return it with a batch dimension")
+        columns.append(list(torch.chunk(leaf, m, dim=0)) if isinstance(leaf, torch.Tensor) and m > 1 else [leaf] * m)
+    return [pytree.tree_unflatten([c[i] for c in columns], spec) for i in range(m)]
+
+
+def _to(value: Any, device: torch.device | None) -> Any:
+    return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, value)
+
+
+def _assemble(returns: list[Any], name: str) -> Any:
+    """The microbatches' returns as one structure: a StepOutput per tensor, a list per other value."""
+    flat = [pytree.tree_flatten(r) for r in returns]
+    spec = flat[0][1]
+    if any(f[1] != spec for f in flat[1:]):
+        raise V1Error(f"{name} returned differently structured values for different microbatches")
+    out = []
+    for j in range(len(flat[0][0])):
+        column = [f[0][j] for f in flat]
+        out.append(StepOutput(column) if all(isinstance(v, torch.Tensor) for v in column) else column)
+    return pytree.tree_unflatten(out, spec)
+
+
+# ---------------------------------------------------------------------- the decorator
+
+
+class StepFunction:
+    """A function decorated with ``@smp.step``; calling it runs one pipelined step (see the module docstring).
+
+    ``detach_outputs`` is accepted for v1's signature: returned tensors are always detached
+    (gradients flow through ``model.backward`` only, inside the step).
+    """
+
+    def __init__(self, fn: Callable[..., Any], non_split_inputs: Sequence[str] | None = None,
+                 input_split_axes: dict[str, int] | None = None, detach_outputs: bool = True) -> None:
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.name = f"smp.step function {getattr(fn, '__qualname__', fn)!r}"
+        self.signature = inspect.signature(fn)
+        self.non_split = tuple(non_split_inputs or ())
+        self.axes = dict(input_split_axes or {})
+        unknown = [n for n in [*self.non_split, *self.axes] if n not in self.signature.parameters]
+        if unknown:
+            raise V1Error(f"@smp.step names arguments {unknown} that {fn.__qualname__} does not have "
+                          f"(it has {list(self.signature.parameters)})")
+        self._warned = False
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        """A decorated method binds its instance, as the plain function would."""
+        return self if instance is None else functools.partial(self.__call__, instance)
+
+    def warn_no_backward(self) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"{self.name} ran with gradients enabled but did not call model.backward(): the step ran "
+                          "the pipeline's backward with zero gradients. Run evaluation steps under torch.no_grad() "
+                          "to run the forward only", stacklevel=2)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        st = current()
+        model = st.model
+        if model is None:
+            raise V1Error(f"{self.name} was called before smp.DistributedModel(model) wrapped a model")
+        m = st.config.microbatches
+        micro = split_arguments(self.signature, args, kwargs, m, self.non_split, self.axes)
+        run = _Run(self, micro, torch.is_grad_enabled(), model.average_grads_across_microbatches)
+        with model.running(run):
+            calls = [run.capture(i) for i in range(m)]
+            model_args, model_kwargs = _merge(calls, m, self.name)
+            model.ensure_partitioned(model_args, model_kwargs)
+            with _autocast(calls[0].autocast):
+                holds, error = self._pipeline(model, run, model_args, model_kwargs, m)
+        sendable = cpu_copy(run.returns) if holds and st.distributed else None
+        failure = f"{type(error).__name__}: {error}" if error is not None else None
+        shared = share_from_holder(f"the results of {self.name}", {"returns": sendable, "failure": failure}, holds, st)
+        if error is not None:
+            raise error
+        if shared["failure"]:
+            raise V1Error(f"{self.name} raised on the rank holding the model's output: {shared['failure']}")
+        returns = run.returns if holds else [_to(r, model.device) for r in shared["returns"]]
+        return _assemble(returns, self.name)
+
+    def _pipeline(self, model: DistributedModel, run: _Run, args: tuple, kwargs: dict, m: int
+                  ) -> tuple[bool, Exception | None]:
+        """Run the pipeline: (whether this rank ran the function on the model's outputs, the error that raised)."""
+        if run.training:
+            model.train_step(args, kwargs, m)
+            return run.replayed, None
+        output = model.forward_only(args, kwargs)
+        if output is None:  # another rank holds the model's output
+            return False, None
+        try:
+            for i, piece in enumerate(_split_output(output, m, self.name)):
+                run.replay(i, piece)
+        except Exception as err:  # noqa: BLE001 - the other ranks must learn it first; it is raised here as it was
+            return True, err
+        return True, None
+
+
+def step(fn: Callable[..., Any] | None = None, *, non_split_inputs: Sequence[str] | None = None,
+         input_split_axes: dict[str, int] | None = None, detach_outputs: bool = True) -> Any:
+    """``@smp.step`` or ``@smp.step(non_split_inputs=[...], input_split_axes={...})`` (v1's decorator)."""
+    if fn is None:
+        return functools.partial(StepFunction, non_split_inputs=non_split_inputs, input_split_axes=input_split_axes,
+                                 detach_outputs=detach_outputs)
+    return StepFunction(fn, non_split_inputs, input_split_axes, detach_outputs)
