@@ -106,7 +106,9 @@ class PipelinedModel:
     DistributedDataParallel; gradients become the mean over the global batch (each stage's
     all-reduced over its replicas as soon as they are final, overlapping the rest of the
     step) and ``step()`` returns the global mean loss on every rank. ``dp_rank``,
-    ``dp_size``, ``pp_rank``, ``pp_size`` say where this rank sits.
+    ``dp_size``, ``pp_rank``, ``pp_size`` say where this rank sits. ``broadcast_buffers``
+    (default True, as in DistributedDataParallel) copies the first replica's buffers (e.g.
+    batch-norm statistics) to the others before each training step.
     """
 
     def __init__(self, model: nn.Module, *, stages: int | None = None, microbatches: int = 1,
@@ -115,7 +117,8 @@ class PipelinedModel:
                  timeout: float = DEFAULT_TIMEOUT, plan_options: Mapping[str, Any] | None = None,
                  device: str | torch.device | None = None, checkpoint: str | Path | None = None,
                  init_fn: Callable[[nn.Module], None] | None = None, init_seed: int = 0,
-                 broadcast_output: bool = False, placement: str | None = None) -> None:
+                 broadcast_output: bool = False, placement: str | None = None,
+                 broadcast_buffers: bool = True) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"smp.partition takes a torch.nn.Module, got {type(model).__name__}")
         self.module = model
@@ -126,6 +129,7 @@ class PipelinedModel:
         self.init_fn = init_fn
         self.init_seed = int(init_seed)
         self.broadcast_output = bool(broadcast_output)
+        self.broadcast_buffers = bool(broadcast_buffers)
         _init_from_launcher(self.device, self.timeout)
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
@@ -323,6 +327,8 @@ class PipelinedModel:
             raise RuntimeConfigError("step() trains and needs a loss: pass loss_fn=... to smp.partition "
                                      "(a function (output, target) -> scalar tensor)")
         eng = self._ensure(args, kwargs)
+        if self.broadcast_buffers and self.dp_size > 1:
+            self._broadcast_buffers()
         m = self._plan.microbatches  # type: ignore[union-attr]
         micro = self._split(eng, args, kwargs, m)
         targets = None
@@ -334,6 +340,14 @@ class PipelinedModel:
         loss, _ = eng.run(micro, targets, self.loss_fn, training=True)
         assert loss is not None
         return loss
+
+    def _broadcast_buffers(self) -> None:
+        """The first replica's buffers (batch-norm statistics) to the others, as DistributedDataParallel's
+        ``broadcast_buffers`` does before each step: replicas would otherwise drift apart on their own data."""
+        group = self.layout.dp_group
+        src = dist.get_process_group_ranks(group)[0]
+        for _, buffer in sorted((n, b) for n, b in self.module.named_buffers() if not b.is_meta):
+            dist.broadcast(buffer, src=src, group=group)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Forward-only pipelined pass (no gradients). The output is returned on the rank holding the

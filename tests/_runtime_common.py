@@ -353,3 +353,16 @@ def check_data_parallel(ranks: list[dict], spec: str, replicas: int, microbatche
                 final = [a for a in res["actions"] if a.split(".")[0] in (f"B{stage}", f"W{stage}")][-1]
                 assert during in (final, f"AR{stage}"), (stage, during)
                 assert during == (f"AR{stage}" if final.startswith("W") else final), (stage, during)
+
+
+def buffer_worker(rank: int, world: int, *, out: str, broadcast_buffers: bool = True) -> None:
+    """Two replicas of a one-stage ResNet (BatchNorm): a step on each replica's own data, then one on the same data."""
+    b = build("resnet:size=tiny,batch=8", seed=0)
+    pipe = partition(b.model, stages=1, microbatches=1, loss_fn=b.loss_fn, timeout=60,
+                     plan_options={"timing": "analytic"}, broadcast_buffers=broadcast_buffers)
+    x, y = b.example_args[0], b.target
+    share = x.shape[0] // pipe.dp_size
+    mine = slice(pipe.dp_rank * share, (pipe.dp_rank + 1) * share)
+    pipe.step(x[mine], target=y[mine])  # the replicas' statistics part here
+    pipe.step(x[:share], target=y[:share])  # the same data on both: equal again only if they started equal
+    torch.save({n: t.clone() for n, t in pipe.module.named_buffers() if not t.is_meta}, Path(out) / f"buf-{rank}.pt")

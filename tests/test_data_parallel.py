@@ -58,3 +58,17 @@ def test_a_dead_rank_in_replica_1_stops_replica_0(victim: int, how: str) -> None
         assert error.startswith("SMP-ERROR PipelineError") and f"rank {victim}" in error, (r.rank, error)
         stopped = float(next(line.split()[1] for line in r.stdout.splitlines() if line.startswith("SMP-STOPPED")))
         assert stopped <= FAULT_TIMEOUT, f"rank {r.rank} took {stopped:.1f} s to stop (timeout {FAULT_TIMEOUT:g} s)"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_replicas_start_each_step_from_the_first_replicas_buffers(broadcast: bool, tmp_path: Path) -> None:
+    results = launch(f"{HERE / '_runtime_common.py'}:buffer_worker", 2,
+                     {"out": str(tmp_path), "broadcast_buffers": broadcast}, timeout=300)
+    for r in results:
+        assert r.returncode == 0, f"rank {r.rank}: {r.stderr[-3000:]}"
+    a, b = (torch.load(tmp_path / f"buf-{r}.pt") for r in range(2))
+    stats = [n for n in a if n.endswith("running_mean")]
+    assert stats
+    same = all(torch.equal(a[n], b[n]) for n in stats)
+    assert same == broadcast  # without the broadcast, each replica keeps its own statistics

@@ -7,7 +7,6 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from smp.partition import PipelinedModel
@@ -114,7 +113,7 @@ class DistributedModel(nn.Module):
         plan = planning.partition_plan(self.module, args, kwargs, st, self.device, self.trace_device)
         planning.check_fits(plan, st, self.device)
         pipe = PipelinedModel(self.module, plan=plan, loss_fn=self._loss, timeout=st.config.timeout,
-                              device=self.device)
+                              device=self.device, broadcast_buffers=self.broadcast_buffers)
         try:
             pipe.prepare(*args, **kwargs)
         except torch.OutOfMemoryError as err:
@@ -168,20 +167,10 @@ class DistributedModel(nn.Module):
     def train_step(self, args: tuple, kwargs: dict, m: int) -> None:
         """Forward and backward of every microbatch through the pipeline; gradients accumulate in the parameters."""
         pipe = self.need_pipe("a training step")
-        if self.broadcast_buffers:
-            self._broadcast_buffers()
         try:
             pipe.step(*args, target=torch.arange(m), **kwargs)
         except torch.OutOfMemoryError as err:
             raise planning.out_of_memory(pipe.plan, current(), self.device, "during a training step") from err
-
-    def _broadcast_buffers(self) -> None:
-        """dp rank 0's buffers (e.g. batch-norm statistics) to this partition's other replicas."""
-        st = current()
-        ranks = st.topology.dp_group
-        if len(ranks) > 1:
-            for _, buffer in sorted(self.local_named_buffers()):
-                dist.broadcast(buffer, src=ranks[0], group=st.process_groups[ranks])
 
     def forward_only(self, args: tuple, kwargs: dict) -> Any:
         """The pipelined forward of every microbatch (no gradients); the output on the rank holding it, else None."""
