@@ -222,10 +222,11 @@ class Plan:
             raise PlanError(f"{where}: the schedule has {sched.num_stages} stages, the partition "
                             f"{part.num_stages}; re-create it with `smp plan`")
         try:
-            evaluate(self.graph, part.stage_of, stages=part.num_stages)
+            derived = evaluate(self.graph, part.stage_of, stages=part.num_stages)
         except InvalidAssignmentError as err:
             raise PlanError(f"{where}: its stage assignment is not a pipeline ({err}); re-create it with "
                             "`smp plan`") from None
+        self._check_derived(derived)
         expected = stage_graph_from_transfers(part.num_stages, part.transfers)
         if {e.key for e in expected.edges} != {e.key for e in sched.graph.edges}:
             raise PlanError(f"{where}: the schedule's cut tensors are not the partition's; re-create it with "
@@ -234,6 +235,32 @@ class Plan:
             sched.validate()
         except ScheduleError as err:
             raise PlanError(f"{where}: its schedule does not run ({err}); re-create it with `smp plan`") from None
+
+    def _check_derived(self, derived: Partition) -> None:
+        """Raise PlanError when the stored stage table or cut tensors are not what ``stage_of`` makes.
+
+        They are computed from ``stage_of`` when planning, so a ``stage_of`` edited alone
+        (still a pipeline) would show a stale table and fail at the first step.
+        """
+        part = self.partition
+        fix = ("the stage table, cut tensors, schedule and simulated times are computed from stage_of, so it "
+               "cannot be edited alone: re-create the plan with `smp plan`")
+        in_table = {str(v): st.index for st in part.stages for v in st.ops}
+        assigned = {str(v): st for v, st in part.stage_of.items()}
+        moved = sorted(v for v, st in assigned.items() if in_table.get(v) != st)
+        if moved:
+            op = moved[0]
+            raise PlanError(
+                f"the plan is inconsistent: its stage_of puts op {op!r} on stage {assigned[op]}, its stage "
+                f"table on stage {in_table.get(op)} ({len(moved)} op(s) differ; was the file edited by hand?); {fix}")
+        cut = {(t.src_stage, t.dst_stage, str(t.node)) for t in part.transfers}
+        made_cut = {(t.src_stage, t.dst_stage, str(t.node)) for t in derived.transfers}
+        if cut != made_cut:
+            src, dst, node = sorted(cut ^ made_cut)[0]
+            said = "lists" if (src, dst, node) in cut else "lacks"
+            raise PlanError(
+                f"the plan is inconsistent: its cut tensors are not what its stage_of makes (it {said} {node!r} "
+                f"from stage {src} to stage {dst}; was the file edited by hand?); {fix}")
 
     # ---------------------------------------------------------------- re-timing
 
