@@ -15,32 +15,21 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from partitioner.cost import Partition, Problem
+from partitioner.ir import ScheduleKind
 from partitioner.schedule import make_schedule, stage_graph_from_transfers
 from partitioner.simulate import simulate, stage_costs_from
 
-__all__ = ["simulated_step_time", "refine_step_time", "generator_name", "REFINE_SIMULATIONS"]
+__all__ = ["simulated_step_time", "refine_step_time", "REFINE_SIMULATIONS"]
 
 #: Candidates the hill climb may simulate (deterministic; ~1-3 ms each on a 500-op graph).
 REFINE_SIMULATIONS = 400
 
-_GENERATORS = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved_1f1b",
-               "interleaved_1f1b": "interleaved_1f1b", "zb-h1": "zb_h1", "zb_h1": "zb_h1"}
-
-
-def generator_name(schedule: str) -> str:
-    """The schedule generator for a cost-model schedule name ('zb-h1' -> 'zb_h1')."""
-    try:
-        return _GENERATORS[schedule.lower()]
-    except KeyError:
-        raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted(_GENERATORS)}") from None
-
-
 def simulated_step_time(part: Partition, schedule: str | None = None, *, ranks: int | None = None) -> float:
     """Simulated step time of ``part`` under ``schedule`` (default: the one it was priced for)."""
-    name = generator_name(schedule or part.schedule)
+    kind = ScheduleKind.parse(schedule or part.schedule)
     graph = stage_graph_from_transfers(part.num_stages, part.transfers)
-    extra = {"num_ranks": ranks or part.num_stages} if name == "interleaved_1f1b" else {}
-    sched = make_schedule(name, graph, part.microbatches, **extra)
+    sched = make_schedule(kind, graph, part.microbatches, num_ranks=(ranks or part.num_stages) if kind.interleaved
+                          else None)
     return simulate(sched, stage_costs_from(part.stages, part.transfers), timeline=False).step_time
 
 

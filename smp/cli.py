@@ -26,7 +26,7 @@ from rich.console import Console
 
 __all__ = ["app", "main", "CLIUsageError"]
 
-SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # ScheduleKind's values (the CLI starts without torch)
 METHOD_CHOICES = ("auto", "dp", "cpsat", "uniform", "params", "blocks")
 RECOMPUTE_CHOICES = ("auto", "none", "selective", "full")
 TIMING_CHOICES = ("measured", "analytic")
@@ -115,9 +115,15 @@ def _silence_stdout() -> None:
 def _choice(value: str | None, choices: tuple[str, ...], option: str) -> str | None:
     if value is None:
         return None
+    if option == "--schedule":  # every spelling ScheduleKind takes
+        from partitioner.ir import ScheduleKind
+
+        try:
+            return ScheduleKind.parse(value).value
+        except ValueError:
+            raise CLIUsageError(f"bad value {value!r} for {option}: choose one of {', '.join(choices)}") from None
     low = value.strip().lower()
-    extra = {"--schedule": ("interleaved_1f1b", "interleaved-1f1b", "zb_h1", "zbh1")}.get(option, ())
-    if low not in choices and low not in extra:
+    if low not in choices:
         raise CLIUsageError(f"bad value {value!r} for {option}: choose one of {', '.join(choices)}")
     return low
 

@@ -506,3 +506,12 @@ def test_a_failing_rank_reports_its_own_error(train_file):
     line = next(i for i, text in enumerate(_NO_TARGET_NO_LOSS.splitlines(), 1) if "not ready" in text)
     assert err.startswith("error: rank 1: ") and f"{train_file}:{line} in _bad_loss" in err
     assert "torchrun" not in err and "To enable traceback" not in err
+
+
+def test_the_cli_schedule_names_are_the_schedule_kinds():
+    from partitioner.ir import ScheduleKind
+    from smp.cli import SCHEDULE_CHOICES, _choice
+
+    assert SCHEDULE_CHOICES == tuple(k.value for k in ScheduleKind)
+    assert _choice("interleaved_1f1b", SCHEDULE_CHOICES, "--schedule") == "interleaved"
+    assert _choice("ZB_H1", SCHEDULE_CHOICES, "--schedule") == "zb-h1"
