@@ -129,8 +129,10 @@ class Action:
     tensor: str | None = None
 
     def __post_init__(self) -> None:
-        kind = ActionKind(self.kind)
-        object.__setattr__(self, "kind", kind)
+        kind = self.kind
+        if not isinstance(kind, ActionKind):  # a string from JSON or a hand-written list
+            kind = ActionKind(kind)
+            object.__setattr__(self, "kind", kind)
         if self.stage < 0 or self.mb < 0:
             raise ValueError(f"stage and mb must be >= 0, got stage={self.stage} mb={self.mb}")
         if not kind.is_transfer:
@@ -141,7 +143,7 @@ class Action:
         else:
             if self.peer is None or self.tensor is None:
                 raise ValueError(f"{kind.value} needs a peer stage and a tensor name")
-            if not self.tensor or any(c.isspace() for c in self.tensor):
+            if not self.tensor or self.tensor.split() != [self.tensor]:  # empty, or has whitespace
                 raise ValueError(f"tensor name must be non-empty without whitespace: {self.tensor!r}")
             src, dst = self.edge[0], self.edge[1]
             if not src < dst:
