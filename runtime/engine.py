@@ -174,7 +174,8 @@ class StashMeter:
     Every storage autograd saves for the backward (``saved_tensors_hooks``), and the
     received inputs and sent outputs the engine keeps, each storage once per
     (stage, microbatch), parameters excluded; released at the microbatch's last backward
-    action. ``peak`` is the most held at once during the step.
+    action. ``peak`` is the most held at once during the step (a recomputing stage's
+    rerun included), ``kept`` per stage what one microbatch keeps from its forward.
     """
 
     def __init__(self, exclude: set[int]) -> None:
@@ -182,6 +183,11 @@ class StashMeter:
         self.live: dict[tuple[int, int], dict[int, int]] = {}
         self.current = 0
         self.peak = 0
+        self.kept: dict[int, int] = {}  # stage -> most bytes one microbatch kept from its forward to its backward
+
+    def forward_done(self, key: tuple[int, int]) -> None:
+        """Note what ``key``'s forward left kept (the plan's ``activations`` of the stage)."""
+        self.kept[key[0]] = max(self.kept.get(key[0], 0), sum(self.live.get(key, {}).values()))
 
     def add(self, key: tuple[int, int], t: torch.Tensor) -> None:
         if not isinstance(t, torch.Tensor) or t.is_meta:
@@ -272,6 +278,7 @@ class Engine:
         self.events: list[TimelineEvent] = []
         self.executed: dict[int, list[Action]] = {}
         self.stash_peak: dict[int, int] = {}  # rank -> peak stashed activation bytes of the last step
+        self.stash_kept: dict[int, int] = {}  # stage -> bytes one microbatch kept from its forward (last step)
         self.step_start = 0.0
         self.step_end = 0.0
 
@@ -527,6 +534,7 @@ class _RankState:
         self.reductions = []
         self.outputs = [self._outputs[k] for k in sorted(self._outputs)]
         self.eng.stash_peak[self.rank] = self.meter.peak
+        self.eng.stash_kept.update(self.meter.kept)
 
     #: Gradient bytes per all-reduce bucket (DistributedDataParallel's default).
     BUCKET_BYTES = 25 << 20
@@ -661,6 +669,7 @@ class _RankState:
                                          received=received if rerun is not None else {})
             for t in [x for xs in received.values() for x in xs] + [t for ts in outs.values() for t in ts]:
                 self.meter.add((s, mb), t)
+            self.meter.forward_done((s, mb))
 
     def _outs(self, s: int, res: Mapping[str, Any]) -> dict[EdgeKey, list[torch.Tensor]]:
         """The tensors stage ``s``'s outputs ``res`` send, per out-edge."""

@@ -38,6 +38,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.flop_counter import flop_registry
 
 __all__ = ["Rerun", "RecomputeError", "forward_for_recompute", "recompute"]
 
@@ -116,26 +117,31 @@ def forward_for_recompute(gm: fx.GraphModule, args: list[Any], choice: str, matm
     seeded = [0]
     after: dict[int, tuple[torch.Tensor, tuple[torch.device, torch.Tensor] | None]] = {}
 
+    def writes_kept(op: Any, a: Any, k: Any) -> bool:
+        return op._schema.is_mutable and any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in kept
+                                             for t in pytree.tree_leaves((a, k)))
+
     def policy(ctx: Any, op: Any, *a: Any, **k: Any) -> CheckpointPolicy:
+        save = interp.in_matmul and (op.overloadpacket in flop_registry or writes_kept(op, a, k))
         if torch.Tag.nondeterministic_seeded in op.tags:
             seeded[0] += 1
-            if interp.in_matmul:
+            if save:
                 after[seeded[0]] = _rng_states(device)
-        if interp.in_matmul:
+        if save:
             for t in pytree.tree_leaves(ctx.op_output):
                 if isinstance(t, torch.Tensor):
                     kept.add(t.untyped_storage().data_ptr())
             return CheckpointPolicy.MUST_SAVE
-        if op._schema.is_mutable and any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in kept
-                                         for t in pytree.tree_leaves((a, k))):
+        if writes_kept(op, a, k):
             raise RecomputeError(
                 f"selective recomputation: {op} changes a kept matmul output in place outside the op that made it, "
                 f"so the replay would read the changed value; plan this stage with recompute='full' (or 'none')")
         return CheckpointPolicy.PREFER_RECOMPUTE
 
-    # Every aten op of a matmul-like node is cached, the in-place ones too (Linear's matmul then add_(bias)): the
-    # replay returns their final values without running any of them, so a change made inside the node is not
-    # applied twice; a change from outside is refused above.
+    # Inside a matmul-like node the matmul kernels are cached (what torch's flop counter counts: the plan's own
+    # test), and the in-place ops that change their outputs (Linear's matmul then add_(bias)): the replay returns
+    # their final values without running them, so the change is not applied twice; a change from outside the
+    # node is refused above.
     caching, cached = create_selective_checkpoint_contexts(policy, allow_cache_entry_mutation=True)
     with torch.no_grad(), caching:
         out = interp.run(*args)
