@@ -306,8 +306,10 @@ class PipelinedModel:
         opts = dict(self.plan_options)
 
         def build() -> Plan:
-            # profiling runs the model; keep every rank's RNG stream identical to the others'
-            with torch.random.fork_rng(devices=[]):
+            # profiling runs the model; keep every rank's RNG stream identical to the others'. Under the stages'
+            # autocast: the profile then records what autograd saves in that precision (bf16 activations, the
+            # bf16 copies of the fp32 weights autocast makes for each microbatch) and prices ops in its dtype.
+            with torch.random.fork_rng(devices=[]), self.precision.autocast(self.device):
                 return make_plan(self.module, args, kwargs, stages=self.stages, microbatches=self.microbatches,
                                  schedule=self.schedule, cluster=self.cluster, memory_limit=self.memory_limit,
                                  **{"recompute": self.recompute, **opts, "training": True, "data_parallel": self.layout.dp_size,

@@ -357,6 +357,8 @@ def precision_worker(rank: int, world: int, *, spec: str, out: str) -> None:
     eng = pipe._engine
     meta = next(iter(eng._meta_cache.values()))
     res["wire_dtypes"] = sorted({str(dt) for leaves in meta.leaves_per_edge.values() for _, dt in leaves})
+    res["kept"] = {s: (eng.stash_kept[s], pipe.plan.partition.stages[s].activations) for s in eng.my_stages}
+    res["output_stage"] = eng.split.output_stage
 
     b = build(spec, seed=0)
     pipe = partition(b.model, stages=world, microbatches=2, loss_fn=b.loss_fn, timeout=60, precision="fp16",
