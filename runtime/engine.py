@@ -693,23 +693,24 @@ class _RankState:
         stash.rerun = None
         self._event("R", s, mb, t0)
 
-    def _output(self, res: Mapping[str, Any], mb: int) -> torch.Tensor | None:
-        """The model output of microbatch ``mb``: its loss when training, else kept as an output."""
+    def _model_output(self, res: Mapping[str, Any]) -> Any:
+        """The model's output from the output stage's results (an export program's rebuilt from its leaves)."""
         out = res[OUTPUT_KEY]
         spec = self.eng.split.out_spec
         if spec is not None:
             out = pytree.tree_unflatten(list(out) if isinstance(out, (list, tuple)) else [out], spec)
+        return out
+
+    def _output(self, res: Mapping[str, Any], mb: int) -> torch.Tensor | None:
+        """The model output of microbatch ``mb``: its loss when training, else kept as an output."""
         if not self.training:
-            self._outputs[mb] = out
+            self._outputs[mb] = self._model_output(res)
             return None
         return self._loss(res, mb)
 
     def _loss(self, res: Mapping[str, Any], mb: int) -> torch.Tensor:
         """``loss_fn`` of microbatch ``mb``'s output and target (recorded, float32, for the step's mean)."""
-        out = res[OUTPUT_KEY]
-        spec = self.eng.split.out_spec
-        if spec is not None:
-            out = pytree.tree_unflatten(list(out) if isinstance(out, (list, tuple)) else [out], spec)
+        out = self._model_output(res)
         assert self.loss_fn is not None
         target = pytree.tree_map(lambda t: _on(t, self.eng.device), self.targets[mb]) if self.targets is not None \
             else None

@@ -18,7 +18,7 @@ from partitioner.ir import Edge, ScheduleKind, StageGraph
 from partitioner.microbatch import MicrobatchError, split_microbatches
 from partitioner.plan import Plan, PlanError
 from partitioner.errors import PlanningError
-from partitioner.recompute import check_mode, is_matmul
+from partitioner.recompute import MODES, check_mode, is_matmul
 from partitioner.schedule import make_schedule, with_allreduce
 from partitioner.timeline import Timeline, TimelineEvent
 from partitioner.trace import fingerprint, flatten_inputs, trace
@@ -168,11 +168,13 @@ class PipelinedModel:
         self.memory_limit = memory_limit
         self.plan_options = dict(plan_options or {})
         try:
-            recompute = check_mode(recompute, self.stages if plan is None else plan.num_stages)
+            if not isinstance(recompute, str):
+                raise PlanningError(f"recompute takes one of {', '.join(MODES)}, got {recompute!r}; for a choice per "
+                                    "stage, pass a plan made with those choices")
+            recompute = str(check_mode(recompute))
         except PlanningError as err:
             raise RuntimeConfigError(str(err)) from None
-        if plan is not None and recompute != "auto" and \
-                tuple(plan.recompute) != (recompute if isinstance(recompute, tuple) else (recompute,) * plan.num_stages):
+        if plan is not None and recompute != "auto" and any(c != recompute for c in plan.recompute):
             raise RuntimeConfigError(f"recompute={recompute!r} disagrees with the plan's {plan.recompute}: a plan "
                                      "fixes each stage's recomputation; re-plan with smp.plan(..., recompute=...)")
         self.recompute = recompute

@@ -369,9 +369,13 @@ def precision_worker(rank: int, world: int, *, spec: str, out: str) -> None:
     res["skipped"] = []
     res["params"] = [{n: p.detach().clone() for n, p in pipe.named_parameters()}]
     hook = None
-    if rank == 0:  # an overflow in one gradient of rank 0 only, made by autograd itself
-        first = next(iter(pipe.parameters()))
-        hook = first.register_hook(lambda g: g * float("inf"))
+    if rank == 0:  # an overflow in one gradient of rank 0 only (no tied weight, whose sum would carry it), by autograd
+        tied = {id(p) for ps in pipe._setup.ownership.ties.values() for p in ps}
+        victim = next(p for p in pipe.parameters() if id(p) not in tied)
+        hook = victim.register_hook(lambda g: g * float("inf"))
+    res["local_overflow"] = []  # what this rank found in its own gradients, before the ranks agree
+    agree = pipe._any_rank
+    pipe._any_rank = lambda flag: (res["local_overflow"].append(bool(flag.item())), agree(flag))[1]
     for _ in range(2):
         pipe.step(*b.example_args, target=b.target, **b.example_kwargs)
         res["skipped"].append(pipe.last_step_skipped)

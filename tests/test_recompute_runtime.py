@@ -92,7 +92,8 @@ def test_bf16_matches_autocast_and_fp16_overflow_skips_every_rank(tmp_path: Path
         assert (g - r).abs().max().item() <= eps * r.abs().max().item(), name
 
     for rank, res in enumerate(ranks):
-        assert res["skipped"] == [True, False], rank  # rank 1's gradients were finite, yet it skipped too
+        assert res["local_overflow"] == [rank == 0, False], rank  # only rank 0's own gradients overflowed...
+        assert res["skipped"] == [True, False], rank  # ...yet every rank skipped that step
         assert res["scales"] == [2.0 ** 16, 2.0 ** 15, 2.0 ** 15], rank
         before, after_skip, after_step = res["params"]
         for name, p in before.items():
