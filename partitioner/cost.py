@@ -13,7 +13,7 @@ import numpy as np
 from partitioner.bounds import named_lower_bounds
 from partitioner.cluster import Cluster
 from partitioner.errors import InvalidAssignmentError, PlanningError, StageCountError
-from partitioner.graph import OUTPUT_OP, OpGraph
+from partitioner.graph import KERNEL_FIELDS, OUTPUT_OP, OpGraph
 from partitioner.ir import ScheduleKind
 from partitioner.recompute import CHOICES, check_mode, op_recompute, peak_recomputing
 from partitioner.schedule import peak_in_flight
@@ -315,7 +315,8 @@ class Problem:
         # What each recomputation choice keeps, re-creates and runs again, per op.
         self.rec = op_recompute(self.fwd, attr("flops"), self.act_bytes,
                                 attr("saved_output_bytes") if saved else self.out_bytes,
-                                attr("storage_bytes") if saved else self.out_bytes, exact=saved)
+                                attr("storage_bytes") if saved else self.out_bytes, exact=saved,
+                                kernel=tuple(attr(k, -1.0) for k in KERNEL_FIELDS))  # type: ignore[arg-type]
         self.modules = [str(g.nodes[v].get("module", "") or "") for v in self.order]
         # The model's output node (OpGraph.OUTPUT_OP) is no op: a stage must hold a real one.
         self.is_output = [g.nodes[v].get("op") == OUTPUT_OP for v in self.order]

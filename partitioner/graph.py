@@ -28,6 +28,10 @@ NODE_FIELDS: dict[str, str] = {
                           "kept only when it is sent to another stage)",
     "storage_bytes": "bytes of the storages the op's output owns (a view owns none)",
     "view_of": "the op whose output storage this op's output views ('' when it owns its storage)",
+    "kernel_bytes": "bytes of the storages the matmul kernels inside the op make (torch.utils.flop_counter's ops: "
+                    "what selective recomputation keeps); absent on graphs that did not record it",
+    "kernel_saved_bytes": "the part of saved_bytes that is storages made by those kernels",
+    "kernel_output_bytes": "the part of storage_bytes that is storages made by those kernels",
     "flops": "forward floating-point operations (torch.utils.flop_counter)",
     "module": "module path the op came from, '' for the root module",
     "op": "what the op is: 'linear', 'aten.addmm.default', 'add', ...",
@@ -39,6 +43,10 @@ NODE_FIELDS: dict[str, str] = {
     "shared_from": "for each shared parameter, the name it was first counted under (its owner reads it so)",
     "fx_nodes": "names of the fx nodes this node stands for (several after coarsening)",
 }
+
+#: What the profiler records of the matmul kernels inside each op (selective recomputation's exact price);
+#: optional: a graph without them is priced by the op's output and saved bytes alone.
+KERNEL_FIELDS = ("kernel_bytes", "kernel_saved_bytes", "kernel_output_bytes")
 
 #: ``op`` of the node that stands for the model's output: it costs nothing, and its in-edges
 #: are the values the model returns, which must reach the stage that returns them.
@@ -222,7 +230,7 @@ class OpGraph:
             for key in ("fwd", "bwd", "bwd_w"):
                 if key in node:
                     node[key] *= factor
-            for key in ("out_bytes", "saved_bytes", "saved_output_bytes", "storage_bytes", "flops"):
+            for key in ("out_bytes", "saved_bytes", "saved_output_bytes", "storage_bytes", "flops", *KERNEL_FIELDS):
                 if key in node:
                     node[key] = int(round(node[key] * factor))
         return OpGraph.from_dict(data)
@@ -323,6 +331,12 @@ class OpGraph:
                 # what leaves the group: the storages of members read outside it that are not views
                 storage_bytes=sum(d["storage_bytes"] for d, m in zip(datas, group)
                                   if not d["view_of"] and any(group_of(s) != rep for s in self.nx.successors(m))),
+                **({"kernel_bytes": sum(d["kernel_bytes"] for d in datas),
+                    "kernel_saved_bytes": sum(d["kernel_saved_bytes"] for d in datas),
+                    "kernel_output_bytes": sum(d["kernel_output_bytes"] for d, m in zip(datas, group)
+                                               if not d["view_of"]
+                                               and any(group_of(s) != rep for s in self.nx.successors(m)))}
+                   if all(all(k in d for k in KERNEL_FIELDS) for d in datas) else {}),
                 view_of=next((members[group_of(d["view_of"])][0] for d in datas if d["view_of"]
                               and d["view_of"] in self.nx and group_of(d["view_of"]) != rep), ""),
                 # The group's output is what leaves it: bytes of members read outside.

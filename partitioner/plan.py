@@ -265,8 +265,9 @@ class Plan:
     # ---------------------------------------------------------------- re-timing
 
     def resimulate(self, *, schedule: str | None = None, microbatches: int | None = None,
-                   cluster: Cluster | None = None) -> Plan:
-        """The same stage assignment under another schedule, microbatch count or cluster.
+                   cluster: Cluster | None = None, recompute: str | Sequence[str] | None = None) -> Plan:
+        """The same stage assignment under another schedule, microbatch count, cluster or recomputation
+        (one choice for every stage, or one per stage).
 
         Per-microbatch costs scale with the microbatch size: going from m to m'
         microbatches of one batch multiplies op times and activation bytes by m / m'.
@@ -290,12 +291,13 @@ class Plan:
         old = self.partition
         part = evaluate(graph, old.stage_of, cluster=stage_cluster, microbatches=m, schedule=kind.value,
                         training=old.training, memory_limit=old.memory_limit, state_factor=old.state_factor,
-                        ranks=ranks, recompute=old.recompute)
+                        ranks=ranks, recompute=old.recompute if recompute is None else recompute)
         # What the original solve proved carries over only to the same cluster and, under a
         # memory limit, the same schedule (another schedule's memory may allow better plans).
         # Op costs scale by s = m / m' but link latency does not, so a stage's time s*C + T is
         # at least min(s, 1) times its old C + T: the old bound, times min(s, 1), still holds.
-        same_problem = cluster is None and (old.memory_limit is None or kind.value == self.schedule_name)
+        same_problem = cluster is None and (old.memory_limit is None or kind.value == self.schedule_name) and \
+            list(part.recompute) == list(old.recompute)
         scale = graph.total_fwd / max(self.graph.total_fwd, 1e-30)
         part.with_report(lower_bound=old.lower_bound * min(scale, 1.0) if same_problem else None,
                          optimal=same_problem and m == self.microbatches and old.optimal and part.memory_ok,

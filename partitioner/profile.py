@@ -15,7 +15,8 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from partitioner.devices import DeviceSpec, dtype_key
 from partitioner.graph import OpGraph
@@ -194,6 +195,7 @@ class _OpRunner:
             if progress is not None:
                 progress(done[0], total)
 
+        kernel_made: dict[str, dict[int, int]] = {}  # op -> storages its matmul kernels made (key -> bytes)
         saved = _SavedTensors([t for t in inputs if isinstance(t, torch.Tensor)]
                               + list(self.gm.parameters()) + list(self.gm.buffers()))
         for node in self.gm.graph.nodes:
@@ -213,9 +215,10 @@ class _OpRunner:
                 saved.made(owner[node].name, env[node])  # a getitem's piece of its producer's output
                 g.nodes[owner[node].name]["fx_nodes"] += (node.name,)
                 continue
-            with torch.set_grad_enabled(self.training), saved.during(node.name):
+            with torch.set_grad_enabled(self.training), saved.during(node.name), _KernelOutputs(saved.alive) as kernels:
                 out = self._call(node, args, kwargs)
             view_of, storage_bytes = saved.made(node.name, out)
+            kernel_made[node.name] = kernels.made
             env[node] = out
             costs = self._cost(node, args, kwargs, out)
             params, buffers, shared, shared_from, param_bytes, buffer_bytes, shared_bytes = self._state(node, seen_state)
@@ -249,6 +252,11 @@ class _OpRunner:
         for name, data in g.nodes(data=True):
             data["saved_bytes"] = saved.bytes.get(name, 0) + (data.pop("returned_bytes", 0) if self.training else 0)
             data["saved_output_bytes"] = saved.output_bytes.get(name, 0)
+            made = kernel_made.get(name)
+            if made is not None:
+                data["kernel_bytes"] = sum(made.values())
+                data["kernel_saved_bytes"] = sum(saved.size.get(k, 0) for k in made)
+                data["kernel_output_bytes"] = sum(made[k] for k in saved.output_keys.get(name, ()) if k in made)
         if self.timing == "measured":
             fwd, bwd, bwd_input = self._measure_in_context(calls, tick)
             for node, *_ in calls:
@@ -482,6 +490,7 @@ class _SavedTensors:
         self.owner: dict[int, str | None] = {_storage_key(t): None for t in not_activations}
         self.size: dict[int, int] = {}  # storages saved so far, each counted once
         self.outputs: set[int] = set()
+        self.output_keys: dict[str, set[int]] = {}  # op -> the storages its output owns
         self.bytes: dict[str, int] = {}
         self.output_bytes: dict[str, int] = {}  # the part of bytes[op] that is op's own output
         self.alive: list[torch.UntypedStorage] = []
@@ -503,6 +512,7 @@ class _SavedTensors:
                 continue
             if key not in self.outputs:
                 self.outputs.add(key)
+                self.output_keys.setdefault(name, set()).add(key)
                 own += t.untyped_storage().nbytes()
                 if key in self.size:
                     self.output_bytes[name] = self.output_bytes.get(name, 0) + self.size[key]
@@ -528,6 +538,25 @@ class _SavedTensors:
             raise RuntimeError("the profiler's measuring pass keeps no tensors for a backward")
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+class _KernelOutputs(TorchDispatchMode):
+    """The storages made by the matmul kernels an op runs (those ``torch.utils.flop_counter`` counts): what
+    selective recomputation keeps of the op (runtime/recompute.py caches exactly these outputs)."""
+
+    def __init__(self, alive: list[torch.UntypedStorage]) -> None:
+        super().__init__()
+        self.made: dict[int, int] = {}
+        self.alive = alive  # kept until profiling ends, so that no later storage reuses a key
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in flop_registry:
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and _storage_key(t) not in self.made:
+                    self.made[_storage_key(t)] = t.untyped_storage().nbytes()
+                    self.alive.append(t.untyped_storage())
+        return out
 
 
 def _storage_key(t: torch.Tensor) -> int:

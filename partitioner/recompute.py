@@ -20,9 +20,11 @@ Partitioning", ASPLOS 2024); the solvers in partitioner/solve/ do it exactly.
 An op is matmul-like when ``torch.utils.flop_counter`` counts FLOPs for it: the counter
 knows exactly mm, addmm, bmm, baddbmm, the convolutions and the fused attention kernels
 (``scaled_dot_product_attention``), so an op's ``flops`` attribute decides, and no second
-list of op names is kept. A selective stage keeps a matmul output whole, saved or not:
-the recomputed ops read it (torch's selective activation checkpointing caches every
-output of the ops its policy saves, so the runtime keeps the same bytes).
+list of op names is kept. A selective stage keeps the storages the matmul kernels inside a
+matmul-like op make, saved or not (the recomputed ops read them; the runtime caches exactly
+these through torch's selective activation checkpointing), and re-creates what the op's
+other kernels save; on a graph that did not record the kernels' storages, it keeps the
+op's output whole and what the op saves of its own.
 """
 
 from __future__ import annotations
@@ -86,23 +88,37 @@ class OpRecompute:
 
 
 def op_recompute(fwd: np.ndarray, flops: np.ndarray, saved: np.ndarray, saved_output: np.ndarray,
-                 storage: np.ndarray, *, exact: bool) -> OpRecompute:
+                 storage: np.ndarray, *, exact: bool, kernel: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+                 ) -> OpRecompute:
     """The per-op terms of every choice.
 
     ``exact``: ``saved``, ``saved_output`` and ``storage`` are the profiler's (autograd's
     saved bytes, each storage once); otherwise they are the proxy every op's output is
     (saved whole by its consumers, in a storage of its own) and received tensors are the
-    sender's bytes under ``none``.
+    sender's bytes under ``none``. ``kernel``: per op, the bytes of the storages its matmul
+    kernels make, the part of ``saved`` and the part of ``storage`` they are (negative where
+    not recorded). Where recorded, a selective matmul-like op keeps exactly those storages
+    (what the runtime caches) and re-creates what its other ops save (an unfused attention's
+    softmax and dropout mask); elsewhere it keeps its output whole and what it saves of its own.
     """
     matmul = np.array([is_matmul(f) for f in flops], dtype=bool)
     zero = np.zeros_like(fwd)
     own_extra = np.maximum(saved - saved_output, 0.0)  # intermediates an op saves beside its output
+    sel_kept = storage + own_extra
+    sel_remade = zero.copy()
+    sel_sent = zero.copy()
+    if kernel is not None and exact:
+        k_bytes, k_saved, k_output = kernel
+        known = k_bytes >= 0
+        sel_kept = np.where(known, k_bytes, sel_kept)
+        sel_remade = np.where(known, np.maximum(saved - k_saved, 0.0), sel_remade)
+        sel_sent = np.where(known, np.maximum(storage - k_output, 0.0), sel_sent)
     return OpRecompute(
         seconds={"none": zero, "selective": np.where(matmul, 0.0, fwd), "full": fwd.copy()},
-        kept={"none": saved.copy(), "selective": np.where(matmul, storage + own_extra, 0.0), "full": zero},
-        remade={"none": zero, "selective": np.where(matmul, 0.0, saved), "full": saved.copy()},
+        kept={"none": saved.copy(), "selective": np.where(matmul, sel_kept, 0.0), "full": zero},
+        remade={"none": zero, "selective": np.where(matmul, sel_remade, saved), "full": saved.copy()},
         sent={"none": np.maximum(storage - saved_output, 0.0) if exact else zero,
-              "selective": np.where(matmul, 0.0, storage), "full": storage.copy()},
+              "selective": np.where(matmul, sel_sent, storage), "full": storage.copy()},
         received={"none": exact, "selective": True, "full": True},
     )
 

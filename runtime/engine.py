@@ -19,6 +19,8 @@ from partitioner.trace import flatten_inputs
 from partitioner.walk import validate, walk
 from runtime.comm import Comm, LocalComm, Pending, PipelineError
 from runtime.materialize import names_by_id
+from runtime.precision import Precision
+from runtime.recompute import Rerun, forward_for_recompute, recompute
 from runtime.split import OUTPUT_KEY, SplitError, SplitProgram, ValueMeta, propagate_meta, split_program, \
     stage_state_names
 
@@ -37,6 +39,8 @@ class Program:
 
     ``fx_to_op`` names cut edges after the plan's ops (coarsened groups); ``state_meta``
     is every parameter's and buffer's (shape, dtype), recorded before any was dropped.
+    ``recompute``: each stage's activation recomputation when training (the plan's
+    choices; empty: none), and ``matmul_nodes`` the fx nodes a selective stage keeps.
     """
 
     gm: torch.fx.GraphModule
@@ -45,6 +49,8 @@ class Program:
     schedule: Schedule
     state_meta: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
     frontend: str
+    recompute: Sequence[str] = ()
+    matmul_nodes: frozenset[str] = frozenset()
 
 
 class Ownership:
@@ -157,6 +163,8 @@ class _Stash:
     inputs: dict[EdgeKey, list[torch.Tensor | None]]   # leaf tensors received per in-edge
     outputs: dict[EdgeKey, list[torch.Tensor]]         # tensors sent per out-edge
     loss: torch.Tensor | None = None
+    rerun: Rerun | None = None                         # a recomputing stage: how to run its forward again
+    received: dict[EdgeKey, list[torch.Tensor]] = field(default_factory=dict)  # what it ran on (for the rerun)
     roots: list[torch.Tensor] = field(default_factory=list)      # backward roots (kept for a split W)
     root_grads: list[torch.Tensor] = field(default_factory=list)
 
@@ -167,7 +175,8 @@ class StashMeter:
     Every storage autograd saves for the backward (``saved_tensors_hooks``), and the
     received inputs and sent outputs the engine keeps, each storage once per
     (stage, microbatch), parameters excluded; released at the microbatch's last backward
-    action. ``peak`` is the most held at once during the step.
+    action. ``peak`` is the most held at once during the step (a recomputing stage's
+    rerun included), ``kept`` per stage what one microbatch keeps from its forward.
     """
 
     def __init__(self, exclude: set[int]) -> None:
@@ -175,6 +184,11 @@ class StashMeter:
         self.live: dict[tuple[int, int], dict[int, int]] = {}
         self.current = 0
         self.peak = 0
+        self.kept: dict[int, int] = {}  # stage -> most bytes one microbatch kept from its forward to its backward
+
+    def forward_done(self, key: tuple[int, int]) -> None:
+        """Note what ``key``'s forward left kept (the plan's ``activations`` of the stage)."""
+        self.kept[key[0]] = max(self.kept.get(key[0], 0), sum(self.live.get(key, {}).values()))
 
     def add(self, key: tuple[int, int], t: torch.Tensor) -> None:
         if not isinstance(t, torch.Tensor) or t.is_meta:
@@ -223,12 +237,18 @@ class Engine:
     bucket is launched as soon as the stage's final backward has made all of its gradients
     final (when the schedule's walk says its ALLREDUCE overlaps that B: ``Walk.overlapped``),
     else at the ALLREDUCE action. The step's loss is the mean over the replicas.
+
+    Each stage's forward runs under ``precision``'s autocast and, when training, as its
+    ``program.recompute`` choice says (runtime/recompute.py). ``loss_scale`` multiplies the
+    loss the backward starts from (fp16 loss scaling; the caller unscales).
     """
 
     def __init__(self, program: Program, ownership: Ownership, *, rank: int = 0, comm: Comm | None = None,
                  device: torch.device, example_flat: Sequence[Any], dp_group: Any = None,
-                 dp_size: int = 1) -> None:
+                 dp_size: int = 1, precision: Precision = Precision("fp32")) -> None:
         self.program = program
+        self.precision = precision
+        self.loss_scale = 1.0
         self.ownership = ownership
         self.rank = rank
         self.comm = comm
@@ -268,6 +288,7 @@ class Engine:
         self.executed: dict[int, list[Action]] = {}
         self.stash_peak: dict[int, int] = {}  # rank -> peak stashed activation bytes of the last step
         self.bucket_launches: list[tuple[int, int, str]] = []  # (stage, bucket, during which action), last step
+        self.stash_kept: dict[int, int] = {}  # stage -> bytes one microbatch kept from its forward (last step)
         self.step_start = 0.0
         self.step_end = 0.0
 
@@ -301,8 +322,9 @@ class Engine:
                 f"shapes {[k[0] for k in self._traced_key]}, not {[k[0] for k in key]}. Keep the batch shape fixed "
                 "(e.g. DataLoader(drop_last=True), pad sequences), or make a new PipelinedModel for the new shape.")
         wanted = set(self.split.value_src)
-        try:
-            values = propagate_meta(self.program.gm, flat, wanted, self.program.state_meta, self.device)
+        try:  # under the stages' autocast: a value made in bf16 crosses the link in bf16
+            with self.precision.autocast(self.device):
+                values = propagate_meta(self.program.gm, flat, wanted, self.program.state_meta, self.device)
         except Exception as err:  # noqa: BLE001
             raise RuntimeConfigError(
                 f"could not derive the shapes of the cut tensors for a microbatch of input shapes "
@@ -524,6 +546,7 @@ class _RankState:
         self.reductions = []
         self.outputs = [self._outputs[k] for k in sorted(self._outputs)]
         self.eng.stash_peak[self.rank] = self.meter.peak
+        self.eng.stash_kept.update(self.meter.kept)
 
     def _all_reduce(self, stage: int) -> None:
         """Launch the sum of this stage's final gradients over the replicas: the buckets not on their way yet."""
@@ -607,67 +630,113 @@ class _RankState:
     def _event(self, kind: str, stage: int, mb: int, t0: float) -> None:
         self.eng.events.append(TimelineEvent(self.rank, stage, kind, mb, t0, time.perf_counter()))
 
-    def _inputs(self, s: int, mb: int) -> tuple[list[Any], dict[EdgeKey, list[torch.Tensor | None]]]:
-        """The stage's call arguments for microbatch ``mb``: model inputs, then received values (as leaves)."""
+    def _inputs(self, s: int, mb: int) -> tuple[dict[EdgeKey, list[torch.Tensor]], dict[EdgeKey, list[torch.Tensor | None]]]:
+        """What stage ``s`` receives for microbatch ``mb``, per in-edge: the tensors it runs on (differentiable ones
+        as leaves that require grad when training), and those leaves (None for the others)."""
+        received: dict[EdgeKey, list[torch.Tensor]] = {}
+        leaves_in: dict[EdgeKey, list[torch.Tensor | None]] = {}
+        for key in self.eng.in_edges[s]:
+            got, leaves = [], []
+            for t in self._take(self.fwd_box, self.recv_f, key, mb):
+                if self.training and self._differentiable(t.dtype):
+                    x = t.detach().requires_grad_(True)
+                    got.append(x)
+                    leaves.append(x)
+                else:
+                    got.append(t.detach())
+                    leaves.append(None)
+            received[key], leaves_in[key] = got, leaves
+        return received, leaves_in
+
+    def _args(self, s: int, mb: int, received: Mapping[EdgeKey, list[torch.Tensor]]) -> list[Any]:
+        """The stage's call arguments: model inputs, then the received values rebuilt from their tensors."""
         eng = self.eng
         prog = eng.split.stages[s]
         values = self.meta.values
-        received: dict[str, Any] = {}
-        leaves_in: dict[EdgeKey, list[torch.Tensor | None]] = {}
-        for key in eng.in_edges[s]:
-            it = iter(self._take(self.fwd_box, self.recv_f, key, mb))
-            leaves: list[torch.Tensor | None] = []
+        rebuilt: dict[str, Any] = {}
+        for key, tensors in received.items():
+            it = iter(tensors)
             for v in eng.split.edge_values.get(key, ()):
-                vm = values[v]
-                ts = []
-                for leaf in vm.tensor_leaves():
-                    t = next(it)
-                    if self.training and self._differentiable(leaf.dtype):
-                        x = t.detach().requires_grad_(True)
-                        leaves.append(x)
-                        # in-place ops on a leaf that requires grad are illegal: feed a copy
-                        ts.append(x.clone() if v in prog.mutated_inputs else x)
-                    else:
-                        leaves.append(None)
-                        ts.append(t.detach().clone() if v in prog.mutated_inputs else t.detach())
-                received[v] = vm.rebuild(ts)
-            leaves_in[key] = leaves
+                ts = [next(it) for _ in values[v].tensor_leaves()]
+                # in-place ops on a leaf that requires grad are illegal (and a rerun needs the value unchanged)
+                rebuilt[v] = values[v].rebuild([t.clone() for t in ts] if v in prog.mutated_inputs else ts)
         args = [_on(self.flat[mb][i], eng.device) for i in prog.input_index]
-        args += [received[v] if v in received else values[v].rebuild([]) for v in prog.external]
-        return args, leaves_in
+        args += [rebuilt[v] if v in rebuilt else values[v].rebuild([]) for v in prog.external]
+        return args
+
+    def _choice(self, s: int) -> str:
+        rec = self.eng.program.recompute
+        return rec[s] if self.training and rec else "none"
 
     def forward(self, s: int, mb: int) -> None:
         eng = self.eng
         prog = eng.split.stages[s]
-        args, leaves_in = self._inputs(s, mb)
+        received, leaves_in = self._inputs(s, mb)
+        args = self._args(s, mb, received)
+        choice = self._choice(s)
+        rerun = None
         t0 = time.perf_counter()
-        with torch.set_grad_enabled(self.training), self.meter.saving((s, mb)):
-            res = prog.gm(*args)
+        with torch.set_grad_enabled(self.training), self.meter.saving((s, mb)), eng.precision.autocast(eng.device):
+            if choice == "none":
+                res = prog.gm(*args)
+            else:
+                res, rerun = forward_for_recompute(prog.gm, args, choice, eng.program.matmul_nodes, eng.device,
+                                                   lambda t: self.meter.add((s, mb), t))
             loss = self._output(res, mb) if prog.has_output else None
         self._event("F", s, mb, t0)
-        outs: dict[EdgeKey, list[torch.Tensor]] = {}
-        for key in eng.out_edges[s]:
-            tensors = [t for v in eng.split.edge_values.get(key, ()) for t in ValueMeta.tensors_of(res[v])]
-            outs[key] = tensors
+        outs = self._outs(s, res)
+        for key, tensors in outs.items():
             if self._local(key):
                 self.fwd_box[(key, mb)] = tensors
             else:
                 self.to_send_f[(key, mb)] = tensors
         if self.training:
-            self.stash[(s, mb)] = _Stash(leaves_in, outs, loss)
-            for t in [x for xs in leaves_in.values() for x in xs] + [t for ts in outs.values() for t in ts]:
-                if t is not None:
-                    self.meter.add((s, mb), t)
+            self.stash[(s, mb)] = _Stash(leaves_in, outs, loss, rerun=rerun,
+                                         received=received if rerun is not None else {})
+            for t in [x for xs in received.values() for x in xs] + [t for ts in outs.values() for t in ts]:
+                self.meter.add((s, mb), t)
+            self.meter.forward_done((s, mb))
 
-    def _output(self, res: Mapping[str, Any], mb: int) -> torch.Tensor | None:
-        """The model output of microbatch ``mb``: its loss when training, else kept as an output."""
+    def _outs(self, s: int, res: Mapping[str, Any]) -> dict[EdgeKey, list[torch.Tensor]]:
+        """The tensors stage ``s``'s outputs ``res`` send, per out-edge."""
+        values = self.eng.split.edge_values
+        return {key: [t for v in values.get(key, ()) for t in ValueMeta.tensors_of(res[v])]
+                for key in self.eng.out_edges[s]}
+
+    def _rerun(self, s: int, mb: int, stash: _Stash) -> None:
+        """A recomputing stage's forward again, with autograd, before its backward: its outputs (and loss) become
+        the backward's roots; what autograd saves now is counted until the microbatch's backward ends."""
+        eng = self.eng
+        prog = eng.split.stages[s]
+        assert stash.rerun is not None
+        t0 = time.perf_counter()
+        with self.meter.saving((s, mb)), eng.precision.autocast(eng.device):
+            res = recompute(prog.gm, self._args(s, mb, stash.received), stash.rerun, s)
+            if prog.has_output:
+                with torch.enable_grad():
+                    stash.loss = self._loss(res, mb)
+        stash.outputs = self._outs(s, res)
+        stash.rerun = None
+        self._event("R", s, mb, t0)
+
+    def _model_output(self, res: Mapping[str, Any]) -> Any:
+        """The model's output from the output stage's results (an export program's rebuilt from its leaves)."""
         out = res[OUTPUT_KEY]
         spec = self.eng.split.out_spec
         if spec is not None:
             out = pytree.tree_unflatten(list(out) if isinstance(out, (list, tuple)) else [out], spec)
+        return out
+
+    def _output(self, res: Mapping[str, Any], mb: int) -> torch.Tensor | None:
+        """The model output of microbatch ``mb``: its loss when training, else kept as an output."""
         if not self.training:
-            self._outputs[mb] = out
+            self._outputs[mb] = self._model_output(res)
             return None
+        return self._loss(res, mb)
+
+    def _loss(self, res: Mapping[str, Any], mb: int) -> torch.Tensor:
+        """``loss_fn`` of microbatch ``mb``'s output and target (recorded, float32, for the step's mean)."""
+        out = self._model_output(res)
         assert self.loss_fn is not None
         target = pytree.tree_map(lambda t: _on(t, self.eng.device), self.targets[mb]) if self.targets is not None \
             else None
@@ -689,12 +758,15 @@ class _RankState:
                     roots.append(t)
                     grads.append(g)
         if stash.loss is not None:
-            roots.append(stash.loss / self.eng.m)  # mean over microbatches == one large batch
+            # mean over microbatches == one large batch; times the fp16 loss scale (unscaled after the step)
+            roots.append(stash.loss * (self.eng.loss_scale / self.eng.m))
             grads.append(torch.ones_like(stash.loss))
         return roots, grads
 
     def backward(self, s: int, mb: int) -> None:
         stash = self.stash[(s, mb)]
+        if stash.rerun is not None:
+            self._rerun(s, mb, stash)
         roots, grads = self._roots(s, mb, stash)  # waits for the gradients from later stages
         t0 = time.perf_counter()  # after the wait: waiting is bubble, not backward time
         leaves = [x for key in self.eng.in_edges[s] for x in stash.inputs[key] if x is not None]

@@ -17,15 +17,18 @@ from partitioner.compile import plan as make_plan
 from partitioner.ir import Edge, ScheduleKind, StageGraph
 from partitioner.microbatch import MicrobatchError, split_microbatches
 from partitioner.plan import Plan, PlanError
+from partitioner.errors import PlanningError
+from partitioner.recompute import MODES, check_mode, is_matmul
 from partitioner.schedule import make_schedule, with_allreduce
 from partitioner.timeline import Timeline, TimelineEvent
 from partitioner.trace import fingerprint, flatten_inputs, trace
-from runtime.comm import Comm, PipelineError
+from runtime.comm import Comm, Pending, PipelineError
 from runtime.engine import Engine, Ownership, Program, RuntimeConfigError, concat_outputs, split_batch
 from runtime.layout import ReplicaLayout
 from runtime.checkpoint import CheckpointError, load_pipeline, open_weights, save_pipeline
 from runtime.gradients import global_grad_norm
 from runtime.memory import rank_memory
+from runtime.precision import PipelineGradScaler, Precision
 from runtime.materialize import MaterializeError, materialize
 from runtime.split import SplitError, carry_stages, cut_edges, retarget_device, state_meta_of
 
@@ -39,7 +42,8 @@ def partition(model: nn.Module, **options: Any) -> PipelinedModel:
 
     The options are :class:`PipelinedModel`'s: ``stages``, ``microbatches``, ``schedule``,
     ``loss_fn``, ``cluster``, ``memory_limit``, ``plan``, ``timeout``, ``plan_options``,
-    ``device``, ``checkpoint``, ``init_fn``, ``init_seed``, ``broadcast_output``.
+    ``device``, ``checkpoint``, ``init_fn``, ``init_seed``, ``broadcast_output``, ``placement``,
+    ``recompute``, ``precision``, ``grad_scaler``.
     """
     return PipelinedModel(model, **options)
 
@@ -118,7 +122,8 @@ class PipelinedModel:
                  device: str | torch.device | None = None, checkpoint: str | Path | None = None,
                  init_fn: Callable[[nn.Module], None] | None = None, init_seed: int = 0,
                  broadcast_output: bool = False, placement: str | None = None,
-                 broadcast_buffers: bool = True) -> None:
+                 broadcast_buffers: bool = True, recompute: str = "auto", precision: str = "fp32",
+                 grad_scaler: PipelineGradScaler | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"smp.partition takes a torch.nn.Module, got {type(model).__name__}")
         self.module = model
@@ -130,6 +135,15 @@ class PipelinedModel:
         self.init_seed = int(init_seed)
         self.broadcast_output = bool(broadcast_output)
         self.broadcast_buffers = bool(broadcast_buffers)
+        try:
+            self.precision = Precision.parse(precision)
+        except ValueError as err:
+            raise RuntimeConfigError(str(err)) from None
+        if grad_scaler is not None and not self.precision.needs_scaling:
+            raise RuntimeConfigError(f"grad_scaler is for precision='fp16' (bf16 and fp32 need no loss scaling), got "
+                                     f"precision={self.precision.name!r}")
+        self.grad_scaler = grad_scaler or (PipelineGradScaler() if self.precision.needs_scaling else None)
+        self.last_step_skipped = False
         _init_from_launcher(self.device, self.timeout)
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
@@ -157,6 +171,17 @@ class PipelinedModel:
         self.cluster = cluster
         self.memory_limit = memory_limit
         self.plan_options = dict(plan_options or {})
+        try:
+            if not isinstance(recompute, str):
+                raise PlanningError(f"recompute takes one of {', '.join(MODES)}, got {recompute!r}; for a choice per "
+                                    "stage, pass a plan made with those choices")
+            recompute = str(check_mode(recompute))
+        except PlanningError as err:
+            raise RuntimeConfigError(str(err)) from None
+        if plan is not None and recompute != "auto" and any(c != recompute for c in plan.recompute):
+            raise RuntimeConfigError(f"recompute={recompute!r} disagrees with the plan's {plan.recompute}: a plan "
+                                     "fixes each stage's recomputation; re-plan with smp.plan(..., recompute=...)")
+        self.recompute = recompute
         self._setup: _SetUp | None = None
         self._engine: Engine | None = None  # the engine of the last mode used
         self._engines: dict[bool, Engine] = {}
@@ -202,7 +227,7 @@ class PipelinedModel:
                                          f"{setup.errors[mode]}")
             engine = Engine(program, setup.ownership, rank=self.pp_rank, comm=setup.comm, device=setup.device,
                             example_flat=setup.example_flat[mode], dp_group=self.layout.dp_group,
-                            dp_size=self.layout.dp_size)
+                            dp_size=self.layout.dp_size, precision=self.precision)
             self._engines[mode] = engine
         self._engine = engine
         return engine
@@ -261,8 +286,11 @@ class PipelinedModel:
         frontend = gm.meta["smp_trace"].frontend
         got = fingerprint(gm, self.module)
         if got == plan.model.fingerprint:
-            return Program(gm, plan.fx_stage_of, plan.fx_to_op, with_allreduce(plan.schedule, self.layout.dp_size),
-                           state_meta_of(gm), frontend)
+            fx_to_op = plan.fx_to_op
+            nodes = plan.graph.nx.nodes
+            matmul = frozenset(n for n, op in fx_to_op.items() if is_matmul(float(nodes[op].get("flops", 0) or 0)))
+            return Program(gm, plan.fx_stage_of, fx_to_op, with_allreduce(plan.schedule, self.layout.dp_size),
+                           state_meta_of(gm), frontend, recompute=tuple(plan.recompute), matmul_nodes=matmul)
         if mode or train is None:
             raise RuntimeConfigError(
                 f"this plan was made for another model (plan fingerprint {plan.model.fingerprint}, this model "
@@ -284,11 +312,13 @@ class PipelinedModel:
         opts = dict(self.plan_options)
 
         def build() -> Plan:
-            # profiling runs the model; keep every rank's RNG stream identical to the others'
-            with torch.random.fork_rng(devices=[]):
+            # profiling runs the model; keep every rank's RNG stream identical to the others'. Under the stages'
+            # autocast: the profile then records what autograd saves in that precision (bf16 activations, the
+            # bf16 copies of the fp32 weights autocast makes for each microbatch) and prices ops in its dtype.
+            with torch.random.fork_rng(devices=[]), self.precision.autocast(self.device):
                 return make_plan(self.module, args, kwargs, stages=self.stages, microbatches=self.microbatches,
                                  schedule=self.schedule, cluster=self.cluster, memory_limit=self.memory_limit,
-                                 **{**opts, "training": True, "data_parallel": self.layout.dp_size,
+                                 **{"recompute": self.recompute, **opts, "training": True, "data_parallel": self.layout.dp_size,
                                     "placement": self.layout.placement})
 
         if not self.distributed:
@@ -337,8 +367,26 @@ class PipelinedModel:
                 targets = [piece[0][0] for piece in split_microbatches((target,), None, m)]
             except MicrobatchError as err:
                 raise RuntimeConfigError(f"the target cannot be split like the batch: {err}") from None
+        scaler = self.grad_scaler
+        if scaler is None:
+            loss, _ = eng.run(micro, targets, self.loss_fn, training=True)
+            assert loss is not None
+            return loss
+        # fp16: this step's gradients are made scaled, apart from any the caller accumulated before it
+        params = list(self.parameters())
+        before = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        eng.loss_scale = scaler.scale
         loss, _ = eng.run(micro, targets, self.loss_fn, training=True)
         assert loss is not None
+        fresh = [p.grad for p in params if p.grad is not None]
+        self.last_step_skipped = scaler.unscale_and_check(fresh, self._any_rank)
+        for p, old in zip(params, before):
+            if self.last_step_skipped:  # no gradient anywhere: optimizer.step() changes nothing on any rank
+                p.grad = None
+            elif old is not None:
+                p.grad = old + p.grad if p.grad is not None else old
         return loss
 
     def _broadcast_buffers(self) -> None:
@@ -348,6 +396,16 @@ class PipelinedModel:
         src = dist.get_process_group_ranks(group)[0]
         for _, buffer in sorted((n, b) for n, b in self.module.named_buffers() if not b.is_meta):
             dist.broadcast(buffer, src=src, group=group)
+    def _any_rank(self, flag: torch.Tensor) -> torch.Tensor:
+        """The maximum of ``flag`` over every rank of the world, waited for within the pipeline's timeout."""
+        if not self.distributed:
+            return flag
+        setup = self._require_setup("the overflow check")
+        assert setup.comm is not None
+        buf = flag.to(self.device).reshape(1).clone()
+        work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, async_op=True)
+        others = tuple(r for r in range(self.world_size) if r != self.rank)
+        return setup.comm.wait(Pending([work], [buf], "the fp16 overflow check over every rank", -1, others))[0]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Forward-only pipelined pass (no gradients). The output is returned on the rank holding the

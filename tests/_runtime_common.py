@@ -366,3 +366,60 @@ def buffer_worker(rank: int, world: int, *, out: str, broadcast_buffers: bool = 
     pipe.step(x[mine], target=y[mine])  # the replicas' statistics part here
     pipe.step(x[:share], target=y[:share])  # the same data on both: equal again only if they started equal
     torch.save({n: t.clone() for n, t in pipe.module.named_buffers() if not t.is_meta}, Path(out) / f"buf-{rank}.pt")
+
+
+def recompute_worker(rank: int, world: int, *, spec: str, plans: Mapping[str, dict], out: str) -> None:
+    """One rank: for each plan, a fresh model and one step; its gradients, loss and measured stashed bytes."""
+    for label, plan_dict in plans.items():
+        b = build(spec, seed=0)
+        torch.manual_seed(100 + rank)  # dropout draws the same masks in every plan's run of this rank
+        pipe = partition(b.model, plan=smp.Plan.from_dict(plan_dict), loss_fn=b.loss_fn, timeout=60)
+        loss = pipe.step(*b.example_args, target=b.target, **b.example_kwargs)
+        eng = pipe._engine
+        torch.save({"loss": loss, "grads": {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None},
+                    "peak": eng.stash_peak[rank], "kept": dict(eng.stash_kept)}, Path(out) / f"{label}-{rank}.pt")
+
+
+def precision_worker(rank: int, world: int, *, spec: str, out: str) -> None:
+    """One rank: a bf16 step (loss, grads, the cut tensors' dtypes), then fp16 steps in which rank 0's gradients
+    overflow on the first step only."""
+    res: dict[str, Any] = {}
+    b = build(spec, seed=0)
+    pipe = partition(b.model, stages=world, microbatches=2, loss_fn=b.loss_fn, timeout=60, precision="bf16",
+                     plan_options={"timing": "analytic", "recompute": "none"})
+    res["bf16_loss"] = pipe.step(*b.example_args, target=b.target, **b.example_kwargs)
+    res["bf16_grads"] = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+    res["param_dtypes"] = {str(p.dtype) for p in pipe.parameters()}
+    eng = pipe._engine
+    meta = next(iter(eng._meta_cache.values()))
+    res["wire_dtypes"] = sorted({str(dt) for leaves in meta.leaves_per_edge.values() for _, dt in leaves})
+    res["kept"] = {s: (eng.stash_kept[s], pipe.plan.partition.stages[s].activations) for s in eng.my_stages}
+    res["output_stage"] = eng.split.output_stage
+
+    b = build(spec, seed=0)
+    pipe = partition(b.model, stages=world, microbatches=2, loss_fn=b.loss_fn, timeout=60, precision="fp16",
+                     plan_options={"timing": "analytic", "recompute": "none"})
+    pipe.prepare(*b.example_args, **b.example_kwargs)
+    opt = make_optimizer(pipe.parameters())
+    res["scales"] = [pipe.grad_scaler.scale]
+    res["skipped"] = []
+    res["params"] = [{n: p.detach().clone() for n, p in pipe.named_parameters()}]
+    hook = None
+    if rank == 0:  # an overflow in one gradient of rank 0 only (no tied weight, whose sum would carry it), by autograd
+        tied = {id(p) for ps in pipe._setup.ownership.ties.values() for p in ps}
+        victim = next(p for p in pipe.parameters() if id(p) not in tied)
+        hook = victim.register_hook(lambda g: g * float("inf"))
+    res["local_overflow"] = []  # what this rank found in its own gradients, before the ranks agree
+    agree = pipe._any_rank
+    pipe._any_rank = lambda flag: (res["local_overflow"].append(bool(flag.item())), agree(flag))[1]
+    for _ in range(2):
+        pipe.step(*b.example_args, target=b.target, **b.example_kwargs)
+        res["skipped"].append(pipe.last_step_skipped)
+        opt.step()
+        opt.zero_grad()
+        res["scales"].append(pipe.grad_scaler.scale)
+        res["params"].append({n: p.detach().clone() for n, p in pipe.named_parameters()})
+        if hook is not None:
+            hook.remove()
+            hook = None
+    torch.save(res, Path(out) / f"precision-{rank}.pt")
