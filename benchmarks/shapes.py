@@ -40,11 +40,13 @@ NODE = 8  # GPUs per node in the h100-sxm profile
 SECTION = "## Choosing replicas x stages x microbatches on H100 clusters"
 
 
-def run(name: str, spec: str) -> list[dict[str, Any]]:
+def run(name: str, spec: str, done: dict[tuple[str, int], dict[str, Any]]) -> list[dict[str, Any]]:
     from partitioner.compile import _profile, _resolve_cluster, plan_from_graph
     from partitioner.shapes import search_shapes
     from smp.models import build
 
+    if all((name, n) in done for n in DEVICES):
+        return [done[name, n] for n in DEVICES]
     built = build(spec + ",batch=1", seed=0, meta=True)
     t0 = time.perf_counter()
     graph, info = _profile(built.model, built.example_args, None, microbatches=1, device_profile="h100-sxm",
@@ -52,6 +54,9 @@ def run(name: str, spec: str) -> list[dict[str, Any]]:
     profile_s = time.perf_counter() - t0
     rows = []
     for n in DEVICES:
+        if (name, n) in done:
+            rows.append(done[name, n])
+            continue
         cluster = _resolve_cluster("h100-sxm", n)
 
         def search(stages: int | None = None):
@@ -117,8 +122,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/shapes.json")
     ap.add_argument("--write", type=Path, help="replace this benchmark's section of a markdown file")
+    ap.add_argument("--resume", type=Path, help="the output of an interrupted run: its rows (the JSON lines this "
+                                                "script prints) are kept, the others computed")
     a = ap.parse_args(argv)
-    rows = [row for name in a.models for row in run(name, MODELS[name])]
+    done = {}
+    if a.resume is not None:
+        for line in a.resume.read_text().splitlines():
+            if line.startswith("{"):
+                row = json.loads(line)
+                done[row["model"], row["devices"]] = row
+    rows = [row for name in a.models for row in run(name, MODELS[name], done)]
     text = table(rows)
     print(text)
     a.json.parent.mkdir(parents=True, exist_ok=True)
