@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,9 +80,22 @@ class Comm:
 
     def all_reduce(self, tensor: torch.Tensor, group: Any, what: str) -> Pending:
         """Start a sum over ``group``; its wait is bounded and names the group's other ranks if it fails."""
-        work = dist.all_reduce(tensor, group=group, async_op=True)
+        return self._collective(lambda: dist.all_reduce(tensor, group=group, async_op=True), tensor, group, what)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Any, what: str) -> Pending:
+        """Start a broadcast of ``tensor`` from global rank ``src`` over ``group``; bounded and named as all_reduce."""
+        return self._collective(lambda: dist.broadcast(tensor, src=src, group=group, async_op=True), tensor, group,
+                                what)
+
+    def _collective(self, start: Callable[[], Any], tensor: torch.Tensor, group: Any, what: str) -> Pending:
+        """Launch a collective over ``group``: a peer already gone fails here, named, as it would in the wait."""
         others = tuple(r for r in dist.get_process_group_ranks(group) if r != self.me)
-        return Pending([work], [tensor], what, -1, others)
+        pending = Pending([], [tensor], what, -1, others)
+        try:
+            pending.works.append(start())
+        except Exception as err:  # noqa: BLE001 - turned into a named PipelineError
+            raise self._failed(pending, err) from None
+        return pending
 
     def wait(self, pending: Pending) -> list[torch.Tensor]:
         """Wait (bounded) for every work of ``pending``; returns its tensors."""

@@ -392,10 +392,12 @@ class PipelinedModel:
     def _broadcast_buffers(self) -> None:
         """The first replica's buffers (batch-norm statistics) to the others, as DistributedDataParallel's
         ``broadcast_buffers`` does before each step: replicas would otherwise drift apart on their own data."""
+        comm = self._require_setup("the buffer broadcast").comm
+        assert comm is not None
         group = self.layout.dp_group
         src = dist.get_process_group_ranks(group)[0]
-        for _, buffer in sorted((n, b) for n, b in self.module.named_buffers() if not b.is_meta):
-            dist.broadcast(buffer, src=src, group=group)
+        for name, buffer in sorted((n, b) for n, b in self.module.named_buffers() if not b.is_meta):
+            comm.wait(comm.broadcast(buffer, src, group, f"the broadcast of buffer {name} from the first replica"))
     def _any_rank(self, flag: torch.Tensor) -> torch.Tensor:
         """The maximum of ``flag`` over every rank of the world, waited for within the pipeline's timeout."""
         if not self.distributed:
