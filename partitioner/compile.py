@@ -142,8 +142,9 @@ def plan_shapes(
 ) -> ShapeSearch:
     """Every shape of ``devices`` weighed for ``global_batch`` samples a step, fastest first.
 
-    The model is profiled once, on the sample batch as one microbatch, and each shape's
-    microbatch is that graph scaled (partitioner/shapes.py). ``cluster`` (default:
+    The model is profiled on the sample batch as one microbatch, and each shape's microbatch
+    is that graph scaled (partitioner/shapes.py); with measured timing, a microbatch size the
+    sample batch splits into is profiled on its own instead. ``cluster`` (default:
     ``device_profile``'s devices, else free links and no memory limit) prices the links and
     bounds the memory. ``microbatches``: None or "auto" (the default grid), a count or a
     list of counts; ``schedule``: one name, a list, or "auto" (every kind). ``options`` go
@@ -169,13 +170,23 @@ def plan_shapes(
     if not isinstance(sample, int):
         raise PlanError("the shape search splits the batch among replicas and microbatches: the sample inputs need "
                         "a batch dimension (dim 0 of the tensor inputs)")
+    given = graph is not None
     graph, model_info = _profile(model, args, example_kwargs, microbatches=1, device_profile=device_profile,
                                  graph=graph, training=training, progress=progress, **prof)
+
+    def profiled(micro: int) -> OpGraph | None:
+        """Measured times do not scale with the microbatch (per-op overheads, caches): a size the sample
+        batch splits into is profiled on its own, as smp.plan would; analytic graphs are scaled."""
+        if given or graph.meta.get("timing") != "measured" or sample % micro:
+            return None
+        return _profile(model, args, example_kwargs, microbatches=sample // micro, device_profile=device_profile,
+                        training=training, **prof)[0]
+
     return search_shapes(graph, devices=devices, global_batch=global_batch or sample, profiled_batch=sample,
                          cluster=resolved, solve_plan=plan_from_graph, schedules=schedules, stages=stages,
                          microbatches=counts, model_info=model_info, placement=placement,
                          virtual_stages=virtual_stages, options={**options, "training": training},
-                         progress=shape_progress)
+                         progress=shape_progress, graph_for=profiled)
 
 
 def _profile(model: nn.Module, example_args: Sequence[Any] | Any, example_kwargs: Mapping[str, Any] | None, *,

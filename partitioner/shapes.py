@@ -16,9 +16,11 @@ Piper (Tarnawski et al., NeurIPS 2021) and Alpa's inter-operator pass (Zheng et 
 OSDI 2022) choose such shapes; torch.distributed.pipelining and DeepSpeed leave them to
 the user.
 
-The graph is profiled once, on the sample batch as one microbatch; a shape's microbatch
-of u samples is that graph scaled by u / (sample batch) (:meth:`OpGraph.scaled`): exact for
+The graph is profiled on the sample batch as one microbatch; a shape's microbatch of u
+samples is that graph scaled by u / (sample batch) (:meth:`OpGraph.scaled`): exact for
 activation bytes, and for analytic times up to the per-op overheads that do not scale.
+Measured times do not scale (small microbatches pay per-op overheads): the compiler then
+profiles each microbatch size the sample batch splits into on its own (``graph_for``).
 """
 
 from __future__ import annotations
@@ -190,10 +192,13 @@ def search_shapes(
     virtual_stages: int = 2,
     options: Mapping[str, Any] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    graph_for: Callable[[int], OpGraph | None] | None = None,
 ) -> ShapeSearch:
     """Weigh every shape of ``devices`` for ``global_batch`` samples a step; the fastest first.
 
-    ``graph`` is costed for one microbatch of ``profiled_batch`` samples. ``solve_plan`` is
+    ``graph`` is costed for one microbatch of ``profiled_batch`` samples; a microbatch of u
+    samples is costed by ``graph_for(u)`` where it gives a graph (e.g. one profiled at that
+    size), else by ``graph`` scaled. ``solve_plan`` is
     :func:`partitioner.compile.plan_from_graph` (passed in: the compiler imports this module).
     """
     if cluster is not None and len(cluster.devices) < devices:
@@ -208,24 +213,30 @@ def search_shapes(
         raise PlanError("weighing data parallelism needs the links its gradient all-reduce crosses: pass a cluster "
                         "(e.g. cluster='h100-sxm'), or fix stages= to the device count")
     training = bool((options or {}).get("training", graph.meta.get("training", True)))
-    work = sorted((graph[v].get("fwd", 0.0) + (graph[v].get("bwd", 0.0) if training else 0.0) for v in graph.nx),
-                  reverse=True)
     speed = max(d.speed for d in cluster.devices[:devices]) if cluster is not None else 1.0
+    base = _work(graph, training)
     candidates = [Candidate(shape, global_batch, lower_bound=_step_lower_bound(
-        shape, work, speed, global_batch / (shape.data_parallel * shape.microbatches) / profiled_batch))
+        shape, base, speed, global_batch / (shape.data_parallel * shape.microbatches) / profiled_batch))
         for shape in shapes]
     # Screen every shape with the fast exact-bottleneck DP, then solve the finalists as plan() would.
     full = dict(options or {})
     two_phase = "method" not in full and "objective" not in full
     screen = {**full, "method": "dp", "objective": "bottleneck"} if two_phase else full
-    scaled: dict[float, OpGraph] = {}
+    graphs: dict[int, OpGraph] = {profiled_batch: graph}
+    own: set[int] = set()  # microbatch sizes with a graph of their own (profiled at that size)
+
+    def graph_of(micro: int) -> OpGraph:
+        g = graphs.get(micro)
+        if g is None:
+            g = graph_for(micro) if graph_for is not None else None
+            if g is not None:
+                own.add(micro)
+            graphs[micro] = g = g if g is not None else graph.scaled(micro / profiled_batch)
+        return g
 
     def solve(cand: Candidate, opts: Mapping[str, Any], where: str | None = placement) -> None:
         shape = cand.shape
-        factor = global_batch // (shape.data_parallel * shape.microbatches) / profiled_batch
-        g = scaled.get(factor)
-        if g is None:
-            g = scaled[factor] = graph if factor == 1 else graph.scaled(factor)
+        g = graph_of(global_batch // (shape.data_parallel * shape.microbatches))
         info = replace(model_info, batch_size=global_batch // shape.data_parallel) if model_info else None
         try:
             cand.plan = solve_plan(
@@ -239,6 +250,10 @@ def search_shapes(
 
     best = math.inf
     for done, cand in enumerate(sorted(candidates, key=lambda c: (c.lower_bound, c.shape)), 1):
+        micro = global_batch // (cand.shape.data_parallel * cand.shape.microbatches)
+        if graph_for is not None and graph_of(micro) is not None and micro in own:
+            # profiled at its own size: the scaled graph's bound does not hold for it, its own does
+            cand.lower_bound = _step_lower_bound(cand.shape, _work(graphs[micro], training), speed, 1.0)
         if cand.lower_bound >= best:
             cand.reason = f"pruned: its lower bound {cand.lower_bound:.4g} s is no better than {best:.4g} s"
         else:
@@ -265,6 +280,12 @@ def search_shapes(
             f"shape chosen among {len(candidates)} candidates ({devices} devices, global batch {global_batch}): the "
             "fastest simulated step that fits memory (partitioner/shapes.py)")
     return ShapeSearch(devices, global_batch, candidates)
+
+
+def _work(graph: OpGraph, training: bool) -> list[float]:
+    """Each op's compute time (forward, and backward when training), largest first."""
+    return sorted((graph[v].get("fwd", 0.0) + (graph[v].get("bwd", 0.0) if training else 0.0) for v in graph.nx),
+                  reverse=True)
 
 
 def _step_lower_bound(shape: Shape, work: Sequence[float], speed: float, factor: float) -> float:

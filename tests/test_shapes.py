@@ -188,3 +188,25 @@ def test_cli_plan_devices_prints_the_candidates_and_reports_the_shape() -> None:
                      (["plan", "gpt:size=tiny", "--stages", "2", "--global-batch", "8"], "goes with --devices")):
         res = runner.invoke(app, bad)
         assert res.exit_code == 2 and why in res.output, res.output
+
+
+def test_a_size_profiled_on_its_own_is_solved_and_bounded_on_its_own_graph() -> None:
+    graph = synthetic.chain(8, seed=2)  # costed for a microbatch of 4 samples
+    asked: list[int] = []
+
+    def graph_for(micro: int):
+        asked.append(micro)
+        # what a measured profile of one sample may say: slower than a quarter of four (per-op overheads)
+        return graph.scaled(3.0) if micro == 1 else None
+
+    search = search_shapes(graph, devices=2, global_batch=4, profiled_batch=4, cluster=None, stages=2,
+                           solve_plan=plan_from_graph, options={"method": "dp"}, graph_for=graph_for)
+    assert sorted(set(asked)) == [1, 2]  # m = 4 and 2 (m = 1 would leave a rank idle)
+    by_m = {c.shape.microbatches: c for c in search.candidates}
+    one = by_m[4]
+    assert one.plan is not None or one.pruned
+    if one.plan is not None:
+        assert one.plan.graph.total_fwd == pytest.approx(graph.total_fwd * 3.0)
+        assert one.lower_bound <= one.plan.step_time * (1 + 1e-9)
+    two = by_m[2].plan
+    assert two is not None and two.graph.total_fwd == pytest.approx(graph.total_fwd / 2)
