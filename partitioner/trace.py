@@ -132,51 +132,13 @@ def trace(
         else:
             expected = _run_model(model, args, kwargs, bound)
 
-    fx_error: str | None = None
-    gm: fx.GraphModule | None = None
+    gm, fx_error = (None, None)
     if frontend in ("auto", "fx"):
-        try:
-            gm = _trace_fx(model, bound, leaf_modules)
-        except Exception as err:  # noqa: BLE001 - any tracer failure means: try export
-            fx_error = _describe_failure(err, model)
-            if frontend == "fx":
-                raise TraceError(
-                    f"torch.fx could not trace {type(model).__name__}: {fx_error}\n"
-                    "Try frontend='export' (torch.export handles data-dependent Python "
-                    "control flow on shapes), or mark the failing module as a leaf with "
-                    "leaf_modules=[...] so fx keeps it whole."
-                ) from None
-            gm = None
-        if gm is not None and check:
-            mismatch = _output_mismatch(model, gm, args, kwargs, expected, rtol, atol)
-            if mismatch is not None:
-                fx_error = f"torch.fx traced, but the traced program disagrees with the model: {mismatch}"
-                if frontend == "fx":
-                    raise TraceError(fx_error + "; try frontend='export'")
-                gm = None
+        gm, fx_error = _try_fx(model, args, kwargs, bound, leaf_modules, forced=frontend == "fx",
+                               check=(expected, rtol, atol) if check else None)
+    frontend_used = "fx" if gm is not None else "export"
     if gm is None:
-        try:
-            gm = _trace_export(model, args, kwargs)
-        except Exception as err:  # noqa: BLE001
-            if not check:  # the model has not run yet: is it the model that fails?
-                _raise_model_failure(model, args, kwargs, bound)
-            export_error = _describe_failure(err, model)
-            first = f"torch.fx failed: {fx_error}\n" if fx_error else ""
-            raise TraceError(
-                f"could not trace {type(model).__name__}.\n{first}"
-                f"torch.export (non-strict) failed: {export_error}\n"
-                "What to try: make the failing code avoid Python control flow that depends on "
-                "tensor values, pass the inputs the model really expects, or mark the failing "
-                "submodule as a leaf (leaf_modules=[...]) for the fx front end."
-            ) from None
-        frontend_used = "export"
-        if check:
-            mismatch = _output_mismatch(model, gm, args, kwargs, expected, rtol, atol)
-            if mismatch is not None:
-                raise TraceError(f"torch.export traced {type(model).__name__}, but the traced program "
-                                 f"disagrees with the model on the sample: {mismatch}")
-    else:
-        frontend_used = "fx"
+        gm = _export_or_explain(model, args, kwargs, bound, fx_error, check=(expected, rtol, atol) if check else None)
 
     _annotate(gm, model)
     gm.meta["smp_trace"] = TraceInfo(
@@ -186,6 +148,57 @@ def trace(
         leaf_modules=[m if isinstance(m, str) else m.__name__ for m in leaf_modules],
         training=model.training,
     )
+    return gm
+
+
+def _try_fx(model: nn.Module, args: tuple, kwargs: dict, bound: inspect.BoundArguments,
+            leaf_modules: Iterable[type | str], *, forced: bool, check: tuple[Any, float, float] | None
+            ) -> tuple[fx.GraphModule | None, str | None]:
+    """(the fx program, None), or (None, why fx failed) for the export fallback; TraceError when fx is forced."""
+    try:
+        gm = _trace_fx(model, bound, leaf_modules)
+    except Exception as err:  # noqa: BLE001 - any tracer failure means: try export
+        fx_error = _describe_failure(err, model)
+        if forced:
+            raise TraceError(
+                f"torch.fx could not trace {type(model).__name__}: {fx_error}\n"
+                "Try frontend='export' (torch.export handles data-dependent Python "
+                "control flow on shapes), or mark the failing module as a leaf with "
+                "leaf_modules=[...] so fx keeps it whole."
+            ) from None
+        return None, fx_error
+    if check is not None:
+        mismatch = _output_mismatch(model, gm, args, kwargs, *check)
+        if mismatch is not None:
+            fx_error = f"torch.fx traced, but the traced program disagrees with the model: {mismatch}"
+            if forced:
+                raise TraceError(fx_error + "; try frontend='export'")
+            return None, fx_error
+    return gm, None
+
+
+def _export_or_explain(model: nn.Module, args: tuple, kwargs: dict, bound: inspect.BoundArguments,
+                       fx_error: str | None, *, check: tuple[Any, float, float] | None) -> fx.GraphModule:
+    """The torch.export program, or a TraceError saying what both front ends hit and what to try."""
+    try:
+        gm = _trace_export(model, args, kwargs)
+    except Exception as err:  # noqa: BLE001
+        if check is None:  # the model has not run yet: is it the model that fails?
+            _raise_model_failure(model, args, kwargs, bound)
+        export_error = _describe_failure(err, model)
+        first = f"torch.fx failed: {fx_error}\n" if fx_error else ""
+        raise TraceError(
+            f"could not trace {type(model).__name__}.\n{first}"
+            f"torch.export (non-strict) failed: {export_error}\n"
+            "What to try: make the failing code avoid Python control flow that depends on "
+            "tensor values, pass the inputs the model really expects, or mark the failing "
+            "submodule as a leaf (leaf_modules=[...]) for the fx front end."
+        ) from None
+    if check is not None:
+        mismatch = _output_mismatch(model, gm, args, kwargs, *check)
+        if mismatch is not None:
+            raise TraceError(f"torch.export traced {type(model).__name__}, but the traced program "
+                             f"disagrees with the model on the sample: {mismatch}")
     return gm
 
 
