@@ -9,8 +9,9 @@ second each where CP-SAT and the step-time refinement take tens), then the final
 (screened within ``FINALIST_SLACK`` of the fastest, at most ``MAX_FINALISTS``) are solved
 as :func:`partitioner.compile.plan` would (default method and objective; the refinement
 rarely moves a step by more than a percent). A ``method`` or ``objective`` given by the
-caller is used for every shape instead, in one phase. The screen is exact over the
-enumerated grid: a shape is skipped only when a lower bound on its step time (the busiest
+caller (other than the defaults, auto and step_time) is used for every shape instead, in one phase;
+a finalist keeps its screened plan when the full solve finds no faster one. The screen is exact over the
+enumerated grid (for the bottleneck-optimal plans it compares): a shape is skipped only when a lower bound on its step time (the busiest
 rank does at least its share of the work) is no better than a step time already found.
 Piper (Tarnawski et al., NeurIPS 2021) and Alpa's inter-operator pass (Zheng et al.,
 OSDI 2022) choose such shapes; torch.distributed.pipelining and DeepSpeed leave them to
@@ -220,7 +221,7 @@ def search_shapes(
         for shape in shapes]
     # Screen every shape with the fast exact-bottleneck DP, then solve the finalists as plan() would.
     full = dict(options or {})
-    two_phase = "method" not in full and "objective" not in full
+    two_phase = full.get("method", "auto") == "auto" and full.get("objective", "step_time") == "step_time"
     screen = {**full, "method": "dp", "objective": "bottleneck"} if two_phase else full
     graphs: dict[int, OpGraph] = {profiled_batch: graph}
     own: set[int] = set()  # microbatch sizes with a graph of their own (profiled at that size)
@@ -268,7 +269,7 @@ def search_shapes(
             screened = cand.plan
             assert screened is not None
             solve(cand, full, screened.placement)  # the placement the screen chose
-            if cand.plan is None:  # the full solve refused what the screen found: keep the screened plan
+            if cand.plan is None or cand.plan.step_time > screened.step_time:  # keep the faster of the two
                 cand.plan = screened
             cand.final = True
             if progress is not None:

@@ -78,9 +78,10 @@ class Comm:
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
         return dist.irecv(tensor, self.global_ranks[peer], tag=tag)
 
-    def all_reduce(self, tensor: torch.Tensor, group: Any, what: str) -> Pending:
-        """Start a sum over ``group``; its wait is bounded and names the group's other ranks if it fails."""
-        return self._collective(lambda: dist.all_reduce(tensor, group=group, async_op=True), tensor, group, what)
+    def all_reduce(self, tensor: torch.Tensor, group: Any, what: str, op: Any = dist.ReduceOp.SUM) -> Pending:
+        """Start a reduction (a sum) over ``group``; its wait is bounded and names the group's other ranks if it fails."""
+        return self._collective(lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True), tensor, group,
+                                what)
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Any, what: str) -> Pending:
         """Start a broadcast of ``tensor`` from global rank ``src`` over ``group``; bounded and named as all_reduce."""

@@ -22,7 +22,7 @@ from partitioner.recompute import MODES, check_mode, is_matmul
 from partitioner.schedule import make_schedule, with_allreduce
 from partitioner.timeline import Timeline, TimelineEvent
 from partitioner.trace import fingerprint, flatten_inputs, trace
-from runtime.comm import Comm, Pending, PipelineError
+from runtime.comm import Comm, PipelineError
 from runtime.engine import Engine, Ownership, Program, RuntimeConfigError, concat_outputs, split_batch
 from runtime.layout import ReplicaLayout
 from runtime.checkpoint import CheckpointError, load_pipeline, open_weights, save_pipeline
@@ -289,7 +289,10 @@ class PipelinedModel:
             fx_to_op = plan.fx_to_op
             nodes = plan.graph.nx.nodes
             matmul = frozenset(n for n, op in fx_to_op.items() if is_matmul(float(nodes[op].get("flops", 0) or 0)))
-            return Program(gm, plan.fx_stage_of, fx_to_op, with_allreduce(plan.schedule, self.layout.dp_size),
+            # the plan's own programs when made for these replicas (its all-reduce placement included)
+            schedule = plan.schedule if plan.schedule.data_parallel == self.layout.dp_size else \
+                with_allreduce(plan.schedule, self.layout.dp_size)
+            return Program(gm, plan.fx_stage_of, fx_to_op, schedule,
                            state_meta_of(gm), frontend, recompute=tuple(plan.recompute), matmul_nodes=matmul)
         if mode or train is None:
             raise RuntimeConfigError(
@@ -398,6 +401,7 @@ class PipelinedModel:
         src = dist.get_process_group_ranks(group)[0]
         for name, buffer in sorted((n, b) for n, b in self.module.named_buffers() if not b.is_meta):
             comm.wait(comm.broadcast(buffer, src, group, f"the broadcast of buffer {name} from the first replica"))
+
     def _any_rank(self, flag: torch.Tensor) -> torch.Tensor:
         """The maximum of ``flag`` over every rank of the world, waited for within the pipeline's timeout."""
         if not self.distributed:
@@ -405,9 +409,8 @@ class PipelinedModel:
         setup = self._require_setup("the overflow check")
         assert setup.comm is not None
         buf = flag.to(self.device).reshape(1).clone()
-        work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, async_op=True)
-        others = tuple(r for r in range(self.world_size) if r != self.rank)
-        return setup.comm.wait(Pending([work], [buf], "the fp16 overflow check over every rank", -1, others))[0]
+        return setup.comm.wait(setup.comm.all_reduce(buf, dist.group.WORLD, "the fp16 overflow check over every rank",
+                                                     op=dist.ReduceOp.MAX))[0]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Forward-only pipelined pass (no gradients). The output is returned on the rank holding the

@@ -126,6 +126,8 @@ def test_smp_plan_with_devices_returns_the_best_shape_and_plan_shapes_lists_them
     assert {c.shape.schedule for c in search.candidates if c.shape.stages > 1} >= {"gpipe", "1f1b"}
     times = [c.step_time for c in search.candidates if c.plan is not None]
     assert times == sorted(times)
+    # with the default method and objective, shapes are screened by the DP and the finalists solved in full
+    assert search.candidates[0].final and any(c.plan is not None and not c.final for c in search.candidates)
     chosen = smp.plan(model, (x,), devices=4, global_batch=8, cluster="h100-sxm", schedule="all",
                       timing="analytic", device_profile="h100-sxm")
     assert chosen.data_parallel * chosen.pipeline_ranks == 4
