@@ -40,20 +40,21 @@ NODE = 8  # GPUs per node in the h100-sxm profile
 SECTION = "## Choosing replicas x stages x microbatches on H100 clusters"
 
 
-def run(name: str, spec: str, done: dict[tuple[str, int], dict[str, Any]]) -> list[dict[str, Any]]:
+def run(name: str, spec: str, done: dict[tuple[str, int], dict[str, Any]],
+        devices: tuple[int, ...] = DEVICES) -> list[dict[str, Any]]:
     from partitioner.compile import _profile, _resolve_cluster, plan_from_graph
     from partitioner.shapes import search_shapes
     from smp.models import build
 
-    if all((name, n) in done for n in DEVICES):
-        return [done[name, n] for n in DEVICES]
+    if all((name, n) in done for n in devices):
+        return [done[name, n] for n in devices]
     built = build(spec + ",batch=1", seed=0, meta=True)
     t0 = time.perf_counter()
     graph, info = _profile(built.model, built.example_args, None, microbatches=1, device_profile="h100-sxm",
                            dtype="bf16")
     profile_s = time.perf_counter() - t0
     rows = []
-    for n in DEVICES:
+    for n in devices:
         if (name, n) in done:
             rows.append(done[name, n])
             continue
@@ -120,6 +121,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python benchmarks/shapes.py", description=__doc__)
     ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--devices", nargs="*", type=int, default=list(DEVICES), help="cluster sizes (GPUs)")
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/shapes.json")
     ap.add_argument("--write", type=Path, help="replace this benchmark's section of a markdown file")
     ap.add_argument("--resume", type=Path, help="the output of an interrupted run: its rows (the JSON lines this "
@@ -131,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
             if line.startswith("{"):
                 row = json.loads(line)
                 done[row["model"], row["devices"]] = row
-    rows = [row for name in a.models for row in run(name, MODELS[name], done)]
+    rows = [row for name in a.models for row in run(name, MODELS[name], done, tuple(a.devices))]
     text = table(rows)
     print(text)
     a.json.parent.mkdir(parents=True, exist_ok=True)
