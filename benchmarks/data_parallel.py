@@ -166,8 +166,9 @@ def main(argv: list[str] | None = None) -> None:
         f"{k}: after the backward / overlapped, measured **{summary['measured_after_over_overlapped'][k]:.3f}**, "
         f"predicted **{summary['predicted_after_over_overlapped'][k]:.3f}**." for k in SCHEDULES] + [
         "",
-        "Four ranks share this machine's two cores, which the profile (one process alone) does not see: the "
-        "measured steps are slower than predicted by about the oversubscription. Timelines (predicted): "
+        "Four ranks (and gloo's transport threads, which run the overlapped all-reduces) share this machine's two "
+        "cores, and the profile is of one process alone: the measured/predicted ratios describe this machine more "
+        "than the model; compare the variants of one schedule, run side by side. Timelines (predicted): "
         f"![data parallel timeline]({Path(a.img).relative_to(ROOT / 'docs') if Path(a.img).is_relative_to(ROOT / 'docs') else a.img})",
     ]
     text = "\n".join(lines)
