@@ -27,6 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks._markdown import write_section  # noqa: E402
+from smp._cli_render import runs_of  # noqa: E402
+
 #: (spec, sequence length, step batch, microbatches, stages, device profile, memory limit in GB)
 CASES = [
     ("gpt:size=1b", 2048, 64, 8, 4, "a100-sxm", 40),
@@ -95,7 +98,7 @@ def table(rows: list[dict]) -> str:
             return f"{v['step_time']:.3f} s" if "step_time" in v else "does not fit"
 
         auto = r.get("auto", {})
-        runs = _runs(auto.get("recompute", []))
+        runs = runs_of(auto.get("recompute", []))
         lines.append(
             f"| `{r['model']}` | {r['seq_len']} | {r['batch']} / {r['microbatches']} | {r['stages']} | {r['device']} "
             f"({_gb(r['memory_limit'])}) | {none} | {', '.join(f'{n}× {c}' for c, n in runs)} | {step('auto')} | "
@@ -103,16 +106,6 @@ def table(rows: list[dict]) -> str:
             f"{r['full_over_auto']:.3f} | " + (f"{r['selective_over_auto']:.3f} |" if 'selective_over_auto' in r
                                                else "- |"))
     return "\n".join(lines)
-
-
-def _runs(choices: list[str]) -> list[tuple[str, int]]:
-    out: list[tuple[str, int]] = []
-    for c in choices:
-        if out and out[-1][0] == c:
-            out[-1] = (c, out[-1][1] + 1)
-        else:
-            out.append((c, 1))
-    return out
 
 
 def pictures(row: dict, plans: dict, folder: Path) -> list[Path]:
@@ -178,17 +171,9 @@ def main(argv: list[str] | None = None) -> None:
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(rows, indent=1) + "\n")
     if a.write:
-        body = (f"{SECTION}\n\n`.venv/bin/python benchmarks/recompute.py --write docs/benchmarks.md --pictures "
+        write_section(a.write, SECTION, (f"`.venv/bin/python benchmarks/recompute.py --write docs/benchmarks.md --pictures "
                 f"docs/img` (written by the script; raw results in `benchmarks/results/recompute.json`).\n"
-                f"{__doc__.split(chr(10), 2)[2].strip()}\n\n{text}\n{summary}\n")
-        doc = a.write.read_text()
-        if SECTION in doc:
-            start = doc.index(SECTION)
-            end = doc.find("\n## ", start + len(SECTION))
-            doc = doc[:start] + body + (doc[end:] if end >= 0 else "")
-        else:
-            doc = doc.rstrip() + "\n\n" + body
-        a.write.write_text(doc)
+                f"{__doc__.split(chr(10), 2)[2].strip()}\n\n{text}\n{summary}\n"))
 
 
 if __name__ == "__main__":

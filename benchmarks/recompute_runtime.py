@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks._markdown import write_section  # noqa: E402
+
 SPECS = ["gpt:layers=4,d_model=128,heads=4,seq_len=64,vocab=512,batch=8,dropout=0.1"]
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 CHOICES = ("none", "selective", "full")
@@ -91,17 +93,9 @@ def main(argv: list[str] | None = None) -> None:
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(rows, indent=1) + "\n")
     if a.write:
-        body = (f"{SECTION}\n\n`.venv/bin/python benchmarks/recompute_runtime.py --write docs/benchmarks.md` "
+        write_section(a.write, SECTION, (f"`.venv/bin/python benchmarks/recompute_runtime.py --write docs/benchmarks.md` "
                 f"(written by the script; raw results in `benchmarks/results/recompute_runtime.json`). Model: "
-                f"`{', '.join(SPECS)}`.\n{__doc__.split(chr(10), 2)[2].strip()}\n\n{text}\n\n{summary}\n")
-        doc = a.write.read_text()
-        if SECTION in doc:
-            start = doc.index(SECTION)
-            end = doc.find("\n## ", start + len(SECTION))
-            doc = doc[:start] + body + (doc[end:] if end >= 0 else "")
-        else:
-            doc = doc.rstrip() + "\n\n" + body
-        a.write.write_text(doc)
+                f"`{', '.join(SPECS)}`.\n{__doc__.split(chr(10), 2)[2].strip()}\n\n{text}\n\n{summary}\n"))
 
 
 if __name__ == "__main__":

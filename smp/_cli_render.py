@@ -268,7 +268,7 @@ def candidate_table(candidates: Sequence[Any], *, shapes: bool = False, title: s
         peak = _b(c.memory) if c.memory is not None else "-"
         if p is None and c.memory is not None:
             peak = f"needs {peak}"
-        rec = ", ".join(f"{n} {x}" for x, n in _runs(c.recompute)) if c.recompute else "-"
+        rec = ", ".join(f"{n} {x}" for x, n in runs_of(c.recompute)) if c.recompute else "-"
         why = "" if p is not None else (c.reason if len(c.reason) <= 120 else c.reason[:117] + "...")
         row = [f"{c.shape.data_parallel} x {c.shape.stages}", p.placement if p is not None and
                c.shape.data_parallel > 1 and c.shape.stages > 1 else "-"] if shapes else []
@@ -280,7 +280,7 @@ def candidate_table(candidates: Sequence[Any], *, shapes: bool = False, title: s
     return t
 
 
-def _runs(choices: Sequence[str]) -> list[tuple[str, int]]:
+def runs_of(choices: Sequence[str]) -> list[tuple[str, int]]:
     """(choice, count) for each run of equal choices: ["full", "full", "none"] -> [("full", 2), ("none", 1)]."""
     out: list[tuple[str, int]] = []
     for c in choices:
