@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import importlib
 import importlib.util
+import multiprocessing
+import multiprocessing.context
+import multiprocessing.process
 import os
 import pickle
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,61 +35,111 @@ class RankResult:
     seconds: float
 
 
+#: Imported once by the fork server, so that each rank starts in milliseconds instead of
+#: re-importing torch (seconds of CPU per rank; tests start hundreds of ranks).
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "partitioner", "runtime.engine", "smp"]
+
+
+def _start_method(fresh: bool) -> multiprocessing.context.BaseContext:
+    """A new interpreter per rank, or the forkserver start method with torch preloaded (no torch
+    op has run there, so no thread pool exists when a rank is forked from it: forking a process
+    that ran ops is unsafe)."""
+    if fresh:
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def launch(target: str, nprocs: int, kwargs: Mapping[str, Any] | None = None, *, timeout: float = 120.0,
-           pg_timeout: float = 60.0, threads: int = 1, env: Mapping[str, str] | None = None) -> list[RankResult]:
+           pg_timeout: float = 60.0, threads: int = 1, env: Mapping[str, str] | None = None,
+           fresh: bool = False) -> list[RankResult]:
     """Run ``target`` (``"pkg.module:function"`` or ``"path/file.py:function"``) on ``nprocs`` gloo ranks.
 
     Each rank runs ``function(rank, world_size, **kwargs)`` after
     ``init_process_group("gloo")`` on a FileStore (which survives any rank's death,
-    unlike a TCPStore hosted by rank 0). Every process runs in its own session and is
-    killed (whole process group) if it is still alive after ``timeout`` seconds or
-    when this call is interrupted.
+    unlike a TCPStore hosted by rank 0), in a process forked from a server that has
+    imported torch, with ``env`` added to this process's environment. Every rank runs in
+    its own session and is killed (whole process group) if it is still alive after
+    ``timeout`` seconds or when this call is interrupted.
+
+    ``fresh``: start each rank in a new interpreter instead (seconds slower), for measuring a
+    rank's resident memory: a forked rank maps the server's libraries lazily, so its RSS grows
+    by the library code it touches, which a new interpreter has counted before its baseline.
     """
+    ctx = _start_method(fresh)
     with tempfile.TemporaryDirectory(prefix="smp-launch-") as tmp:
-        args_path = Path(tmp) / "kwargs.pkl"
-        args_path.write_bytes(pickle.dumps(dict(kwargs or {})))
         store = Path(tmp) / "store"
         full_env = dict(os.environ)
         full_env.update(env or {})
-        full_env["PYTHONPATH"] = os.pathsep.join([str(_ROOT), full_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         full_env["OMP_NUM_THREADS"] = str(threads)
-        procs: list[subprocess.Popen] = []
-        outs: list[tuple[Any, Any]] = []
+        rank_args = _RankArgs(target, nprocs, f"file://{store}", pickle.dumps(dict(kwargs or {})), pg_timeout,
+                              threads, full_env)
+        procs: list[multiprocessing.process.BaseProcess] = []
+        logs = [(Path(tmp) / f"out{r}.txt", Path(tmp) / f"err{r}.txt") for r in range(nprocs)]
         started = time.monotonic()
         try:
             for r in range(nprocs):
-                out = open(Path(tmp) / f"out{r}.txt", "w+")
-                err = open(Path(tmp) / f"err{r}.txt", "w+")
-                outs.append((out, err))
-                cmd = [sys.executable, "-m", "runtime.launch", "--target", target, "--rank", str(r), "--world",
-                       str(nprocs), "--init", f"file://{store}", "--kwargs", str(args_path), "--pg-timeout",
-                       str(pg_timeout), "--threads", str(threads)]
-                procs.append(subprocess.Popen(cmd, cwd=str(_ROOT), env=full_env, stdout=out, stderr=err,
-                                              start_new_session=True))
+                proc = ctx.Process(target=_rank_process, args=(rank_args, r, *map(str, logs[r])), daemon=False)
+                proc.start()
+                procs.append(proc)
             ended: dict[int, float] = {}
             deadline = started + timeout
             while len(ended) < nprocs and time.monotonic() < deadline:
                 for r, p in enumerate(procs):
-                    if r not in ended and p.poll() is not None:
+                    if r not in ended and p.exitcode is not None:
                         ended[r] = time.monotonic() - started
                 time.sleep(0.05)
         finally:
             for p in procs:
-                if p.poll() is None:
-                    try:
-                        os.killpg(p.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                    p.wait(timeout=10)
+                if p.exitcode is None:
+                    _kill_session(p)
         results = []
-        for r, (p, (out, err)) in enumerate(zip(procs, outs)):
-            out.seek(0)
-            err.seek(0)
-            rc = p.returncode if r in ended else None
-            results.append(RankResult(r, rc, out.read(), err.read(), ended.get(r, time.monotonic() - started)))
-            out.close()
-            err.close()
+        for r, p in enumerate(procs):
+            out, err = (path.read_text(errors="replace") if path.exists() else "" for path in logs[r])
+            rc = p.exitcode if r in ended else None
+            results.append(RankResult(r, rc, out, err, ended.get(r, time.monotonic() - started)))
+            p.close()
         return results
+
+
+def _kill_session(proc: multiprocessing.process.BaseProcess) -> None:
+    """SIGKILL a rank and everything it started (its session), then reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # not yet its own session leader: the rank alone
+        proc.kill()
+    proc.join(timeout=10)
+
+
+@dataclass(frozen=True)
+class _RankArgs:
+    """What every rank of one launch shares."""
+
+    target: str
+    world: int
+    init_method: str
+    kwargs: bytes
+    pg_timeout: float
+    threads: int
+    env: Mapping[str, str]
+
+
+def _rank_process(a: _RankArgs, rank: int, out_path: str, err_path: str) -> None:
+    """A rank's process (forked or new): its own session, environment and output files, then the target."""
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(a.env)
+    for fd, path in ((1, out_path), (2, err_path)):
+        target_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(target_fd, fd)
+        os.close(target_fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    os.chdir(_ROOT)
+    if str(_ROOT) not in sys.path:
+        sys.path.insert(0, str(_ROOT))
+    _run_rank(a.target, rank, a.world, a.init_method, pickle.loads(a.kwargs), a.pg_timeout, a.threads)
 
 
 def _resolve(target: str) -> Any:
@@ -104,34 +155,22 @@ def _resolve(target: str) -> Any:
     return getattr(module, name)
 
 
-def _worker(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m runtime.launch")
-    ap.add_argument("--target", required=True)
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--world", type=int, required=True)
-    ap.add_argument("--init", required=True)
-    ap.add_argument("--kwargs", required=True)
-    ap.add_argument("--pg-timeout", type=float, default=60.0)
-    ap.add_argument("--threads", type=int, default=1)
-    a = ap.parse_args(argv)
+def _run_rank(target: str, rank: int, world: int, init_method: str, kwargs: dict[str, Any], pg_timeout: float,
+              threads: int) -> None:
+    """Join the gloo group and run the target; exit without tearing the group down."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(a.threads)
-    kwargs = pickle.loads(Path(a.kwargs).read_bytes())
-    fn = _resolve(a.target)
-    dist.init_process_group("gloo", init_method=a.init, rank=a.rank, world_size=a.world,
-                            timeout=datetime.timedelta(seconds=a.pg_timeout))
+    torch.set_num_threads(threads)
+    fn = _resolve(target)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=pg_timeout))
     try:
-        fn(a.rank, a.world, **kwargs)
+        fn(rank, world, **kwargs)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
     # no destroy_process_group: a peer that already failed would make it wait; exit is enough
     os._exit(0)
-
-
-if __name__ == "__main__":
-    _worker()
