@@ -1,5 +1,6 @@
 """Solvers against the brute-force oracle on random small DAGs, plus errors and speed."""
 
+import importlib
 import math
 
 import networkx as nx
@@ -236,6 +237,24 @@ def test_evaluate_matches_solver_report():
     part = solve(g, 3, cluster=cl, time_limit=2)
     again = evaluate(g, part.stage_of, cluster=cl)
     assert again.bottleneck == pytest.approx(part.bottleneck)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_ideal_dp_drops_only_pairs_no_chain_can_use(case):
+    """The ideal DP skips the (J, I) pairs whose J or V \\ I cannot fit the stages left: the same bound
+    and plan value as generating every pair in the band."""
+    ideals = importlib.import_module(ideal_dp.__module__)  # the package's name `solve` is also a function
+    g, p, opts = case
+    pruned = ideal_dp(Problem(g, p, **opts))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ideals, "_room_below", lambda lattice, band, i: lattice.prob.n)  # every pair in the band
+        full = ideal_dp(Problem(g, p, **opts))
+    assert (pruned is None) == (full is None)
+    if full is not None:
+        assert pruned.lower_bound == pytest.approx(full.lower_bound, rel=1e-12)
+        assert pruned.value == pytest.approx(full.value, rel=1e-12)
+        assert pruned.pairs <= full.pairs
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -31,10 +31,10 @@ __all__ = ["IdealResult", "ideal_dp", "MAX_IDEALS", "MAX_PAIRS"]
 
 #: Ideals enumerated at most; wider graphs are left to CP-SAT.
 MAX_IDEALS = 20_000
-#: (sub-ideal, ideal) segment pairs generated at most, over all band widenings (~15 us each).
+#: (sub-ideal, ideal) segment pairs visited at most, over all band widenings (~10 us each).
 MAX_PAIRS = 400_000
 #: Skip without generating when even this many times MAX_PAIRS ideal pairs lie within the
-#: band (an over-count: it ignores that J must be a subset of I), e.g. wide graphs on 2 stages.
+#: band (an over-count: it ignores that J must be a subset of I), e.g. wide graphs on 3 or 4 stages.
 _HOPELESS = 30
 
 
@@ -101,6 +101,33 @@ def _bits(mask: int):
         mask ^= low
 
 
+def _stages_for(work: float, band: float, empty: bool) -> int:
+    """The fewest segments of work <= ``band`` that can hold a set of ops with this work: 0 for
+    none, at least 1 otherwise. Rounded down by a relative 1e-9 so that float sums never
+    overstate it (overstating would drop a pair a chain needs)."""
+    return 0 if empty else max(1, math.ceil(work / band * (1 - 1e-9)))
+
+
+def _room_below(lattice: _Lattice, band: float, i: int) -> int:
+    """How many stages may hold the ops below a segment ending at ideal I: p - 1 less the
+    stages the ops after I need; -1 when no p-segment chain within the band passes through I.
+
+    A pair (J, I) at position s of a chain has J in s segments and V \\ I in p - 1 - s, each
+    within the band, so it can be in a chain only if stages(J) <= room. Pairs that cannot are
+    never recorded, so the chain DP's answer is unchanged; on 2 stages this leaves the pairs
+    (∅, I) and (J, V) alone, and the DP's work linear in the ideals instead of quadratic.
+    """
+    prob, work = lattice.prob, lattice.sums["work"]
+    whole = (1 << prob.n) - 1
+    after = max(work[lattice.index[whole]] - work[i], 0.0)
+    room = prob.p - 1 - _stages_for(after, band, lattice.masks[i] == whole)
+    if room <= 0:
+        return room if room == 0 else -1
+    if work[i] <= band:
+        return room  # J = ∅ is within reach
+    return room if _stages_for(work[i] - band, band, False) <= room else -1  # every J keeps >= W(I) - band
+
+
 class _Pairs:
     """Every (sub-ideal J, ideal I) whose segment I \\ J has compute <= a band, with its comm terms.
 
@@ -115,14 +142,31 @@ class _Pairs:
         self.cols: dict[str, list] = {k: [] for k in self.KEYS}
         self.complete = True
         for i in range(1, len(lattice.masks)):
-            if not self._down_from(i):
+            room = _room_below(lattice, band, i)
+            if room == 0:
+                self._from_nothing(i)
+            elif room > 0 and not self._down_from(i, room):
                 self.complete = False
                 return
 
-    def _down_from(self, i: int) -> bool:
-        """Depth-first from ideal I: remove one maximal op v of J at a time (J stays an ideal),
-        keeping the received set and the sent tensors incrementally. False once over budget."""
+    def _from_nothing(self, i: int) -> None:
+        """The one useful pair of ideal I when only ∅ may lie below it: the first stage holds all of I."""
         lat, prob = self.lattice, self.lattice.prob
+        self.left -= 1
+        if lat.sums["work"][i] > self.band * (1 + 1e-9):  # the DFS's own sums may round the other way
+            return
+        ideal = lat.masks[i]
+        outside = ((1 << prob.n) - 1) & ~ideal
+        sent = [float(prob.out_bytes[v]) for v in _bits(ideal) if prob.out_bytes[v] > 0 and lat.succ[v] & outside]
+        for key, value in zip(self.KEYS, (0, i, 0.0, 0, sum(sent), len(sent))):
+            self.cols[key].append(value)
+
+    def _down_from(self, i: int, room: int) -> bool:
+        """Depth-first from ideal I: remove one maximal op v of J at a time (J stays an ideal),
+        keeping the received set and the sent tensors incrementally; record the pairs whose J
+        fits in ``room`` stages. False once over budget (every J visited counts)."""
+        lat, prob = self.lattice, self.lattice.prob
+        sums = lat.sums["work"]
         work, ob = prob.work, prob.out_bytes
         ideal = lat.masks[i]
         outside = ((1 << prob.n) - 1) & ~ideal
@@ -144,8 +188,10 @@ class _Pairs:
                     if ob[u] > 0:
                         nrb, nrc = nrb + float(ob[u]), nrc + 1
                 nsb, nsc = (sb + b, sc + 1) if b > 0 and lat.succ[v] & outside else (sb, sc)
-                for append, value in zip(add, (lat.index[smaller], i, nrb, nrc, nsb, nsc)):
-                    append(value)
+                below = lat.index[smaller]
+                if _stages_for(sums[below], self.band, below == 0) <= room:
+                    for append, value in zip(add, (below, i, nrb, nrc, nsb, nsc)):
+                        append(value)
                 self.left -= 1
                 if self.left < 0:
                     return False
@@ -165,6 +211,8 @@ def _chain_dp(prob: Problem, lattice: _Lattice, pairs: dict[str, np.ndarray]) ->
     """min over chains of ideals of the max segment lower cost; the chain as a stage per position."""
     p, k_ideals = prob.p, len(lattice.masks)
     j, i = pairs["j"], pairs["i"]
+    if not len(j):
+        return math.inf, None
     sums = {key: np.asarray(values) for key, values in lattice.sums.items()}
     def seg(key: str) -> np.ndarray:
         return sums[key][i] - sums[key][j]
@@ -212,9 +260,13 @@ def _chain_dp(prob: Problem, lattice: _Lattice, pairs: dict[str, np.ndarray]) ->
 
 
 def _pairs_within(lattice: _Lattice, band: float) -> int:
-    """Σ over ideals I of the ideals J with W(I) - band <= W(J) < W(I): at least the pairs to generate."""
-    work = np.sort(np.asarray(lattice.sums["work"]))
-    return int((np.searchsorted(work, work, side="left") - np.searchsorted(work, work - band, side="left")).sum())
+    """Σ over the ideals I searched below (see :func:`_room_below`) of the ideals J with
+    W(I) - band <= W(J) < W(I): at least the sub-ideals the search visits."""
+    work = np.asarray(lattice.sums["work"])
+    deep = np.asarray([_room_below(lattice, band, i) > 0 for i in range(len(work))])
+    ranked = np.sort(work)
+    tops = work[deep]
+    return int((np.searchsorted(ranked, tops, side="left") - np.searchsorted(ranked, tops - band, side="left")).sum())
 
 
 def ideal_dp(prob: Problem, *, max_ideals: int = MAX_IDEALS, max_pairs: int = MAX_PAIRS) -> IdealResult | None:
@@ -232,7 +284,7 @@ def ideal_dp(prob: Problem, *, max_ideals: int = MAX_IDEALS, max_pairs: int = MA
         if _pairs_within(lattice, band) > _HOPELESS * max_pairs:
             return None
         pairs = _Pairs(lattice, band, max_pairs - used)
-        used += len(pairs.cols["j"])
+        used = max_pairs - pairs.left
         if not pairs.complete:
             return None
         value, assign = _chain_dp(prob, lattice, pairs.arrays())
