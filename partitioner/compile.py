@@ -17,6 +17,7 @@ from partitioner.ir import ScheduleKind
 from partitioner.microbatch import batch_size, split_microbatches
 from partitioner.plan import PLACEMENTS, ModelInfo, Plan, PlanError, schedule_for, simulate_partition
 from partitioner.profile import profile
+from partitioner.schedule import check_active_microbatches
 from partitioner.shapes import ShapeSearch, search_shapes
 from partitioner.solve import solve
 from partitioner.trace import fingerprint, trace
@@ -55,6 +56,7 @@ def plan(
     global_batch: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     recompute: str = "auto",
+    active_microbatches: int | None = None,
 ) -> Plan:
     """Trace, profile, solve, schedule and simulate: the whole compiler in one call.
 
@@ -73,7 +75,8 @@ def plan(
     and their ``placement``: see :func:`plan_from_graph`. ``recompute``: activation
     recomputation per stage (docs/memory.md): "auto" (the default: chosen with the
     partition, none wherever the memory limit allows), or "none", "selective", "full" on
-    every stage; ``Plan.recompute`` gives each stage's.
+    every stage; ``Plan.recompute`` gives each stage's. ``active_microbatches`` caps the
+    microbatches a stage holds in flight (gpipe, 1f1b; SMP v1's name; docs/schedules.md).
 
     A search instead of one shape: ``devices=N`` weighs every D replicas x P stages x m
     microbatches on N devices of ``cluster`` for ``global_batch`` samples a step (default:
@@ -85,6 +88,9 @@ def plan(
     searching = (devices is not None or microbatches == "auto" or not isinstance(schedule, str)
                  or schedule in ("auto", "all") or isinstance(microbatches, (list, tuple)))
     if searching:
+        if active_microbatches is not None:
+            raise PlanError("active_microbatches fixes one schedule's warm-up, and a search weighs schedules and "
+                            "microbatch counts as they are: drop active_microbatches, or fix the schedule and count")
         if data_parallel != 1:
             raise PlanError("devices= searches the data-parallel degree itself; drop data_parallel=")
         if devices is None and stages is None:
@@ -107,7 +113,10 @@ def plan(
     if stages < 1:
         raise PlanError(f"stages must be >= 1, got {stages}")
     microbatches = 1 if microbatches is None else int(microbatches)  # type: ignore[arg-type]  # lists search
-    ScheduleKind.parse(schedule)  # type: ignore[arg-type]  # a typo should fail before minutes of profiling
+    try:  # a typo should fail before minutes of profiling
+        check_active_microbatches(ScheduleKind.parse(schedule), active_microbatches)  # type: ignore[arg-type]
+    except ValueError as err:
+        raise PlanError(str(err)) from None
     _resolve_cluster(cluster, stages * data_parallel)
     graph, model_info = _profile(model, example_args, example_kwargs, microbatches=microbatches, timing=timing,
                                  device=device, device_profile=device_profile, dtype=dtype, frontend=frontend,
@@ -117,7 +126,7 @@ def plan(
                            cluster=cluster, memory_limit=memory_limit, method=method, time_limit=time_limit,
                            virtual_stages=virtual_stages, colocate_tied=colocate_tied, training=training,
                            model_info=model_info, objective=objective, data_parallel=data_parallel,
-                           placement=placement, recompute=recompute)
+                           placement=placement, recompute=recompute, active_microbatches=active_microbatches)
 
 
 def plan_shapes(
@@ -250,6 +259,7 @@ def plan_from_graph(
     data_parallel: int = 1,
     placement: str | None = None,
     recompute: str = "auto",
+    active_microbatches: int | None = None,
 ) -> Plan:
     """Solve, schedule and simulate an already-profiled graph (e.g. ``smp profile -o graph.json``).
 
@@ -268,7 +278,8 @@ def plan_from_graph(
                                  memory_limit=memory_limit, method=method, time_limit=time_limit,
                                  virtual_stages=virtual_stages, colocate_tied=colocate_tied, training=training,
                                  model_info=model_info, name=name, objective=objective, data_parallel=data_parallel,
-                                 placement=how, recompute=recompute) for how in PLACEMENTS]
+                                 placement=how, recompute=recompute, active_microbatches=active_microbatches)
+                 for how in PLACEMENTS]
         return min(plans, key=lambda p: p.step_time)
     placement = placement or "cluster"
     if placement not in PLACEMENTS:
@@ -290,7 +301,7 @@ def plan_from_graph(
     colocate = tied_groups(graph) if colocate_tied else ()
     part = solve(graph, num_stages, cluster=stage_cluster, microbatches=microbatches, schedule=kind.value,
                  training=training, memory_limit=limit, colocate=colocate, method=method, time_limit=time_limit,
-                 objective=objective, ranks=stages, recompute=recompute)
+                 objective=objective, ranks=stages, recompute=recompute, active_microbatches=active_microbatches)
     sched = schedule_for(kind, part, microbatches, stages, data_parallel)
     if model_info is None:
         model_info = _model_info_from_graph(graph, microbatches, training, name)

@@ -16,7 +16,7 @@ from partitioner.errors import InvalidAssignmentError, PlanningError, StageCount
 from partitioner.graph import KERNEL_FIELDS, OUTPUT_OP, OpGraph
 from partitioner.ir import ScheduleKind
 from partitioner.recompute import CHOICES, check_mode, op_recompute, peak_recomputing
-from partitioner.schedule import peak_in_flight
+from partitioner.schedule import check_active_microbatches, peak_in_flight
 from partitioner.units import format_bytes
 
 __all__ = [
@@ -129,6 +129,8 @@ class Partition:
     #: What was asked of recomputation: "auto" (chosen per stage), a choice forced on every
     #: stage, or "given" (one choice per stage, from the caller); each stage's is in ``stages``.
     recompute_mode: str = "none"
+    #: The cap on microbatches in flight the memory was counted under (None: the schedule's own).
+    active_microbatches: int | None = None
 
     @property
     def num_stages(self) -> int:
@@ -261,7 +263,7 @@ class Problem:
                  microbatches: int = 1, schedule: str = "1f1b", training: bool = True,
                  memory_limit: float | None = None, state_factor: float = DEFAULT_STATE_FACTOR,
                  order: Sequence[Hashable] | None = None, ranks: int | None = None,
-                 recompute: str | Sequence[str] = "none"):
+                 recompute: str | Sequence[str] = "none", active_microbatches: int | None = None):
         g, default_order = graph_order(graph)
         self.graph = graph
         self.g = g
@@ -288,6 +290,11 @@ class Problem:
         self.cluster = (cluster or Cluster.free(stages)).for_stages(stages)
         self.microbatches, self.training = microbatches, training
         self.schedule = ScheduleKind.parse(schedule).value
+        try:
+            check_active_microbatches(self.schedule, active_microbatches)
+        except ValueError as err:
+            raise PlanningError(str(err)) from None
+        self.active_microbatches = active_microbatches
         self.state_factor = float(state_factor)
         self.memory_limit_arg = memory_limit
 
@@ -335,7 +342,8 @@ class Problem:
         # Microbatches each stage holds at its peak, read off the schedule's own order
         # (interleaved: ``ranks`` pipeline ranks hold the ``stages`` stages round robin).
         self.ranks = ranks
-        self.in_flight = peak_in_flight(self.schedule, stages, microbatches, num_ranks=ranks, training=training)
+        self.in_flight = peak_in_flight(self.schedule, stages, microbatches, num_ranks=ranks, training=training,
+                                        active_microbatches=active_microbatches)
         self.recomputing = peak_recomputing(self.schedule, stages, microbatches, num_ranks=ranks, training=training)
         factor = self.state_factor if training else 1.0
         # A parameter read on several stages (a tied embedding and LM head) is held, with
@@ -534,7 +542,8 @@ class Problem:
             lower_bound=0.0, optimal=False, gap=1.0, method=method, solve_seconds=solve_seconds,
             cluster=self.cluster.to_dict(), microbatches=self.microbatches, schedule=self.schedule,
             training=self.training, memory_limit=self.memory_limit_arg, state_factor=self.state_factor,
-            recompute_mode=self.recompute_mode if choices is None else "given")
+            recompute_mode=self.recompute_mode if choices is None else "given",
+            active_microbatches=self.active_microbatches)
         name, bound = max(named_lower_bounds(self).items(), key=lambda kv: kv[1])
         part.with_report(lower_bound=bound, bound_by=name)
         over = [st.index for st in stats if not st.fits]
@@ -619,13 +628,14 @@ def evaluate(graph: OpGraph | nx.DiGraph, stage_of: Mapping[Hashable, int], *,
              training: bool = True, memory_limit: float | None = None,
              state_factor: float = DEFAULT_STATE_FACTOR, stages: int | None = None,
              method: str = "manual", ranks: int | None = None,
-             recompute: str | Sequence[str] = "none") -> Partition:
+             recompute: str | Sequence[str] = "none", active_microbatches: int | None = None) -> Partition:
     """The cost of any assignment ``stage_of`` (node -> stage index), per stage and overall.
 
     ``stages`` defaults to the largest stage index + 1; ``ranks`` is the pipeline ranks an
     interleaved schedule spreads them over (default: one stage per rank). ``recompute``:
     one choice for every stage ("none", "selective", "full"), one per stage, or "auto"
-    (each stage the fastest choice that fits its memory). Raises
+    (each stage the fastest choice that fits its memory). ``active_microbatches``: a cap on
+    microbatches in flight (gpipe, 1f1b). Raises
     :class:`~partitioner.errors.InvalidAssignmentError` when the assignment is not a
     pipeline (an op without a stage, an empty stage, an edge flowing to an earlier
     stage). Memory over the limit is reported (``Partition.memory_ok``, ``notes``), not
@@ -637,7 +647,7 @@ def evaluate(graph: OpGraph | nx.DiGraph, stage_of: Mapping[Hashable, int], *,
         stages = int(max(stage_of.values())) + 1
     prob = Problem(graph, stages, cluster=cluster, microbatches=microbatches, schedule=schedule,
                    training=training, memory_limit=memory_limit, state_factor=state_factor, ranks=ranks,
-                   recompute=recompute)
+                   recompute=recompute, active_microbatches=active_microbatches)
     assign = prob.assignment(stage_of)
     problems = prob.check(assign)
     if problems:

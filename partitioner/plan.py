@@ -18,7 +18,7 @@ from partitioner.errors import InvalidAssignmentError, PlanError
 from partitioner.graph import OpGraph
 from partitioner.ir import Schedule, ScheduleError, ScheduleKind, stage_graph_from_transfers
 from partitioner.recompute import CHOICES
-from partitioner.schedule import make_schedule
+from partitioner.schedule import CAPPABLE, check_active_microbatches, make_schedule
 from partitioner.simulate import SimResult, simulate, stage_costs_from
 from partitioner.timeline import Timeline
 from partitioner.units import format_bytes
@@ -132,6 +132,11 @@ class Plan:
     @property
     def schedule_name(self) -> str:
         return self.schedule.name
+
+    @property
+    def active_microbatches(self) -> int | None:
+        """The cap on microbatches a stage holds in flight (None: the schedule's own warm-up)."""
+        return self.schedule.meta.get("active_microbatches")
 
     @property
     def virtual_stages(self) -> int:
@@ -265,9 +270,11 @@ class Plan:
     # ---------------------------------------------------------------- re-timing
 
     def resimulate(self, *, schedule: str | None = None, microbatches: int | None = None,
-                   cluster: Cluster | None = None, recompute: str | Sequence[str] | None = None) -> Plan:
-        """The same stage assignment under another schedule, microbatch count, cluster or recomputation
-        (one choice for every stage, or one per stage).
+                   cluster: Cluster | None = None, recompute: str | Sequence[str] | None = None,
+                   active_microbatches: int | None | str = "same") -> Plan:
+        """The same stage assignment under another schedule, microbatch count, cluster, recomputation
+        (one choice for every stage, or one per stage) or cap on microbatches in flight
+        (``active_microbatches``: "same" keeps the plan's where the schedule takes one, None drops it).
 
         Per-microbatch costs scale with the microbatch size: going from m to m'
         microbatches of one batch multiplies op times and activation bytes by m / m'.
@@ -284,6 +291,13 @@ class Plan:
             raise PlanError(
                 "interleaving changes the number of stages per rank, so the assignment must be solved again: "
                 f"run `smp plan` with --schedule {kind.value}")
+        cap = active_microbatches
+        if cap == "same":
+            cap = self.active_microbatches if kind in CAPPABLE else None
+        try:
+            check_active_microbatches(kind, cap)  # type: ignore[arg-type]
+        except ValueError as err:
+            raise PlanError(str(err)) from None
         graph = self.graph if m == self.microbatches else self.graph.scaled(self.microbatches / m)
         ranks = self.pipeline_ranks
         stage_cluster = (cluster.for_stages(ranks).interleaved(ranks, self.virtual_stages) if cluster is not None
@@ -291,12 +305,14 @@ class Plan:
         old = self.partition
         part = evaluate(graph, old.stage_of, cluster=stage_cluster, microbatches=m, schedule=kind.value,
                         training=old.training, memory_limit=old.memory_limit, state_factor=old.state_factor,
-                        ranks=ranks, recompute=old.recompute if recompute is None else recompute)
+                        ranks=ranks, recompute=old.recompute if recompute is None else recompute,
+                        active_microbatches=cap)  # type: ignore[arg-type]
         # What the original solve proved carries over only to the same cluster and, under a
         # memory limit, the same schedule (another schedule's memory may allow better plans).
         # Op costs scale by s = m / m' but link latency does not, so a stage's time s*C + T is
         # at least min(s, 1) times its old C + T: the old bound, times min(s, 1), still holds.
-        same_problem = cluster is None and (old.memory_limit is None or kind.value == self.schedule_name) and \
+        same_problem = cluster is None and (old.memory_limit is None or (
+            kind.value == self.schedule_name and cap == self.active_microbatches)) and \
             list(part.recompute) == list(old.recompute)
         scale = graph.total_fwd / max(self.graph.total_fwd, 1e-30)
         part.with_report(lower_bound=old.lower_bound * min(scale, 1.0) if same_problem else None,
@@ -331,6 +347,7 @@ class Plan:
                 "optimal": self.partition.optimal,
                 "speedup": self.speedup,
                 "recompute": self.recompute,
+                "active_microbatches": self.active_microbatches,
             },
             "partition": self.partition.to_dict(),
             "schedule": self.schedule.to_dict(),
@@ -447,9 +464,11 @@ class Plan:
 
 def schedule_for(kind: ScheduleKind | str, part: Partition, microbatches: int, ranks: int,
                  data_parallel: int = 1) -> Schedule:
-    """The per-rank programs of ``kind`` over the partition's cut tensors (for ``data_parallel`` replicas)."""
+    """The per-rank programs of ``kind`` over the partition's cut tensors (for ``data_parallel`` replicas),
+    under the cap on microbatches in flight the partition's memory was counted for."""
     graph = stage_graph_from_transfers(part.num_stages, part.transfers)
-    return make_schedule(kind, graph, microbatches, num_ranks=ranks, data_parallel=data_parallel)
+    return make_schedule(kind, graph, microbatches, num_ranks=ranks, data_parallel=data_parallel,
+                         active_microbatches=part.active_microbatches)
 
 
 def simulate_partition(schedule: Schedule, part: Partition, dp_link: Link | None = None,

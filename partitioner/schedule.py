@@ -41,6 +41,8 @@ __all__ = [
     "compute_orders",
     "peak_in_flight",
     "SCHEDULES",
+    "CAPPABLE",
+    "check_active_microbatches",
     "validate",
     "format_table",
     "format_program",
@@ -85,12 +87,10 @@ def _with_w(order: list[Action], split: bool) -> list[Action]:
 # --------------------------------------------------------------------------- compute orders
 
 
-def _gpipe_orders(S: int, m: int, split: bool) -> Orders:
-    return [_with_w([_F(s, k) for k in range(m)] + [_B(s, k) for k in range(m)], split) for s in range(S)]
-
-
-def _one_f_one_b_order(s: int, p: int, m: int) -> list[Action]:
-    warm = min(p - s - 1, m)
+def _warm_then_alternate(s: int, warm: int, m: int) -> list[Action]:
+    """``warm`` forwards, then one forward and one backward at a time, then the remaining backwards:
+    at most ``warm + 1`` microbatches in flight."""
+    warm = min(warm, m)
     order = [_F(s, k) for k in range(warm)]
     for k in range(m - warm):
         order.append(_F(s, warm + k))
@@ -99,8 +99,20 @@ def _one_f_one_b_order(s: int, p: int, m: int) -> list[Action]:
     return order
 
 
-def _one_f_one_b_orders(S: int, m: int, split: bool) -> Orders:
-    return [_with_w(_one_f_one_b_order(s, S, m), split) for s in range(S)]
+def _gpipe_orders(S: int, m: int, split: bool, active: int | None = None) -> Orders:
+    if active is not None and active < m:  # SMP v1's "simple" pipeline under active_microbatches
+        # Stage s holds max(K - s, min(S - s, K)): never more than K, and one fewer than the stage
+        # before it where K allows. Equal warm-ups would make each later forward wait for a
+        # backward's round trip (4 stages, K = 4: 2.9x 1F1B's step); decreasing ones keep the
+        # pipe full (K >= S: 1F1B's step). With K <= S this is the capped 1f1b.
+        return [_with_w(_warm_then_alternate(s, max(active - s, min(S - s, active)) - 1, m), split)
+                for s in range(S)]
+    return [_with_w([_F(s, k) for k in range(m)] + [_B(s, k) for k in range(m)], split) for s in range(S)]
+
+
+def _one_f_one_b_orders(S: int, m: int, split: bool, active: int | None = None) -> Orders:
+    cap = S if active is None else active
+    return [_with_w(_warm_then_alternate(s, min(S - s, cap) - 1, m), split) for s in range(S)]
 
 
 def _interleaved_orders(S: int, m: int, p: int, split: bool) -> Orders:
@@ -155,39 +167,59 @@ def _zb_h1_orders(S: int, m: int) -> Orders:
     return orders
 
 
+def check_active_microbatches(kind: ScheduleKind | str, active_microbatches: int | None) -> None:
+    """Refuse a cap on microbatches in flight that the schedule kind cannot take, naming what can."""
+    if active_microbatches is None:
+        return
+    kind = ScheduleKind.parse(kind)
+    if isinstance(active_microbatches, bool) or not isinstance(active_microbatches, int) or active_microbatches < 1:
+        raise ValueError(f"active_microbatches must be a whole number >= 1 (microbatches in flight per stage), "
+                         f"got {active_microbatches!r}")
+    if kind not in CAPPABLE:
+        raise ValueError(f"active_microbatches caps the warm-up of gpipe and 1f1b; {kind.value} fixes its own "
+                         f"(its memory rule is in docs/schedules.md): use the 1f1b or gpipe schedule with the cap, "
+                         "or drop it")
+
+
 def compute_orders(kind: ScheduleKind | str, num_stages: int, num_microbatches: int, *,
-                   num_ranks: int | None = None) -> tuple[Orders, list[int]]:
+                   num_ranks: int | None = None, active_microbatches: int | None = None
+                   ) -> tuple[Orders, list[int]]:
     """Every rank's compute actions in order, and the rank of each stage, for a generated schedule.
 
-    Depends only on the schedule kind, the stage count, the microbatches and (interleaved)
-    the rank count: the same for every model, which is what lets the cost model read its
-    memory rule off the schedule (:func:`peak_in_flight`) before any partition exists.
+    Depends only on the schedule kind, the stage count, the microbatches, (interleaved) the
+    rank count and the cap on microbatches in flight: the same for every model, which is what
+    lets the cost model read its memory rule off the schedule (:func:`peak_in_flight`) before
+    any partition exists.
     """
     kind = ScheduleKind.parse(kind)
     S, m = num_stages, num_microbatches
     _check_m(m)
+    check_active_microbatches(kind, active_microbatches)
     if kind is ScheduleKind.INTERLEAVED:
         p = num_ranks if num_ranks is not None else S
         return _interleaved_orders(S, m, p, False), [s % p for s in range(S)]
     if kind is ScheduleKind.GPIPE:
-        return _gpipe_orders(S, m, False), list(range(S))
+        return _gpipe_orders(S, m, False, active_microbatches), list(range(S))
     if kind is ScheduleKind.ONE_F_ONE_B:
-        return _one_f_one_b_orders(S, m, False), list(range(S))
+        return _one_f_one_b_orders(S, m, False, active_microbatches), list(range(S))
     return _zb_h1_orders(S, m), list(range(S))
 
 
 def peak_in_flight(kind: ScheduleKind | str, num_stages: int, num_microbatches: int, *,
-                   num_ranks: int | None = None, training: bool = True) -> list[int]:
+                   num_ranks: int | None = None, training: bool = True,
+                   active_microbatches: int | None = None) -> list[int]:
     """Most microbatches each stage holds activations for at once (F done, its last backward action not).
 
     Counted on the schedule's own compute orders, so it is exact for every kind: GPipe
     holds all m, 1F1B and ZB-H1 min(m, p - stage), interleaved 1F1B what Megatron's
-    warm-up leaves in flight. Inference keeps one.
+    warm-up leaves in flight; a cap (``active_microbatches``) at most that many. Inference
+    keeps one.
     """
     if not training:
         return [1] * num_stages
     kind = ScheduleKind.parse(kind)
-    orders, _ = compute_orders(kind, num_stages, num_microbatches, num_ranks=num_ranks)
+    orders, _ = compute_orders(kind, num_stages, num_microbatches, num_ranks=num_ranks,
+                               active_microbatches=active_microbatches)
     release = ActionKind.W if kind.split_backward else ActionKind.B
     peak = [0] * num_stages
     held = [0] * num_stages
@@ -265,28 +297,41 @@ def _build(kind: ScheduleKind, graph: StageGraph, m: int, stage_to_rank: Sequenc
 # --------------------------------------------------------------------------- generators
 
 
-def gpipe(graph: StageGraph | int, num_microbatches: int, *, split_backward: bool = False) -> Schedule:
+def _cap_meta(active_microbatches: int | None) -> dict[str, Any]:
+    return {} if active_microbatches is None else {"active_microbatches": active_microbatches}
+
+
+def gpipe(graph: StageGraph | int, num_microbatches: int, *, split_backward: bool = False,
+          active_microbatches: int | None = None) -> Schedule:
     """GPipe (Huang et al., 2019): all forwards, then all backwards; stage j on rank j.
 
-    Every rank holds the activations of all m microbatches at the peak.
+    Every rank holds the activations of all m microbatches at the peak. With
+    ``active_microbatches`` K < m (SMP v1's cap), stage s runs max(K - s, min(p - s, K))
+    forwards, then one backward before each further forward: K in flight at most.
     """
     g = _as_graph(graph)
     _check_m(num_microbatches)
-    orders = _gpipe_orders(g.num_stages, num_microbatches, split_backward)
-    return _build(ScheduleKind.GPIPE, g, num_microbatches, range(g.num_stages), orders, split_backward)
+    check_active_microbatches(ScheduleKind.GPIPE, active_microbatches)
+    orders = _gpipe_orders(g.num_stages, num_microbatches, split_backward, active_microbatches)
+    return _build(ScheduleKind.GPIPE, g, num_microbatches, range(g.num_stages), orders, split_backward,
+                  **_cap_meta(active_microbatches))
 
 
-def one_f_one_b(graph: StageGraph | int, num_microbatches: int, *, split_backward: bool = False) -> Schedule:
+def one_f_one_b(graph: StageGraph | int, num_microbatches: int, *, split_backward: bool = False,
+                active_microbatches: int | None = None) -> Schedule:
     """1F1B / PipeDream-Flush (Narayanan et al., 2021; DAPPLE, Fan et al., 2021); stage j on rank j.
 
     Stage i runs min(p - i - 1, m) warm-up forwards, then alternates one forward and
     one backward, then drains the backwards: at most min(m, p - i) microbatches in
-    flight, with GPipe's bubble.
+    flight, with GPipe's bubble. ``active_microbatches`` K shortens the warm-up to
+    K - 1 where it is longer: at most K in flight.
     """
     g = _as_graph(graph)
     _check_m(num_microbatches)
-    orders = _one_f_one_b_orders(g.num_stages, num_microbatches, split_backward)
-    return _build(ScheduleKind.ONE_F_ONE_B, g, num_microbatches, range(g.num_stages), orders, split_backward)
+    check_active_microbatches(ScheduleKind.ONE_F_ONE_B, active_microbatches)
+    orders = _one_f_one_b_orders(g.num_stages, num_microbatches, split_backward, active_microbatches)
+    return _build(ScheduleKind.ONE_F_ONE_B, g, num_microbatches, range(g.num_stages), orders, split_backward,
+                  **_cap_meta(active_microbatches))
 
 
 def interleaved_1f1b(graph: StageGraph | int, num_microbatches: int, num_ranks: int, *,
@@ -331,18 +376,26 @@ SCHEDULES: dict[ScheduleKind, Callable[..., Schedule]] = {
     ScheduleKind.ZB_H1: zb_h1,
 }
 
+#: The kinds a cap on microbatches in flight (``active_microbatches``) applies to.
+CAPPABLE = (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B)
+
 
 def make_schedule(kind: ScheduleKind | str, graph: StageGraph | int, num_microbatches: int, *,
-                  num_ranks: int | None = None, data_parallel: int = 1) -> Schedule:
+                  num_ranks: int | None = None, data_parallel: int = 1,
+                  active_microbatches: int | None = None) -> Schedule:
     """Build a schedule by kind (any spelling :meth:`ScheduleKind.parse` takes); ``num_ranks`` for interleaved.
 
     With ``data_parallel`` > 1 replicas, each stage's gradient all-reduce is placed in its
-    rank's program (:func:`with_allreduce`).
+    rank's program (:func:`with_allreduce`). ``active_microbatches`` caps the microbatches
+    in flight (gpipe and 1f1b; :data:`CAPPABLE`).
     """
     kind = ScheduleKind.parse(kind)
+    check_active_microbatches(kind, active_microbatches)
     if kind is ScheduleKind.INTERLEAVED:
         g = _as_graph(graph)
         sched = interleaved_1f1b(g, num_microbatches, num_ranks if num_ranks is not None else g.num_stages)
+    elif kind in CAPPABLE:
+        sched = SCHEDULES[kind](graph, num_microbatches, active_microbatches=active_microbatches)
     else:
         sched = SCHEDULES[kind](graph, num_microbatches)
     return with_allreduce(sched, data_parallel) if data_parallel > 1 else sched

@@ -483,7 +483,7 @@ def _make_plan(model: str, *, stages: int, microbatches: int, schedule: str, clu
                memory_limit: int | None, method: str, time_limit: float | None, batch_size: int | None,
                seq_len: int | None, timing: str | None, device: str | None, meta: bool, dtype: str | None,
                repeats: int, virtual_stages: int, show_progress: bool, objective: str = "step_time",
-               recompute: str = "auto"):
+               recompute: str = "auto", active_microbatches: int | None = None):
     """A Plan from a model spec (trace + profile + solve) or from an op graph JSON (solve only)."""
     import smp
     from smp.models import build_step
@@ -502,7 +502,7 @@ def _make_plan(model: str, *, stages: int, microbatches: int, schedule: str, clu
             return plan_from_graph(graph, stages=stages, microbatches=microbatches, schedule=schedule,
                                    cluster=cluster, memory_limit=memory_limit, method=method,
                                    time_limit=time_limit, virtual_stages=virtual_stages, objective=objective,
-                                   recompute=recompute)
+                                   recompute=recompute, active_microbatches=active_microbatches)
     device = _choice(device, DEVICE_CHOICES, "--device")
     timing_, profile_name = _timing_for(timing, meta, cluster)
     bundle = build_step(model, microbatches=microbatches, batch_size=batch_size, seq_len=seq_len, meta=meta)
@@ -516,7 +516,8 @@ def _make_plan(model: str, *, stages: int, microbatches: int, schedule: str, clu
                         microbatches=microbatches, schedule=schedule, cluster=cluster, memory_limit=memory_limit,
                         method=method, time_limit=time_limit, timing=timing_, device=device,
                         device_profile=profile_name, dtype=dtype, virtual_stages=virtual_stages,
-                        repeats=repeats, name=model, objective=objective, progress=progress, recompute=recompute)
+                        repeats=repeats, name=model, objective=objective, progress=progress, recompute=recompute,
+                        active_microbatches=active_microbatches)
 
 
 def _search_plans(model: str, *, devices: int | None, stages: int | None, microbatches: int | None,
@@ -621,8 +622,9 @@ def _header(plan) -> str:
     where = (f"stages on {plan.num_ranks} ranks" if plan.data_parallel == 1 else
              f"stages on {plan.pipeline_ranks} ranks x {plan.data_parallel} replicas = {plan.num_ranks} ranks "
              f"({plan.placement})")
+    cap = f" (at most {plan.active_microbatches} in flight)" if plan.active_microbatches is not None else ""
     return (f"[bold]{_spec_name(m.name)}[/]: {len(plan.graph)} ops{params} → {plan.num_stages} "
-            f"{where} · {plan.schedule_name} · {mb}{' per replica' if plan.data_parallel > 1 else ''}\n"
+            f"{where} · {plan.schedule_name}{cap} · {mb}{' per replica' if plan.data_parallel > 1 else ''}\n"
             f"timing {how} · cluster {cl} · memory limit {format_bytes(limit)}")
 
 
@@ -698,6 +700,9 @@ def plan_cmd(
     recompute: Annotated[str, typer.Option(
         "--recompute", help="activation recomputation per stage: auto (chosen with the partition, only where the "
                             "memory limit needs it) | none | selective | full")] = "auto",
+    active_microbatches: Annotated[Optional[int], typer.Option(
+        "--active-microbatches", help="most microbatches a stage holds in flight (gpipe, 1f1b; SMP v1's name): "
+                                      "less activation memory, a longer bubble \\[default: the schedule's own]")] = None,
     cluster: ClusterOpt = None,
     memory_limit: MemoryOpt = None,
     method: MethodOpt = "auto",
@@ -730,12 +735,16 @@ def plan_cmd(
     _positive(virtual_stages, "--virtual-stages")
     _positive(devices, "--devices")
     _positive(global_batch, "--global-batch")
+    _positive(active_microbatches, "--active-microbatches")
     if devices is None and stages is None:
         raise CLIUsageError("pass --stages P (pipeline ranks), or --devices N to weigh replicas x stages x "
                             "microbatches on N devices")
     if global_batch is not None and devices is None:
         raise CLIUsageError("--global-batch goes with --devices; for one pipeline the step batch is --batch-size")
     search = None
+    if (auto_m or auto_s or devices is not None) and active_microbatches is not None:
+        raise CLIUsageError("--active-microbatches fixes one schedule's warm-up, and --devices / auto weigh schedules "
+                            "and microbatch counts as they are: drop one")
     if auto_m or auto_s or devices is not None:
         _, _, _, meth, limit = _plan_args(stages or 1, None, None, "1f1b", method, memory_limit, time_limit, repeats)
         if devices is None and count is not None:
@@ -754,7 +763,8 @@ def plan_cmd(
         p = _make_plan(model, stages=stages, microbatches=m, schedule=sched, cluster=cluster, memory_limit=limit,
                        method=meth, time_limit=time_limit, batch_size=batch_size, seq_len=seq_len, timing=timing,
                        device=device, meta=meta, dtype=dtype, repeats=repeats, virtual_stages=virtual_stages,
-                       show_progress=not json_out, objective=objective, recompute=recompute)
+                       show_progress=not json_out, objective=objective, recompute=recompute,
+                       active_microbatches=active_microbatches)
     files: dict[str, str | None] = {"plan": None, "timeline": None}
     if output is not None:
         files["plan"] = str(p.save(output))
@@ -831,6 +841,9 @@ def simulate_cmd(
         "--schedule", "-s", help="gpipe | 1f1b | zb-h1 (interleaved needs a re-plan) \\[default: the plan's]")] = None,
     microbatches: Annotated[Optional[int], typer.Option(
         "--microbatches", "-m", help="split the same batch into this many microbatches \\[default: the plan's]")] = None,
+    active_microbatches: Annotated[Optional[int], typer.Option(
+        "--active-microbatches", help="most microbatches a stage holds in flight (gpipe, 1f1b) \\[default: the "
+                                      "plan's, where the schedule takes one]")] = None,
     timeline: TimelineOpt = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="save the re-timed plan here")] = None,
     json_out: JsonOpt = False,
@@ -839,9 +852,11 @@ def simulate_cmd(
     from smp.units import format_time
 
     _positive(microbatches, "--microbatches")
+    _positive(active_microbatches, "--active-microbatches")
     sched = _choice(schedule, SCHEDULE_CHOICES, "--schedule")
     before = _load_plan(plan_file)
-    after = before.resimulate(schedule=sched, microbatches=microbatches)
+    after = before.resimulate(schedule=sched, microbatches=microbatches,
+                              active_microbatches="same" if active_microbatches is None else active_microbatches)
     files: dict[str, str | None] = {"plan": None, "timeline": None}
     if output is not None:
         files["plan"] = str(after.save(output))

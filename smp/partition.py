@@ -43,7 +43,7 @@ def partition(model: nn.Module, **options: Any) -> PipelinedModel:
     The options are :class:`PipelinedModel`'s: ``stages``, ``microbatches``, ``schedule``,
     ``loss_fn``, ``cluster``, ``memory_limit``, ``plan``, ``timeout``, ``plan_options``,
     ``device``, ``checkpoint``, ``init_fn``, ``init_seed``, ``broadcast_output``, ``placement``,
-    ``recompute``, ``precision``, ``grad_scaler``.
+    ``recompute``, ``active_microbatches``, ``precision``, ``grad_scaler``.
     """
     return PipelinedModel(model, **options)
 
@@ -123,7 +123,7 @@ class PipelinedModel:
                  init_fn: Callable[[nn.Module], None] | None = None, init_seed: int = 0,
                  broadcast_output: bool = False, placement: str | None = None,
                  broadcast_buffers: bool = True, recompute: str = "auto", precision: str = "fp32",
-                 grad_scaler: PipelineGradScaler | None = None) -> None:
+                 grad_scaler: PipelineGradScaler | None = None, active_microbatches: int | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"smp.partition takes a torch.nn.Module, got {type(model).__name__}")
         self.module = model
@@ -182,6 +182,11 @@ class PipelinedModel:
             raise RuntimeConfigError(f"recompute={recompute!r} disagrees with the plan's {plan.recompute}: a plan "
                                      "fixes each stage's recomputation; re-plan with smp.plan(..., recompute=...)")
         self.recompute = recompute
+        if plan is not None and active_microbatches is not None and active_microbatches != plan.active_microbatches:
+            raise RuntimeConfigError(f"active_microbatches={active_microbatches} disagrees with the plan's "
+                                     f"{plan.active_microbatches}: a plan fixes its schedule; re-plan with "
+                                     "smp.plan(..., active_microbatches=...)")
+        self.active_microbatches = active_microbatches
         self._setup: _SetUp | None = None
         self._engine: Engine | None = None  # the engine of the last mode used
         self._engines: dict[bool, Engine] = {}
@@ -308,7 +313,7 @@ class PipelinedModel:
             return None
         graph = StageGraph(plan.num_stages, tuple(Edge(a, b, t) for a, b, t in cut_edges(gm, stage_of)))
         schedule = make_schedule(plan.schedule_name, graph, plan.microbatches, num_ranks=plan.pipeline_ranks,
-                                 data_parallel=self.layout.dp_size)
+                                 data_parallel=self.layout.dp_size, active_microbatches=plan.active_microbatches)
         return Program(gm, stage_of, {}, schedule, state_meta_of(gm), frontend)
 
     def _make_plan(self, args: tuple, kwargs: dict) -> Plan:
@@ -321,7 +326,8 @@ class PipelinedModel:
             with torch.random.fork_rng(devices=[]), self.precision.autocast(self.device):
                 return make_plan(self.module, args, kwargs, stages=self.stages, microbatches=self.microbatches,
                                  schedule=self.schedule, cluster=self.cluster, memory_limit=self.memory_limit,
-                                 **{"recompute": self.recompute, **opts, "training": True, "data_parallel": self.layout.dp_size,
+                                 **{"recompute": self.recompute, "active_microbatches": self.active_microbatches, **opts,
+                                    "training": True, "data_parallel": self.layout.dp_size,
                                     "placement": self.layout.placement})
 
         if not self.distributed:

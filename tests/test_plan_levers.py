@@ -113,3 +113,31 @@ def test_cli_microbatches_auto_prints_the_candidates():
     assert data["step_time_s"] == pytest.approx(cands[0]["step_time"])
     graph_file = runner.invoke(app, ["plan", "graph.json", "--stages", "2", "--microbatches", "auto"])
     assert graph_file.exit_code == 2 and "need a model spec" in graph_file.output
+
+
+def test_active_microbatches_prices_the_capped_schedule_and_travels_with_the_plan(gpt, tmp_path):
+    """The cap is priced (each stage keeps cap x its activations, the simulator walks the capped programs),
+    saved and loaded, kept by resimulate where the schedule takes it, and refused where it does not."""
+    model, args, kwargs = gpt
+    free = smp.plan(model, args, kwargs, stages=2, microbatches=8, schedule="gpipe", **OPTS)
+    capped = free.resimulate(active_microbatches=2)
+    assert capped.active_microbatches == 2 and free.active_microbatches is None
+    assert [s.in_flight for s in capped.partition.stages] == [2, 1]  # one fewer on each later stage
+    for a, b in zip(free.partition.stages, capped.partition.stages):  # the same stages, fewer held
+        assert a.in_flight == 8 and a.memory - b.memory == pytest.approx((8 - b.in_flight) * a.activations, rel=1e-9)
+    # at most the stage count, capped gpipe is 1f1b's program, and the simulator walks it as such
+    assert capped.step_time == pytest.approx(free.resimulate(schedule="1f1b").step_time, rel=1e-12)
+    assert free.resimulate(active_microbatches=1).step_time > free.step_time  # one at a time: a longer step
+    again = smp.Plan.load(capped.save(tmp_path / "capped.json"))
+    assert again.active_microbatches == 2 and again.partition.active_microbatches == 2
+    assert again.resimulate(schedule="1f1b").active_microbatches == 2
+    assert again.resimulate(schedule="zb-h1").active_microbatches is None  # zb-h1 has its own warm-up
+    solved = smp.plan(model, args, kwargs, stages=2, microbatches=8, schedule="gpipe", active_microbatches=2, **OPTS)
+    assert solved.active_microbatches == 2 and [s.in_flight for s in solved.partition.stages] == [2, 1]
+    with pytest.raises(smp.PlanError, match="zb-h1 fixes its own"):
+        smp.plan(model, args, kwargs, stages=2, microbatches=8, schedule="zb-h1", active_microbatches=2, **OPTS)
+    cli = ["plan", GPT, "--meta", "--stages", 2, "--microbatches", 8, "--schedule", "gpipe", "--cluster", "h100-sxm"]
+    assert "gpipe (at most 2 in flight)" in ok(*cli, "--active-microbatches", 2).stdout
+    held = [[s["memory_bytes"] for s in json.loads(ok(*cli, *cap, "--json").stdout)["stages"]]
+            for cap in ([], ["--active-microbatches", 2])]
+    assert all(c < f for f, c in zip(*held))

@@ -38,6 +38,9 @@ def test_gpt_two_ranks_all_schedules(tmp_path: Path) -> None:
     base = make_plan(spec, 2, 4, "1f1b")
     plans = {s: base.resimulate(schedule=s) for s in ("gpipe", "1f1b", "zb-h1")}
     plans["interleaved"] = make_plan(spec, 2, 4, "interleaved")
+    # SMP v1's active_microbatches: fewer microbatches in flight, the same gradients
+    plans["1f1b-cap1"] = base.resimulate(active_microbatches=1)
+    plans["gpipe-cap2"] = base.resimulate(schedule="gpipe", active_microbatches=2)
     ranks = _launch_and_check(spec, 2, plans, tmp_path, check_state=True)
     # state_dict gathers to rank 0 and loads into the original model, reproducing the pipeline's output
     from smp.models import build

@@ -25,6 +25,7 @@ from partitioner.schedule import (
     interleaved_1f1b,
     make_schedule,
     one_f_one_b,
+    peak_in_flight,
     stage_graph_from_transfers,
     validate,
     zb_h1,
@@ -362,3 +363,51 @@ def test_error_structural() -> None:
     with pytest.raises(ScheduleError, match="never sent"):
         # compute complete, but the cross-rank edge is never moved
         validate(Schedule("x", g, 1, (0, 1), (tuple(P("F0.0", "B0.0")), tuple(P("F1.0", "B1.0")))))
+
+
+def _held_at_peak(sch: Schedule) -> list[int]:
+    """Counted on the generated programs themselves: most microbatches a stage has run F for and not B."""
+    peak = [0] * sch.num_stages
+    for s in range(sch.num_stages):
+        held = 0
+        for a in sch.compute_actions(sch.stage_to_rank[s]):
+            if a.stage == s and a.kind in (K.F, K.B):
+                held += 1 if a.kind is K.F else -1
+                peak[s] = max(peak[s], held)
+    return peak
+
+
+@settings(max_examples=30, deadline=None)
+@given(kind=st.sampled_from(["gpipe", "1f1b"]), S=st.integers(1, 6), m=st.integers(1, 9), cap=st.integers(1, 8),
+       seed=st.integers(0, 10_000))
+def test_active_microbatches_caps_what_every_stage_holds(kind: str, S: int, m: int, cap: int, seed: int) -> None:
+    """SMP v1's active_microbatches: no stage holds more than the cap, the first stage holds all it may, later
+    stages no more than earlier ones (else a forward waits for a backward's round trip), every F and B runs
+    once, the programs walk (make_schedule validates them), the memory rule agrees, and a cap that does not
+    bind changes nothing; below m and at most S, capped gpipe is capped 1f1b."""
+    graph = random_graph(S, seed)
+    free = make_schedule(kind, graph, m)
+    capped = make_schedule(kind, graph, m, active_microbatches=cap)
+    held = _held_at_peak(capped)
+    assert held == peak_in_flight(kind, S, m, active_microbatches=cap)
+    assert held[0] == min(cap, _held_at_peak(free)[0]) and all(a >= b for a, b in zip(held, held[1:]))
+    assert all(h <= min(cap, f) for h, f in zip(held, _held_at_peak(free)))
+    for s in range(S):
+        runs = Counter((a.kind, a.mb) for a in capped.compute_actions(capped.stage_to_rank[s]) if a.stage == s)
+        assert runs == Counter({(k, mb): 1 for k in (K.F, K.B) for mb in range(m)})
+    if cap >= max(_held_at_peak(free)):
+        assert capped.actions == free.actions
+    if kind == "gpipe" and cap <= S and cap < m:
+        assert capped.actions == make_schedule("1f1b", graph, m, active_microbatches=cap).actions
+    assert capped.meta["active_microbatches"] == cap
+
+
+@pytest.mark.parametrize(("kind", "cap", "match"), [
+    ("zb-h1", 2, "zb-h1 fixes its own.*1f1b or gpipe"),
+    ("interleaved", 2, "interleaved fixes its own"),
+    ("1f1b", 0, "whole number >= 1"),
+    ("gpipe", 1.5, "whole number >= 1"),
+])
+def test_a_cap_a_schedule_cannot_take_is_refused(kind: str, cap: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        make_schedule(kind, 4, 8, num_ranks=2 if kind == "interleaved" else None, active_microbatches=cap)

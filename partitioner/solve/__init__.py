@@ -80,7 +80,8 @@ def solve(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None =
           method: str = "auto", time_limit: float | None = None,
           state_factor: float = DEFAULT_STATE_FACTOR, workers: int = 1,
           objective: str = "bottleneck", ranks: int | None = None,
-          wall_limit: float | None = None, recompute: str = "auto") -> Partition:
+          wall_limit: float | None = None, recompute: str = "auto",
+          active_microbatches: int | None = None) -> Partition:
     """Assign every op to one of ``stages`` pipeline stages, minimising the bottleneck stage time.
 
     ``method``: ``"dp"`` (exact over contiguous cuts of the program order), ``"cpsat"``
@@ -102,7 +103,8 @@ def solve(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None =
     none wherever memory allows, see :mod:`partitioner.recompute`), or "none", "selective",
     "full" on every stage. Under ``"none"`` a limit nothing fits raises a
     :class:`MemoryLimitError` that gives the least memory a plan needs and says whether
-    recomputation would fit.
+    recomputation would fit. ``active_microbatches``: a cap on microbatches in flight (gpipe,
+    1f1b) that the memory is counted under.
     """
     _check_choices(method, objective)
     t0 = time.perf_counter()
@@ -112,7 +114,7 @@ def solve(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None =
     blocks = colocation_blocks(g, program_order, colocate)
     prob = Problem(graph, stages, cluster=cluster, microbatches=microbatches, schedule=schedule,
                    training=training, memory_limit=memory_limit, state_factor=state_factor,
-                   order=blocks.order, ranks=ranks, recompute=recompute)
+                   order=blocks.order, ranks=ranks, recompute=recompute, active_microbatches=active_microbatches)
     blocks.check_stages(prob.p, lonely=[i for i, out in enumerate(prob.is_output) if out])
     if method in BASELINES:
         part = prob.partition(baseline_assign(prob, method, _allowed_cuts(prob, blocks)), method=method)
@@ -309,7 +311,8 @@ def _recompute_rescue(prob: Problem, allowed: np.ndarray) -> str | None:
     """When recomputation was not (fully) allowed: what recompute='auto' makes fit, or None."""
     auto = Problem(prob.graph, prob.p, cluster=prob.cluster, microbatches=prob.microbatches,
                    schedule=prob.schedule, training=prob.training, memory_limit=prob.memory_limit_arg,
-                   state_factor=prob.state_factor, order=prob.order, ranks=prob.ranks, recompute="auto")
+                   state_factor=prob.state_factor, order=prob.order, ranks=prob.ranks, recompute="auto",
+                   active_microbatches=prob.active_microbatches)
     dp = dp_solve(auto, allowed)
     if dp is None:
         return None

@@ -73,8 +73,8 @@ class V1Config:
     """The configuration a v1 script runs with, in smp's terms.
 
     ``memory_weight`` is None when neither it nor ``optimize`` was given: smp's planner
-    then returns its fastest plan that fits (docs/smp-v1.md). ``active_microbatches`` is
-    None when not given. ``timeout`` (seconds, smp's own key) bounds every wait on a peer.
+    then returns its fastest plan that fits (docs/smp-v1.md). ``active_microbatches`` (the
+    most microbatches a partition holds in flight) is None when not given: the schedule's own. ``timeout`` (seconds, smp's own key) bounds every wait on a peer.
     """
 
     partitions: int
@@ -162,8 +162,7 @@ def _parse(raw: dict[str, Any]) -> V1Config:
         raise V1Error(f"parameter timeout={timeout!r}: seconds, a number > 0")
     cfg = V1Config(partitions=partitions, microbatches=microbatches, pipeline=pipeline, ddp=ddp,
                    placement_strategy=placement, auto_partition=auto, default_partition=default,
-                   memory_weight=_memory_weight(raw), active_microbatches=_active(raw, partitions, microbatches,
-                                                                                  pipeline),
+                   memory_weight=_memory_weight(raw), active_microbatches=_active(raw),
                    timeout=float(timeout))
     return cfg
 
@@ -192,18 +191,9 @@ def _memory_weight(raw: dict[str, Any]) -> float | None:
     return float(w)
 
 
-def _active(raw: dict[str, Any], partitions: int, microbatches: int, pipeline: str) -> int | None:
-    if "active_microbatches" not in raw:
-        return None
-    active = _int(raw, "active_microbatches", 1)
-    schedule = SCHEDULES[pipeline]
-    in_flight = min(partitions, microbatches) if schedule == "1f1b" else microbatches
-    if active < in_flight:
-        fix = ("raise it to at least the number of partitions" if schedule == "1f1b" else
-               "use pipeline: \"interleaved\" (1F1B keeps at most `partitions` in flight) or raise it")
-        raise V1Error(f"v1 parameter active_microbatches={active}: smp's {schedule} schedule keeps up to {in_flight} "
-                      f"microbatches in flight on the first stage and cannot cap it lower; {fix}")
-    return active
+def _active(raw: dict[str, Any]) -> int | None:
+    """v1's cap on microbatches in flight, which smp's gpipe and 1f1b schedules take as it is."""
+    return _int(raw, "active_microbatches", 1) if "active_microbatches" in raw else None
 
 
 def _int(raw: dict[str, Any], key: str, default: int, low: int = 1) -> int:

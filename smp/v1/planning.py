@@ -54,7 +54,8 @@ def partition_plan(module: nn.Module, args: tuple, kwargs: dict, state: State, d
     limit = float(memory[1]) if memory is not None and state.distributed else None
     profile_on = torch.device("cpu") if trace_device == "cpu" else (device if device.type == "cuda" else None)
     # the plan is for every replica of the pipeline (the sample batch is one replica's share)
-    replicas = {"data_parallel": state.topology.dp_size, "placement": cfg.placement}
+    replicas = {"data_parallel": state.topology.dp_size, "placement": cfg.placement,
+                "active_microbatches": cfg.active_microbatches}
 
     def build() -> Plan:
         with torch.random.fork_rng(devices=[]):  # profiling runs the model; every rank's RNG stays the same
@@ -82,7 +83,8 @@ def weigh_memory(fast: Plan, weight: float | None, limit: float | None) -> Plan:
     if not weight:
         return fast
     peak = max(fast.stage_memory)
-    prob = Problem(fast.graph, fast.num_stages, microbatches=fast.microbatches, schedule=fast.schedule_name)
+    prob = Problem(fast.graph, fast.num_stages, microbatches=fast.microbatches, schedule=fast.schedule_name,
+                   active_microbatches=fast.active_microbatches)
     floor = memory_lower_bound(prob)[0]
     target = peak - weight * (peak - floor)
     for step in _RELAX_STEPS:
@@ -92,7 +94,8 @@ def weigh_memory(fast: Plan, weight: float | None, limit: float | None) -> Plan:
         try:
             plan = plan_from_graph(fast.graph, stages=fast.pipeline_ranks, microbatches=fast.microbatches,
                                    schedule=fast.schedule_name, memory_limit=cap if limit is None else min(cap, limit),
-                                   model_info=fast.model, data_parallel=fast.data_parallel, placement=fast.placement)
+                                   model_info=fast.model, data_parallel=fast.data_parallel, placement=fast.placement,
+                                   active_microbatches=fast.active_microbatches)
         except PlanningError:
             continue
         plan.partition.notes.append(
