@@ -24,6 +24,7 @@ __all__ = ["CheckpointError", "WeightSource", "open_weights", "save_pipeline", "
 MODEL_PREFIX = "model/"
 OPTIM_PREFIX = "optim/"
 _HYPER = "hyper"  # optim/<name>/hyper: the param group's hyperparameters and the non-tensor state, as JSON
+SCALER_KEY = "scaler"  # the fp16 loss scaler's state (PipelineGradScaler.state_dict), as JSON
 
 
 class CheckpointError(ValueError):
@@ -223,17 +224,21 @@ def _optimizer_entries(optimizer: torch.optim.Optimizer, names: Mapping[int, str
 
 
 def save_pipeline(directory: str | Path, tensors: Mapping[str, torch.Tensor],
-                  optimizer: torch.optim.Optimizer | None, param_names: Mapping[int, str]) -> None:
+                  optimizer: torch.optim.Optimizer | None, param_names: Mapping[int, str],
+                  scaler_state: Mapping[str, float | int] | None = None) -> None:
     """Every rank writes its own tensors (and optimizer state) to one DCP checkpoint, in parallel.
 
     ``tensors``: this rank's state by original name; ``param_names``: id of each local
     parameter -> its name. A tensor several ranks hold (a tied weight) is written once.
+    ``scaler_state``: the fp16 loss scaler's, the same on every rank (its decisions are global).
     """
     import torch.distributed.checkpoint as dcp
 
     state: dict[str, Any] = {MODEL_PREFIX + n: t for n, t in tensors.items()}
     if optimizer is not None:
         state.update(_optimizer_entries(optimizer, param_names))
+    if scaler_state is not None:
+        state[SCALER_KEY] = json.dumps(dict(scaler_state))
     import torch.distributed as dist
 
     single = not (dist.is_available() and dist.is_initialized())
@@ -243,8 +248,10 @@ def save_pipeline(directory: str | Path, tensors: Mapping[str, torch.Tensor],
 
 
 def load_pipeline(directory: str | Path, tensors: Mapping[str, torch.Tensor],
-                  optimizer: torch.optim.Optimizer | None, param_names: Mapping[int, str]) -> None:
-    """Read this rank's tensors (and its parameters' optimizer state) from a checkpoint written by any stage count."""
+                  optimizer: torch.optim.Optimizer | None, param_names: Mapping[int, str]
+                  ) -> dict[str, float | int] | None:
+    """Read this rank's tensors (and its parameters' optimizer state) from a checkpoint written by any stage count;
+    returns the fp16 loss scaler's state when the checkpoint has one."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -254,9 +261,16 @@ def load_pipeline(directory: str | Path, tensors: Mapping[str, torch.Tensor],
         raise CheckpointError(f"{directory} is not an smp checkpoint (no .metadata); load plain weights with "
                               "smp.partition(model, checkpoint=...)")
     source.read(tensors)
-    if optimizer is None:
-        return
     metadata = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    scaler_state = None
+    if SCALER_KEY in metadata:
+        staged_scaler: dict[str, Any] = {SCALER_KEY: ""}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(staged_scaler, checkpoint_id=str(directory), no_dist=True)
+        scaler_state = json.loads(staged_scaler[SCALER_KEY])
+    if optimizer is None:
+        return scaler_state
     params = {id(p): p for group in optimizer.param_groups for p in group["params"]}
     for pid, name in param_names.items():
         p = params.get(pid)
@@ -283,6 +297,7 @@ def load_pipeline(directory: str | Path, tensors: Mapping[str, torch.Tensor],
         for k, v in extra["group"].items():
             if k in group:
                 group[k] = tuple(v) if isinstance(group[k], tuple) else v
+    return scaler_state
 
 
 def consolidate(directory: str | Path, path: str | Path) -> Path:

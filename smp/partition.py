@@ -542,21 +542,28 @@ class PipelinedModel:
         A collective. Names are the original model's, so the checkpoint loads into a
         pipeline with any stage count (``load_checkpoint``, or ``checkpoint=`` of
         ``smp.partition``) and converts to one file for the unpartitioned model
-        (``smp.consolidate_checkpoint``). Written with torch.distributed.checkpoint.
+        (``smp.consolidate_checkpoint``). Written with torch.distributed.checkpoint. Under
+        ``precision="fp16"`` the loss scaler's state goes with it, so a resumed run scales as the
+        uninterrupted one would.
         """
         state, names = self._local_state("save_checkpoint()")
-        save_pipeline(directory, {k: v.detach() for k, v in state.items()}, optimizer, names)
+        save_pipeline(directory, {k: v.detach() for k, v in state.items()}, optimizer, names,
+                      scaler_state=self.grad_scaler.state_dict() if self.grad_scaler is not None else None)
 
     def load_checkpoint(self, directory: str | Path, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Read this rank's tensors (and its parameters' optimizer state) from ``save_checkpoint``'s directory.
 
-        The checkpoint may come from any number of stages; each rank reads only its keys.
+        The checkpoint may come from any number of stages; each rank reads only its keys. Under
+        ``precision="fp16"`` the loss scaler's state is restored where the checkpoint has one
+        (saved under fp16); otherwise the scaler keeps its own.
         """
         state, names = self._local_state("load_checkpoint()")
         try:
-            load_pipeline(directory, state, optimizer, names)
+            scaler_state = load_pipeline(directory, state, optimizer, names)
         except CheckpointError as err:
             raise RuntimeConfigError(f"rank {self.rank}: {err}") from None
+        if scaler_state is not None and self.grad_scaler is not None:
+            self.grad_scaler.load_state_dict(scaler_state)
 
     # ------------------------------------------------------------------ gradients
 

@@ -226,6 +226,39 @@ def test_resuming_from_a_checkpoint_is_exact(tmp_path) -> None:
         assert torch.equal(p, want_params[name]), name
 
 
+def test_an_fp16_resume_restores_the_loss_scale(tmp_path) -> None:
+    """The loss scaler's state goes into the checkpoint: resumed, the scale and the steps go on as in one run.
+    Was: save_checkpoint left it out, and the resumed run started again from the initial scale."""
+    def run(pipe: smp.PipelinedModel, opt, steps: int) -> list[float]:
+        x, y = batch()
+        out = []
+        for _ in range(steps):
+            out.append(float(pipe.step(x, target=y)))
+            opt.step()
+            opt.zero_grad()
+        return out
+
+    def fp16(model, **kw) -> smp.PipelinedModel:  # the scale grows every step: a state that matters
+        pipe = smp.partition(model, plan=plan_for(model), loss_fn=loss_fn, precision="fp16",
+                             grad_scaler=smp.PipelineGradScaler(init_scale=2.0 ** 8, growth_interval=1), **kw)
+        pipe.prepare(batch()[0])
+        return pipe
+
+    model = gpt()
+    straight = fp16(copy.deepcopy(model))
+    want = run(straight, make_optimizer(straight.parameters()), 4)
+    first = fp16(copy.deepcopy(model))
+    opt = make_optimizer(first.parameters())
+    got = run(first, opt, 2)
+    first.save_checkpoint(tmp_path / "ckpt", optimizer=opt)
+    second = fp16(gpt(meta=True), checkpoint=tmp_path / "ckpt")
+    opt2 = make_optimizer(second.parameters())
+    second.load_checkpoint(tmp_path / "ckpt", optimizer=opt2)
+    assert second.grad_scaler.state_dict() == first.grad_scaler.state_dict()
+    got += run(second, opt2, 2)
+    assert got == want and second.grad_scaler.scale == straight.grad_scaler.scale == 2.0 ** 12
+
+
 def test_clip_grad_norm_matches_the_unpartitioned_model() -> None:
     model = gpt()
     reference = copy.deepcopy(model)
