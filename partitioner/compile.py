@@ -15,7 +15,8 @@ from partitioner.cluster import Cluster, Link
 from partitioner.graph import OpGraph
 from partitioner.ir import ScheduleKind
 from partitioner.microbatch import batch_size, split_microbatches
-from partitioner.plan import PLACEMENTS, ModelInfo, Plan, PlanError, schedule_for, simulate_partition
+from partitioner.plan import (PLACEMENTS, ModelInfo, Plan, PlanError, replica_layout, schedule_for,
+                              simulate_partition)
 from partitioner.profile import profile
 from partitioner.schedule import check_active_microbatches
 from partitioner.shapes import ShapeSearch, search_shapes
@@ -291,7 +292,7 @@ def plan_from_graph(
     num_stages = stages * v
     if training is None:
         training = bool(graph.meta.get("training", True))
-    base_cluster, dp_link = _layout(_resolve_cluster(cluster, stages * data_parallel), stages, data_parallel,
+    base_cluster, dp_link = replica_layout(_resolve_cluster(cluster, stages * data_parallel), stages, data_parallel,
                                     placement)
     if len(graph) < num_stages:
         raise PlanError(f"the model has {len(graph)} ops, fewer than the {num_stages} stages asked for; "
@@ -307,21 +308,6 @@ def plan_from_graph(
         model_info = _model_info_from_graph(graph, microbatches, training, name)
     return Plan(model=model_info, graph=graph, partition=part, schedule=sched,
                 simulated=simulate_partition(sched, part, dp_link, graph), placement=placement, dp_link=dp_link)
-
-
-def _layout(cluster: Cluster | None, stages: int, replicas: int, placement: str) -> tuple[Cluster | None, Link | None]:
-    """(the devices of one pipeline as a cluster, the slowest link a stage's replicas all-reduce over)."""
-    if cluster is None:
-        return None, None
-    if placement == "cluster":
-        pipeline = list(range(stages))
-        groups = [[d * stages + s for d in range(replicas)] for s in range(stages)]
-    else:
-        pipeline = [s * replicas for s in range(stages)]
-        groups = [[s * replicas + d for d in range(replicas)] for s in range(stages)]
-    links = [cluster.link(g[0], g[-1]) for g in groups if len(g) > 1]
-    dp_link = min(links, key=lambda lk: (lk.bandwidth, -lk.latency)) if links else None
-    return cluster.subset(pipeline), dp_link
 
 
 def _model_info_from_graph(graph: OpGraph, microbatches: int, training: bool, name: str | None) -> ModelInfo:

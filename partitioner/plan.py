@@ -152,11 +152,12 @@ class Plan:
 
     @property
     def single_device_time(self) -> float:
-        """One device running the whole model on every microbatch, no communication."""
+        """One device running the whole model on the step's whole batch (every replica's every
+        microbatch), no communication: what ``speedup`` compares the D x P ranks with."""
         devices = self.partition.cluster.get("devices")
         speed = max(d["speed"] for d in devices) if devices else 1.0
         work = self.graph.total_fwd + (self.graph.total_bwd if self.partition.training else 0.0)
-        return self.microbatches * work / speed
+        return self.data_parallel * self.microbatches * work / speed
 
     @property
     def speedup(self) -> float:
@@ -300,8 +301,14 @@ class Plan:
             raise PlanError(str(err)) from None
         graph = self.graph if m == self.microbatches else self.graph.scaled(self.microbatches / m)
         ranks = self.pipeline_ranks
-        stage_cluster = (cluster.for_stages(ranks).interleaved(ranks, self.virtual_stages) if cluster is not None
-                         else Cluster.from_dict(self.partition.cluster))
+        dp_link = self.dp_link
+        if cluster is not None:  # the pipeline's devices and the replicas' link on the new cluster, same layout
+            pipeline, dp_link = replica_layout(cluster.for_stages(self.num_ranks), ranks, self.data_parallel,
+                                               self.placement)
+            assert pipeline is not None
+            stage_cluster = pipeline.interleaved(ranks, self.virtual_stages)
+        else:
+            stage_cluster = Cluster.from_dict(self.partition.cluster)
         old = self.partition
         part = evaluate(graph, old.stage_of, cluster=stage_cluster, microbatches=m, schedule=kind.value,
                         training=old.training, memory_limit=old.memory_limit, state_factor=old.state_factor,
@@ -321,8 +328,8 @@ class Plan:
                          notes=[f"re-timed from {self.schedule_name}, m={self.microbatches}"
                                 + (", on another cluster" if cluster is not None else "")])
         sched = schedule_for(kind, part, m, ranks, self.data_parallel)
-        return replace(self, graph=graph, partition=part, schedule=sched,
-                       simulated=simulate_partition(sched, part, self.dp_link, graph))
+        return replace(self, graph=graph, partition=part, schedule=sched, dp_link=dp_link,
+                       simulated=simulate_partition(sched, part, dp_link, graph))
 
     # ---------------------------------------------------------------- (de)serialisation
 
@@ -460,6 +467,22 @@ class Plan:
 
 
 # ------------------------------------------------------------------ shared with the compiler
+
+
+def replica_layout(cluster: Cluster | None, stages: int, replicas: int,
+                   placement: str) -> tuple[Cluster | None, Link | None]:
+    """(the devices of one pipeline as a cluster, the slowest link a stage's replicas all-reduce over)."""
+    if cluster is None:
+        return None, None
+    if placement == "cluster":
+        pipeline = list(range(stages))
+        groups = [[d * stages + s for d in range(replicas)] for s in range(stages)]
+    else:
+        pipeline = [s * replicas for s in range(stages)]
+        groups = [[s * replicas + d for d in range(replicas)] for s in range(stages)]
+    links = [cluster.link(g[0], g[-1]) for g in groups if len(g) > 1]
+    dp_link = min(links, key=lambda lk: (lk.bandwidth, -lk.latency)) if links else None
+    return cluster.subset(pipeline), dp_link
 
 
 def schedule_for(kind: ScheduleKind | str, part: Partition, microbatches: int, ranks: int,

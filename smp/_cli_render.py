@@ -124,10 +124,13 @@ def _imbalance_advice(bottleneck: dict[str, Any]) -> str:
 
 def _no_gain(plan: Plan) -> str | None:
     """Why splitting into these stages does not pay (speed-up below NO_GAIN_SPEEDUP), and what to do; else None."""
-    if plan.num_ranks < 2 or plan.speedup >= NO_GAIN_SPEEDUP:
+    # the replicas' share is not in question here: the pipeline's own speed-up is the replicas' total over D
+    pipeline_speedup = plan.speedup / plan.data_parallel
+    if plan.pipeline_ranks < 2 or pipeline_speedup >= NO_GAIN_SPEEDUP:
         return None
     part = plan.partition
-    head = f"splitting into {plan.num_stages} stages does not pay ({plan.speedup:.2f}x the speed of one device)"
+    head = (f"splitting into {plan.num_stages} stages does not pay ({pipeline_speedup:.2f}x the speed of one "
+            "device)")
     if all(row["share"] >= IMBALANCE_SHARE for row in plan.stage_rows()):
         return (f"{head}, with the stages balanced but the pipeline idle {plan.bubble:.0%} of the step "
                 f"({plan.microbatches} microbatches): use more microbatches, or fewer stages")

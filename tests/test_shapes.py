@@ -212,3 +212,34 @@ def test_a_size_profiled_on_its_own_is_solved_and_bounded_on_its_own_graph() -> 
         assert one.lower_bound <= one.plan.step_time * (1 + 1e-9)
     two = by_m[2].plan
     assert two is not None and two.graph.total_fwd == pytest.approx(graph.total_fwd / 2)
+
+
+def test_speed_up_counts_every_replica_and_pure_data_parallel_is_not_told_to_use_fewer_stages() -> None:
+    """Was: single_device_time was one replica's batch, so a D x P plan's speed-up was D times too small and a
+    pure data-parallel plan (P = 1) was told that "splitting into 1 stages does not pay"."""
+    from smp._cli_render import _no_gain
+
+    graph = synthetic.transformer(4, seed=0)
+    one = plan_from_graph(graph, stages=2, microbatches=4, cluster=_cluster(2), method="dp")
+    two = plan_from_graph(graph, stages=2, microbatches=4, cluster=_cluster(4), method="dp", data_parallel=2,
+                          placement="cluster")
+    assert two.single_device_time == pytest.approx(2 * one.single_device_time)
+    assert two.speedup == pytest.approx(2 * one.single_device_time / two.step_time)
+    assert one.speedup < two.speedup <= 2 * one.speedup  # the all-reduce costs a little of the doubling
+    pure = plan_from_graph(graph, stages=1, microbatches=1, cluster=_cluster(4), method="dp", data_parallel=4,
+                           placement="cluster")
+    assert pure.speedup > 1 and _no_gain(pure) is None
+
+
+def test_resimulating_on_another_cluster_lays_the_replicas_out_as_the_plan_does() -> None:
+    """Was: resimulate(cluster=) kept the old cluster's all-reduce link and ran the pipeline on the first P devices,
+    the "cluster" layout even for a "spread" plan."""
+    graph = synthetic.transformer(4, seed=0)
+    plan = plan_from_graph(graph, stages=2, microbatches=4, cluster=_cluster(4), method="dp", data_parallel=2,
+                           placement="spread")
+    fast, slow = 100e9, 1e9  # devices 0-1 and 2-3 on fast links, a slow one between them
+    other = Cluster.heterogeneous([1.0] * 4, bandwidths=[fast, slow, fast])
+    moved = plan.resimulate(cluster=other)
+    assert moved.dp_link is not None and moved.dp_link.bandwidth == fast  # stage s's replicas: devices 2s, 2s + 1
+    assert moved.partition.cluster["links"][0]["bandwidth"] == slow  # the pipeline: devices 0 and 2
+    assert moved.step_time > plan.step_time
