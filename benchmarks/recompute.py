@@ -86,6 +86,11 @@ def _gb(x: float) -> str:
     return f"{x / 1e9:.1f} GB"
 
 
+def ratio(row: dict, key: str) -> str:
+    """A step-time ratio, or "-" where one of the two plans does not fit."""
+    return f"{row[key]:.3f}" if key in row else "-"
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| model | seq | batch / m | stages | device (limit) | none | auto: stages | auto step | selective step "
              "| full step | full / auto | selective / auto |",
@@ -103,8 +108,7 @@ def table(rows: list[dict]) -> str:
             f"| `{r['model']}` | {r['seq_len']} | {r['batch']} / {r['microbatches']} | {r['stages']} | {r['device']} "
             f"({_gb(r['memory_limit'])}) | {none} | {', '.join(f'{n}× {c}' for c, n in runs)} | {step('auto')} | "
             f"{step('selective')} | {step('full')} | "
-            f"{r['full_over_auto']:.3f} | " + (f"{r['selective_over_auto']:.3f} |" if 'selective_over_auto' in r
-                                               else "- |"))
+            f"{ratio(r, 'full_over_auto')} | {ratio(r, 'selective_over_auto')} |")
     return "\n".join(lines)
 
 
