@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -98,6 +99,14 @@ _MATCH = {
     ActionKind.SEND_B: ActionKind.RECV_B,
     ActionKind.RECV_B: ActionKind.SEND_B,
 }
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _counterpart(kind: ActionKind, stage: int, mb: int, peer: int, tensor: str) -> Action:
+    """The matching transfer of a transfer action, made once: schedule building and every walk ask for it."""
+    return Action(_MATCH[kind], peer, mb, stage, tensor)
+
+
 _COMPUTE_RE = re.compile(r"^(F|B|W)(\d+)\.(\d+)$")
 _ALLREDUCE_RE = re.compile(r"^AR(\d+)$")
 _COMM_RE = re.compile(r"^(SEND_F|RECV_F|SEND_B|RECV_B)\[(\d+)->(\d+) t=(\S+) mb=(\d+)\]$")
@@ -181,7 +190,7 @@ class Action:
         """The counterpart on the peer rank: SEND_F <-> RECV_F, SEND_B <-> RECV_B."""
         if not self.is_transfer:
             raise ValueError(f"{self} moves no cut tensor, it has no counterpart")
-        return Action(_MATCH[self.kind], self.peer, self.mb, self.stage, self.tensor)  # type: ignore[arg-type]
+        return _counterpart(self.kind, self.stage, self.mb, self.peer, self.tensor)  # type: ignore[arg-type]
 
     # -- text / json
     def __str__(self) -> str:

@@ -287,10 +287,11 @@ def _insert_transfers(graph: StageGraph, stage_to_rank: Sequence[int], orders: S
 
 
 def _build(kind: ScheduleKind, graph: StageGraph, m: int, stage_to_rank: Sequence[int],
-           orders: Sequence[Sequence[Action]], split: bool, **meta: Any) -> Schedule:
+           orders: Sequence[Sequence[Action]], split: bool, check: bool = True, **meta: Any) -> Schedule:
     actions = _insert_transfers(graph, stage_to_rank, orders, split)
     sched = Schedule(kind.value, graph, m, tuple(stage_to_rank), actions, split, dict(meta))
-    validate(sched)
+    if check:
+        validate(sched)
     return sched
 
 
@@ -302,7 +303,7 @@ def _cap_meta(active_microbatches: int | None) -> dict[str, Any]:
 
 
 def gpipe(graph: StageGraph | int, num_microbatches: int, *, split_backward: bool = False,
-          active_microbatches: int | None = None) -> Schedule:
+          active_microbatches: int | None = None, check: bool = True) -> Schedule:
     """GPipe (Huang et al., 2019): all forwards, then all backwards; stage j on rank j.
 
     Every rank holds the activations of all m microbatches at the peak. With
@@ -313,12 +314,12 @@ def gpipe(graph: StageGraph | int, num_microbatches: int, *, split_backward: boo
     _check_m(num_microbatches)
     check_active_microbatches(ScheduleKind.GPIPE, active_microbatches)
     orders = _gpipe_orders(g.num_stages, num_microbatches, split_backward, active_microbatches)
-    return _build(ScheduleKind.GPIPE, g, num_microbatches, range(g.num_stages), orders, split_backward,
+    return _build(ScheduleKind.GPIPE, g, num_microbatches, range(g.num_stages), orders, split_backward, check,
                   **_cap_meta(active_microbatches))
 
 
 def one_f_one_b(graph: StageGraph | int, num_microbatches: int, *, split_backward: bool = False,
-                active_microbatches: int | None = None) -> Schedule:
+                active_microbatches: int | None = None, check: bool = True) -> Schedule:
     """1F1B / PipeDream-Flush (Narayanan et al., 2021; DAPPLE, Fan et al., 2021); stage j on rank j.
 
     Stage i runs min(p - i - 1, m) warm-up forwards, then alternates one forward and
@@ -331,11 +332,11 @@ def one_f_one_b(graph: StageGraph | int, num_microbatches: int, *, split_backwar
     check_active_microbatches(ScheduleKind.ONE_F_ONE_B, active_microbatches)
     orders = _one_f_one_b_orders(g.num_stages, num_microbatches, split_backward, active_microbatches)
     return _build(ScheduleKind.ONE_F_ONE_B, g, num_microbatches, range(g.num_stages), orders, split_backward,
-                  **_cap_meta(active_microbatches))
+                  check, **_cap_meta(active_microbatches))
 
 
 def interleaved_1f1b(graph: StageGraph | int, num_microbatches: int, num_ranks: int, *,
-                     split_backward: bool = False) -> Schedule:
+                     split_backward: bool = False, check: bool = True) -> Schedule:
     """Interleaved 1F1B (Narayanan et al., SC'21, Megatron-LM): v = S / p virtual stages per rank.
 
     Stage s lives on rank s mod p (chunk s // p). Microbatches go in rounds of at
@@ -349,10 +350,10 @@ def interleaved_1f1b(graph: StageGraph | int, num_microbatches: int, num_ranks: 
     S, p = g.num_stages, num_ranks
     orders = _interleaved_orders(S, num_microbatches, p, split_backward)
     return _build(ScheduleKind.INTERLEAVED, g, num_microbatches, [s % p for s in range(S)], orders, split_backward,
-                  virtual_stages=S // p)
+                  check, virtual_stages=S // p)
 
 
-def zb_h1(graph: StageGraph | int, num_microbatches: int) -> Schedule:
+def zb_h1(graph: StageGraph | int, num_microbatches: int, *, check: bool = True) -> Schedule:
     """Zero-bubble ZB-H1 (Qi et al., ICLR 2024, "Zero Bubble Pipeline Parallelism"); stage j on rank j.
 
     1F1B with the backward split into B (input gradient, on the critical path) and W
@@ -365,7 +366,7 @@ def zb_h1(graph: StageGraph | int, num_microbatches: int) -> Schedule:
     g = _as_graph(graph)
     _check_m(num_microbatches)
     orders = _zb_h1_orders(g.num_stages, num_microbatches)
-    return _build(ScheduleKind.ZB_H1, g, num_microbatches, range(g.num_stages), orders, True)
+    return _build(ScheduleKind.ZB_H1, g, num_microbatches, range(g.num_stages), orders, True, check)
 
 
 #: Each schedule kind's generator.
@@ -382,22 +383,25 @@ CAPPABLE = (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B)
 
 def make_schedule(kind: ScheduleKind | str, graph: StageGraph | int, num_microbatches: int, *,
                   num_ranks: int | None = None, data_parallel: int = 1,
-                  active_microbatches: int | None = None) -> Schedule:
+                  active_microbatches: int | None = None, check: bool = True) -> Schedule:
     """Build a schedule by kind (any spelling :meth:`ScheduleKind.parse` takes); ``num_ranks`` for interleaved.
 
     With ``data_parallel`` > 1 replicas, each stage's gradient all-reduce is placed in its
     rank's program (:func:`with_allreduce`). ``active_microbatches`` caps the microbatches
-    in flight (gpipe and 1f1b; :data:`CAPPABLE`).
+    in flight (gpipe and 1f1b; :data:`CAPPABLE`). ``check=False`` skips the validator, for a
+    caller that only simulates (the simulator walks the programs and stops at a deadlock
+    itself) and builds thousands in a search; a plan's own schedule is always checked.
     """
     kind = ScheduleKind.parse(kind)
     check_active_microbatches(kind, active_microbatches)
     if kind is ScheduleKind.INTERLEAVED:
         g = _as_graph(graph)
-        sched = interleaved_1f1b(g, num_microbatches, num_ranks if num_ranks is not None else g.num_stages)
+        sched = interleaved_1f1b(g, num_microbatches, num_ranks if num_ranks is not None else g.num_stages,
+                                 check=check)
     elif kind in CAPPABLE:
-        sched = SCHEDULES[kind](graph, num_microbatches, active_microbatches=active_microbatches)
+        sched = SCHEDULES[kind](graph, num_microbatches, active_microbatches=active_microbatches, check=check)
     else:
-        sched = SCHEDULES[kind](graph, num_microbatches)
+        sched = SCHEDULES[kind](graph, num_microbatches, check=check)
     return with_allreduce(sched, data_parallel) if data_parallel > 1 else sched
 
 
