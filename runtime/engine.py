@@ -496,6 +496,7 @@ class _RankState:
         self.sends: list[Pending] = []
         self.reductions: list[tuple[Pending, list[torch.Tensor], list[torch.Tensor]]] = []
         self.launched: dict[int, int] = {}  # stage -> how many of its gradient buckets are on their way
+        self.zero_filled: list[torch.Tensor] = []  # parameters no op used: a zero gradient only for the all-reduce
         self.stash: dict[tuple[int, int], _Stash] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.outputs: list[Any] = []
@@ -544,6 +545,9 @@ class _RankState:
             for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                 g.copy_(reduced)
         self.reductions = []
+        for p in self.zero_filled:  # unused on every replica (one traced program): no gradient, as with one
+            p.grad = None
+        self.zero_filled = []
         self.outputs = [self._outputs[k] for k in sorted(self._outputs)]
         self.eng.stash_peak[self.rank] = self.meter.peak
         self.eng.stash_kept.update(self.meter.kept)
@@ -553,6 +557,7 @@ class _RankState:
         for p in self.eng.reduced_by.get(stage, []):
             if p.grad is None:  # every replica must send the same buckets: a missing gradient is a zero one
                 p.grad = torch.zeros_like(p)
+                self.zero_filled.append(p)
         self._launch(stage, len(self.eng.buckets.get(stage, [])))
 
     def _launch(self, stage: int, upto: int) -> None:

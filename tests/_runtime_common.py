@@ -423,3 +423,18 @@ def precision_worker(rank: int, world: int, *, spec: str, out: str) -> None:
             hook.remove()
             hook = None
     torch.save(res, Path(out) / f"precision-{rank}.pt")
+
+
+def unused_parameter_worker(rank: int, world: int, *, out: str) -> None:
+    """D = world replicas of one stage whose model reads a parameter no gradient reaches: which gradients exist
+    after a step."""
+    from torch import nn
+
+    from _user_models import WithSpare
+
+    torch.manual_seed(0)
+    model = nn.Sequential(WithSpare(), nn.Linear(8, 2))
+    pipe = partition(model, stages=1, microbatches=1, loss_fn=lambda o, t: (o - t).pow(2).mean(), timeout=60,
+                     plan_options={"timing": "analytic"})
+    pipe.step(torch.randn(4, 8), target=torch.randn(4, 2))
+    torch.save({n: p.grad is None for n, p in pipe.named_parameters()}, Path(out) / f"unused-{rank}.pt")

@@ -98,3 +98,15 @@ class RandomDag(nn.Module):
 def dict_mean_loss(out: dict[str, torch.Tensor], target: torch.Tensor | None) -> torch.Tensor:
     """A loss touching every returned value (so each one's gradient flows back through the pipeline)."""
     return sum((v * (k + 1)).pow(2).mean() for k, v in enumerate(out.values()))  # type: ignore[return-value]
+
+
+class WithSpare(nn.Module):
+    """A layer with a parameter its forward reads but no gradient reaches (detached: frozen by the graph)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(8, 8)
+        self.spare = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x).relu() * self.spare.detach().mean()

@@ -72,3 +72,16 @@ def test_replicas_start_each_step_from_the_first_replicas_buffers(broadcast: boo
     assert stats
     same = all(torch.equal(a[n], b[n]) for n in stats)
     assert same == broadcast  # without the broadcast, each replica keeps its own statistics
+
+
+@pytest.mark.slow
+def test_a_parameter_no_gradient_reaches_keeps_none_with_replicas(tmp_path: Path) -> None:
+    """As with one replica (and DDP): a parameter that gets no gradient on any replica is sent as zeros in its
+    bucket but left without one after the step, so that an optimizer with momentum or weight decay skips it.
+    Was: it kept the zeros, and AdamW moved it under data parallelism only."""
+    results = launch(f"{HERE / '_runtime_common.py'}:unused_parameter_worker", 2, {"out": str(tmp_path)}, timeout=120)
+    for r in results:
+        assert r.returncode == 0, f"rank {r.rank}: {r.stderr[-3000:]}"
+    for rank in range(2):
+        missing = torch.load(tmp_path / f"unused-{rank}.pt")
+        assert missing["0.spare"] is True and not any(v for n, v in missing.items() if n != "0.spare"), missing
