@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from partitioner.cluster import Cluster, Link
+from partitioner.cost import DEFAULT_STATE_FACTOR
 from partitioner.graph import OpGraph
 from partitioner.ir import ScheduleKind
 from partitioner.microbatch import batch_size, split_microbatches
@@ -302,12 +303,20 @@ def plan_from_graph(
     colocate = tied_groups(graph) if colocate_tied else ()
     part = solve(graph, num_stages, cluster=stage_cluster, microbatches=microbatches, schedule=kind.value,
                  training=training, memory_limit=limit, colocate=colocate, method=method, time_limit=time_limit,
-                 objective=objective, ranks=stages, recompute=recompute, active_microbatches=active_microbatches)
+                 objective=objective, ranks=stages, recompute=recompute, active_microbatches=active_microbatches,
+                 state_factor=state_factor_for(data_parallel))
     sched = schedule_for(kind, part, microbatches, stages, data_parallel)
     if model_info is None:
         model_info = _model_info_from_graph(graph, microbatches, training, name)
     return Plan(model=model_info, graph=graph, partition=part, schedule=sched,
                 simulated=simulate_partition(sched, part, dp_link, graph), placement=placement, dp_link=dp_link)
+
+
+def state_factor_for(data_parallel: int) -> float:
+    """Bytes held per parameter byte: weights, gradients and Adam's two moments, and with replicas one more
+    gradient-sized copy: the flat buffers of the gradient buckets, alive from their all-reduce's launch to
+    the end of the step (runtime/engine.py)."""
+    return DEFAULT_STATE_FACTOR + (1.0 if data_parallel > 1 else 0.0)
 
 
 def _model_info_from_graph(graph: OpGraph, microbatches: int, training: bool, name: str | None) -> ModelInfo:

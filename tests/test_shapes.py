@@ -243,3 +243,16 @@ def test_resimulating_on_another_cluster_lays_the_replicas_out_as_the_plan_does(
     assert moved.dp_link is not None and moved.dp_link.bandwidth == fast  # stage s's replicas: devices 2s, 2s + 1
     assert moved.partition.cluster["links"][0]["bandwidth"] == slow  # the pipeline: devices 0 and 2
     assert moved.step_time > plan.step_time
+
+
+def test_replicas_count_the_gradient_buckets_flat_copies() -> None:
+    """With D > 1 each rank holds its gradients twice at the end of a step (the buckets' flat copies being
+    all-reduced), so the plan's state is weights, gradients, Adam's two moments and one more gradient.
+    Was: the same memory as one replica, so a shape could "fit" and run out of memory."""
+    graph = synthetic.transformer(4, seed=0)
+    one = plan_from_graph(graph, stages=2, microbatches=4, cluster=_cluster(2), method="dp")
+    two = plan_from_graph(graph, stages=2, microbatches=4, cluster=_cluster(4), method="dp", data_parallel=2,
+                          placement="cluster")
+    assert two.partition.stage_of == one.partition.stage_of  # no memory limit: the same stages
+    for a, b in zip(one.partition.stages, two.partition.stages):
+        assert b.memory - a.memory == pytest.approx(a.params, rel=1e-9)

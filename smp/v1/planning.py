@@ -84,7 +84,7 @@ def weigh_memory(fast: Plan, weight: float | None, limit: float | None) -> Plan:
         return fast
     peak = max(fast.stage_memory)
     prob = Problem(fast.graph, fast.num_stages, microbatches=fast.microbatches, schedule=fast.schedule_name,
-                   active_microbatches=fast.active_microbatches)
+                   active_microbatches=fast.active_microbatches, state_factor=fast.partition.state_factor)
     floor = memory_lower_bound(prob)[0]
     target = peak - weight * (peak - floor)
     for step in _RELAX_STEPS:
