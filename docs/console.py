@@ -113,7 +113,9 @@ def rerun(page: Path, only: str | None) -> str:
         for command, show_exit in cmds:
             print(f"$ {command}", file=sys.stderr, flush=True)
             printed, code = run(command, env)
-            text += [f"$ {command}", *printed.splitlines()] + ([f"[exit {code}]"] if show_exit else [])
+            # rich pads table rows to the console width: the padding is not output worth keeping
+            text += [f"$ {command}", *(line.rstrip() for line in printed.splitlines())] + (
+                [f"[exit {code}]"] if show_exit else [])
         b.fresh = text
     out = list(lines)
     for b in reversed(consoles):  # from the end, so that earlier indices stay valid
