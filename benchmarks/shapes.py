@@ -12,6 +12,8 @@ plan (over the same microbatch counts) of three rules people use: pure data para
 (P = 1; often it does not fit), pure pipeline (P = N) and "pipeline within a node"
 (P = 8, D = N / 8). Ratios are predicted samples per second, chosen over the rule (above 1:
 the planner's shape is faster). The planning time is the profile plus the search for N.
+``--no-rules`` skips the rules' own searches (P = N alone takes minutes at 64 GPUs on this
+machine): their columns then say "not run".
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ SECTION = "## Choosing replicas x stages x microbatches on H100 clusters"
 
 
 def run(name: str, spec: str, done: dict[tuple[str, int], dict[str, Any]],
-        devices: tuple[int, ...] = DEVICES) -> list[dict[str, Any]]:
+        devices: tuple[int, ...] = DEVICES, rules: bool = True) -> list[dict[str, Any]]:
     from partitioner.compile import _profile, _resolve_cluster, plan_from_graph
     from partitioner.shapes import search_shapes
     from smp.models import build
@@ -67,8 +69,9 @@ def run(name: str, spec: str, done: dict[tuple[str, int], dict[str, Any]],
         t0 = time.perf_counter()
         chosen = search()
         search_s = time.perf_counter() - t0
-        rules = {rule: _rule_best(chosen, stages, lambda stages=stages: search(stages))
-                 for rule, stages in (("data parallel", 1), ("pipeline", n), ("pipeline in a node", min(NODE, n)))}
+        weighed = {rule: _rule_best(chosen, stages, lambda stages=stages: search(stages))
+                   for rule, stages in (("data parallel", 1), ("pipeline", n), ("pipeline in a node", min(NODE, n)))
+                   } if rules else {}
         best = chosen.candidates[0]
         row: dict[str, Any] = {
             "model": name, "spec": spec, "params": info.num_params, "devices": n,
@@ -79,7 +82,7 @@ def run(name: str, spec: str, done: dict[tuple[str, int], dict[str, Any]],
             "planning_s": profile_s + search_s, "profile_s": profile_s, "search_s": search_s,
             "weighed": len(chosen.candidates), "pruned": sum(c.pruned for c in chosen.candidates),
         }
-        for rule, top in rules.items():
+        for rule, top in weighed.items():
             row[rule] = None if top is None else {
                 "shape": f"{top.shape.data_parallel}x{top.shape.stages} m={top.shape.microbatches}",
                 "samples_per_second": top.samples_per_second}
@@ -106,6 +109,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         c = r["chosen"]
 
         def vs(rule: str) -> str:
+            if rule not in r:
+                return "not run"
             other = r[rule]
             if other is None:
                 return "does not fit"
@@ -124,6 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--devices", nargs="*", type=int, default=list(DEVICES), help="cluster sizes (GPUs)")
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/shapes.json")
     ap.add_argument("--write", type=Path, help="replace this benchmark's section of a markdown file")
+    ap.add_argument("--no-rules", action="store_true",
+                    help="skip the rules' comparisons (their own searches: P = N alone takes minutes at 64 GPUs)")
     ap.add_argument("--resume", type=Path, help="the output of an interrupted run: its rows (the JSON lines this "
                                                 "script prints) are kept, the others computed")
     a = ap.parse_args(argv)
@@ -133,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
             if line.startswith("{"):
                 row = json.loads(line)
                 done[row["model"], row["devices"]] = row
-    rows = [row for name in a.models for row in run(name, MODELS[name], done, tuple(a.devices))]
+    rows = [row for name in a.models for row in run(name, MODELS[name], done, tuple(a.devices), not a.no_rules)]
     text = table(rows)
     print(text)
     a.json.parent.mkdir(parents=True, exist_ok=True)
