@@ -72,11 +72,19 @@ class Comm:
 
     # ------------------------------------------------------------------ transfers
 
-    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
-        return dist.isend(tensor, self.global_ranks[peer], tag=tag)
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "a send") -> Any:
+        return self._p2p(lambda: dist.isend(tensor, self.global_ranks[peer], tag=tag), tensor, peer, what)
 
-    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
-        return dist.irecv(tensor, self.global_ranks[peer], tag=tag)
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "a receive") -> Any:
+        return self._p2p(lambda: dist.irecv(tensor, self.global_ranks[peer], tag=tag), tensor, peer, what)
+
+    def _p2p(self, start: Callable[[], Any], tensor: torch.Tensor, peer: int, what: str) -> Any:
+        """Post a send or receive: a peer already gone fails here (gloo raises at once), named as in the wait.
+        Was: gloo's raw "Connection closed" escaped and became the step's root cause, naming no rank."""
+        try:
+            return start()
+        except Exception as err:  # noqa: BLE001 - turned into a named PipelineError
+            raise self._failed(Pending([], [tensor], what, peer), err) from None
 
     def all_reduce(self, tensor: torch.Tensor, group: Any, what: str, op: Any = dist.ReduceOp.SUM) -> Pending:
         """Start a reduction (a sum) over ``group``; its wait is bounded and names the group's other ranks if it fails."""
@@ -183,10 +191,10 @@ class LocalComm:
         self.rank = rank
         self.mailbox = mailbox
 
-    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "a send") -> None:
         self.mailbox[(self.rank, peer, tag)] = tensor
 
-    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int, what: str = "a receive") -> None:
         sent = self.mailbox.pop((peer, self.rank, tag), None)
         if sent is None:
             raise RuntimeError(f"rank {self.rank}: nothing was sent by rank {peer} under tag {tag} before this "

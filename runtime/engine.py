@@ -605,7 +605,7 @@ class _RankState:
                 continue
             t = t.detach().contiguous()
             keep.append(t)
-            works.append(self.comm.isend(t, peer, self.eng.tag(self.meta, key, a.mb, backward, i)))
+            works.append(self.comm.isend(t, peer, self.eng.tag(self.meta, key, a.mb, backward, i), str(a)))
         self.sends.append(Pending(works, keep, str(a), peer))
 
     def _post_recv(self, a: Action, backward: bool) -> Pending:
@@ -618,7 +618,7 @@ class _RankState:
                 continue
             buf = torch.empty(shape, dtype=dtype, device=self.eng.device)
             bufs.append(buf)
-            works.append(self.comm.irecv(buf, peer, self.eng.tag(self.meta, key, a.mb, backward, i)))
+            works.append(self.comm.irecv(buf, peer, self.eng.tag(self.meta, key, a.mb, backward, i), str(a)))
         return Pending(works, bufs, str(a), peer)  # type: ignore[arg-type]
 
     def _take(self, box: dict, posted: dict, key: EdgeKey, mb: int) -> list[Any]:
