@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -20,7 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from partitioner.devices import DeviceSpec, dtype_key
 from partitioner.graph import OpGraph
-from partitioner.trace import TraceError, flatten_inputs, is_inplace, op_nodes, trace
+from partitioner.trace import TraceError, flatten_inputs, is_inplace, op_nodes, retarget_device, trace
 
 __all__ = ["profile", "op_nodes", "time_whole_model", "TIMINGS"]
 
@@ -49,7 +50,10 @@ def profile(
 
     ``timing="measured"`` runs each op on its own inputs (warm-up, then the median of
     ``repeats``; CUDA events on a GPU) and times its backward with autograd on a random
-    output gradient. ``timing="analytic"`` counts FLOPs (``torch.utils.flop_counter``) and
+    output gradient. A model whose weights are on the meta device is measured on ``device``
+    (default: CUDA when available, else the CPU) **one op at a time**: only the op being run
+    has its weights materialized there (random values), so a model larger than the device
+    can still be timed on it. ``timing="analytic"`` counts FLOPs (``torch.utils.flop_counter``) and
     bytes moved and prices them on ``device_profile`` (a name in profiles/ or a path;
     ``dtype`` prices the ops as if run in, e.g., ``"bf16"``): this plans a GPU cluster from
     a laptop, and works on a model built on the meta device. ``device`` moves the model
@@ -62,25 +66,38 @@ def profile(
     args = tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,)
     kwargs = dict(example_kwargs or {})
     home = _model_device(model)
-    target = torch.device(device) if device is not None else home
+    # weights on meta, timed for real: each op gets its own weights on the target while it runs
+    one_at_a_time = home.type == "meta" and timing == "measured"
+    target = torch.device(device) if device is not None else \
+        _measuring_device() if one_at_a_time else home
     if target.type == "meta" and timing == "measured":
-        raise ValueError("a model on the meta device has no real tensors to time; use timing='analytic' "
-                         "(with device_profile='h100-sxm' or another profile) to plan it")
+        raise ValueError("measured timing runs the ops for real, not on the meta device: pass device='cuda' or "
+                         "'cpu' (each op's weights are materialized there one op at a time), or use "
+                         "timing='analytic' (with device_profile='h100-sxm' or another profile)")
     spec = None
     if timing == "analytic":
         spec = DeviceSpec.from_profile(device_profile or ("cpu" if target.type == "cpu" else "h100-sxm"))
-    args, kwargs = _to_device((args, kwargs), target)
+    # One op at a time: bytes and FLOPs are counted on meta as analytic timing counts them;
+    # the times come from a second walk, on the target, with real values.
+    walked_on = home if one_at_a_time else target
+    real_args, real_kwargs = _to_device((args, kwargs), target)
+    args, kwargs = _to_device((args, kwargs), walked_on)
     # Profiling draws random numbers (dropout, output gradients): the caller's stream must not notice.
-    with _borrowed(model, target, training), \
+    with _borrowed(model, walked_on, training), \
             torch.random.fork_rng(devices=[target] if target.type == "cuda" else []):
         gm = graph_module if graph_module is not None else trace(
             model, args, kwargs, frontend=frontend, leaf_modules=leaf_modules)
-        runner = _OpRunner(gm, target, training=training, timing=timing, spec=spec, dtype=dtype,
-                           repeats=repeats, warmup=warmup)
         try:
             inputs = flatten_inputs(gm, args, kwargs)
+            alone = None
+            if one_at_a_time:
+                real_gm = _retargeted_copy(gm, home, target)
+                alone = _OneOpAtATime(real_gm, target, flatten_inputs(gm, real_args, real_kwargs),
+                                      training=training, repeats=repeats, warmup=warmup)
         except TypeError as err:
             raise TraceError(f"the sample inputs do not match the traced model: {err}") from None
+        runner = _OpRunner(gm, walked_on, training=training, timing=timing, spec=spec, dtype=dtype,
+                           repeats=repeats, warmup=warmup, alone=alone)
         graph = runner.run(inputs, progress)
     info = gm.meta.get("smp_trace")
     graph.meta.update({
@@ -91,6 +108,7 @@ def profile(
         "device_profile": spec.name if spec else None,
         "dtype": dtype,
         "repeats": repeats if timing == "measured" else None,
+        "one_op_at_a_time": one_at_a_time,
         "training": training,
         "torch": torch.__version__,
         "inputs": _describe_inputs(args, kwargs),
@@ -167,8 +185,10 @@ class _OpRunner:
     """Walks the graph in program order, running and costing one op at a time."""
 
     def __init__(self, gm: fx.GraphModule, device: torch.device, *, training: bool, timing: str,
-                 spec: DeviceSpec | None, dtype: str | None, repeats: int, warmup: int):
+                 spec: DeviceSpec | None, dtype: str | None, repeats: int, warmup: int,
+                 alone: _OneOpAtATime | None = None):
         self.gm = gm
+        self.alone = alone  # set: the ops are timed one at a time there, with their own weights
         self.device = device
         self.training = training
         self.timing = timing
@@ -258,7 +278,8 @@ class _OpRunner:
                 data["kernel_saved_bytes"] = sum(saved.size.get(k, 0) for k in made)
                 data["kernel_output_bytes"] = sum(made[k] for k in saved.output_keys.get(name, ()) if k in made)
         if self.timing == "measured":
-            fwd, bwd, bwd_input = self._measure_in_context(calls, tick)
+            fwd, bwd, bwd_input = (self.alone.measure([node for node, *_ in calls], tick) if self.alone
+                                   else self._measure_in_context(calls, tick))
             for node, *_ in calls:
                 data = g.nodes[node.name]
                 data["fwd"], data["bwd"] = fwd[node], bwd[node]
@@ -437,6 +458,7 @@ class _OpRunner:
         return prepare
 
     def _timed(self, fn: Callable[[], Any]) -> float:
+        self._before_timing()
         if self.cuda:
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
@@ -448,6 +470,9 @@ class _OpRunner:
         begin = time.perf_counter()
         fn()
         return time.perf_counter() - begin
+
+    def _before_timing(self) -> None:
+        """In context, caches hold what a step leaves in them: nothing to do."""
 
     # -------------------------------------------------------------- analytic costs
 
@@ -472,6 +497,109 @@ class _OpRunner:
             elif only_input is not None:
                 bwd_input = bwd
         return _Costs(fwd, bwd, min(bwd_input, bwd), flops_fwd)
+
+
+class _OneOpAtATime(_OpRunner):
+    """Times the ops of a model whose weights are on meta, each with only its own weights real.
+
+    Walks its copy of the program in order on real activations; before an op runs, the
+    parameters, buffers and constants it reads are materialized on the device (random
+    values, or copied when real elsewhere), and put back on meta after it is timed, so one
+    op's weights are held at a time and a model larger than the device can be timed on
+    it. Without the rest of the model there are no sweeps in context: each op is timed
+    again and again, the caches cleared before each run (``_CacheEvictor``).
+    """
+
+    def __init__(self, gm: fx.GraphModule, device: torch.device, inputs: list[Any], *, training: bool,
+                 repeats: int, warmup: int) -> None:
+        super().__init__(gm, device, training=training, timing="measured", spec=None, dtype=None,
+                         repeats=repeats, warmup=warmup)
+        self.inputs = inputs
+        self.cold = _CacheEvictor(gm, device)
+
+    def measure(self, wanted: list[fx.Node], tick: Callable[[int], None]
+                ) -> tuple[dict[fx.Node, float], dict[fx.Node, float], dict[fx.Node, float]]:
+        """Forward, backward and input-gradient seconds of the ``wanted`` ops (nodes of the
+        caller's program, matched to this copy's by name)."""
+        by_name = {node.name: node for node in wanted}
+        order = list(self.gm.graph.nodes)
+        last_use = {producer: i for i, node in enumerate(order) for producer in node.all_input_nodes}
+        env: dict[fx.Node, Any] = {}
+        placeholders = iter(self.inputs)
+        fwd: dict[fx.Node, float] = {}
+        bwd: dict[fx.Node, float] = {}
+        bwd_input: dict[fx.Node, float] = {}
+        for i, node in enumerate(order):
+            if node.op == "placeholder":
+                env[node] = next(placeholders)
+            elif node.op == "get_attr":  # fetched when an op runs, materialized for it
+                value = self.interpreter.fetch_attr(str(node.target))
+                env[node] = _Attr(str(node.target)) if isinstance(value, torch.Tensor) else value
+            elif node.op != "output":
+                theirs = by_name.get(node.name)
+                env[node], times = self._run(node, env, timed=theirs is not None, tick=tick)
+                if theirs is not None:
+                    fwd[theirs], bwd[theirs], bwd_input[theirs] = times
+            for producer in node.all_input_nodes:
+                if last_use.get(producer) == i:
+                    env.pop(producer, None)
+        return fwd, bwd, bwd_input
+
+    def _run(self, node: fx.Node, env: Mapping[fx.Node, Any], *, timed: bool, tick: Callable[[int], None]
+             ) -> tuple[Any, tuple[float, float, float]]:
+        """Run ``node`` with its own weights (and time it); returns its output and (fwd, bwd, bwd_input).
+
+        A function of its own so that nothing holds the weights once it returns."""
+        args, kwargs = self._args(node, env)
+        with self._own_state(node) as state:
+            args, kwargs = pytree.tree_map_only(  # resolved once, not inside the timed calls
+                _Attr, lambda a: self.interpreter.fetch_attr(a.name), (args, kwargs))
+            with torch.set_grad_enabled(self.training):
+                out = _detached(self._call(node, args, kwargs))  # its graph would keep the weights
+            if not timed:
+                return out, (0.0, 0.0, 0.0)
+            self.cold.arm(state)
+            weights = {id(t) for t in state}  # read back the activations only: the weights stay cold
+            self.cold.hot = [t for t in pytree.tree_leaves((args, kwargs))
+                             if isinstance(t, torch.Tensor) and id(t) not in weights]
+            try:
+                fwd, bwd, bwd_input = self._measure_in_context([(node, args, kwargs, out)], tick)
+            finally:
+                self.cold.hot = []
+            return out, (fwd[node], bwd[node], bwd_input[node])
+
+    def _before_timing(self) -> None:
+        self.cold.evict()
+
+    @contextlib.contextmanager
+    def _own_state(self, node: fx.Node) -> Iterator[list[torch.Tensor]]:
+        """The parameters, buffers and constants ``node`` reads, real on the device while it runs
+        (yields those materialized)."""
+        names = list(node.meta.get("smp_params", ())) + list(node.meta.get("smp_buffers", ()))
+        names += [str(a.target) for a in node.all_input_nodes if a.op == "get_attr"]
+        made: dict[int, torch.Tensor] = {}
+        swapped: list[tuple[nn.Module, str, str, Any]] = []  # (owner, table, leaf, what was there)
+        try:
+            for name in dict.fromkeys(names):
+                prefix, _, leaf = name.rpartition(".")
+                owner = self.gm.get_submodule(prefix)
+                tensor = getattr(owner, leaf, None)
+                if not isinstance(tensor, torch.Tensor) or tensor.device == self.device:
+                    continue
+                real = made.setdefault(id(tensor), _materialized(tensor, self.device))  # tied: one copy
+                table = "_parameters" if leaf in owner._parameters else "_buffers" if leaf in owner._buffers else ""
+                if table:
+                    getattr(owner, table)[leaf] = real
+                else:
+                    object.__setattr__(owner, leaf, real)
+                swapped.append((owner, table, leaf, tensor))
+            yield list(made.values())
+        finally:
+            for owner, table, leaf, tensor in reversed(swapped):
+                if table:
+                    getattr(owner, table)[leaf] = tensor
+                else:
+                    object.__setattr__(owner, leaf, tensor)
 
 
 # ------------------------------------------------------------------ helpers
@@ -614,7 +742,106 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
-    return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, value)
+    """``value``'s tensors on ``device``; a meta tensor sent to a real device is given values."""
+    def place(t: torch.Tensor) -> torch.Tensor:
+        return _materialized(t, device) if t.is_meta and device.type != "meta" else t.to(device)
+    return pytree.tree_map_only(torch.Tensor, place, value)
+
+
+# ------------------------------------------------------------------ one op's weights at a time
+
+
+@dataclass(frozen=True)
+class _Attr:
+    """A parameter, buffer or constant the program fetches, resolved when an op runs (one op at a time)."""
+
+    name: str
+
+
+def _measuring_device() -> torch.device:
+    """Where a model built on meta is timed when no device is named: the GPU if there is one."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _materialized(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A real copy of ``tensor`` on ``device``: its values if it has any, else random ones
+    (timing does not depend on them: small normals for floats, zeros for integers, which
+    are valid indices)."""
+    if not tensor.is_meta:
+        real = tensor.detach().to(device)
+    else:
+        real = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+        if real.is_floating_point() or real.is_complex():
+            real.normal_(0.0, 0.02)
+        else:
+            real.zero_()
+    if isinstance(tensor, nn.Parameter):
+        return nn.Parameter(real, requires_grad=tensor.requires_grad)
+    return real
+
+
+def _detached(value: Any) -> Any:
+    """``value`` cut from the autograd graph that made it, still asking for gradients where it did."""
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), value)
+
+
+def _retargeted_copy(gm: fx.GraphModule, old: torch.device, new: torch.device) -> fx.GraphModule:
+    """A copy of the traced program whose device constants name ``new`` instead of ``old``
+    (the caller's program, and its fingerprint, stay as traced)."""
+    gm = copy.deepcopy(gm)
+    retarget_device(gm, old, new)
+    return gm
+
+
+class _CacheEvictor:
+    """Clears the caches before a timed run of one op, then reads the op's inputs back in.
+
+    Timing one op again and again keeps its weights in cache, which a training step does
+    not: between two uses of an op's weights the rest of the model's weights stream
+    through the caches. Writing a buffer of the model's state bytes (at most the
+    last-level cache, as triton's ``do_bench`` does on GPUs) before each run gives the
+    op its weights from where a step finds them; its inputs, just made by the op before,
+    are read back so that they are as warm as in a step. On a CPU the eviction also
+    evicts the interpreter's own data, which a step keeps warm and which costs a small op
+    several times its run time: there, ops whose weights fit in a core's L2 are timed warm.
+    """
+
+    def __init__(self, gm: fx.GraphModule, device: torch.device) -> None:
+        state = sum(t.numel() * t.element_size() for t in list(gm.parameters()) + list(gm.buffers()))
+        last_level = (int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)) or 256 << 20
+                      if device.type == "cuda" else _cpu_cache_bytes(max) or 32 << 20)
+        size = max(min(state, last_level), 1 << 20)
+        self.buffer = torch.empty(size // 4, dtype=torch.float32, device=device)
+        self.warm_below = 0 if device.type == "cuda" else _cpu_cache_bytes(lambda levels: 2 if 2 in levels else 0)
+        self.hot: list[torch.Tensor] = []
+        self.armed = True
+
+    def arm(self, weights: list[torch.Tensor]) -> None:
+        """Evict before the next runs if the op's ``weights`` would not stay in cache in a step."""
+        held = sum(t.numel() * t.element_size() for t in weights)
+        self.armed = bool(weights) and held >= self.warm_below
+
+    def evict(self) -> None:
+        if not self.armed:
+            return
+        self.buffer.zero_()
+        for t in self.hot:
+            if t.numel():
+                t.detach().reshape(-1)[:: max(1, 64 // t.element_size())].sum()  # one element per cache line
+
+
+def _cpu_cache_bytes(pick: Callable[[dict[int, int]], int]) -> int:
+    """The size of the CPU cache level ``pick`` chooses from {level: bytes} (0 if unknown)."""
+    sizes: dict[int, int] = {}
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level = int((index / "level").read_text())
+            text = (index / "size").read_text().strip().upper()
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            sizes[level] = max(sizes.get(level, 0), int(text.rstrip("KMG")) * scale)
+        except (OSError, ValueError):
+            continue
+    return sizes.get(pick(sizes), 0) if sizes else 0
 
 
 def _describe_inputs(args: tuple, kwargs: dict) -> dict[str, Any]:

@@ -33,6 +33,7 @@ __all__ = [
     "raised_by_user_code",
     "untangle_return_dict",
     "flatten_inputs",
+    "retarget_device",
     "node_module",
     "node_state_names",
     "op_nodes",
@@ -611,6 +612,33 @@ def _annotate(gm: fx.GraphModule, model: nn.Module) -> None:
         node.meta["smp_module"] = node_module(node)
         node.meta["smp_params"] = tuple(dict.fromkeys(params))
         node.meta["smp_buffers"] = tuple(dict.fromkeys(buffers))
+
+
+def retarget_device(gm: fx.GraphModule, old: torch.device, new: torch.device) -> int:
+    """Make the ops that name device ``old`` (creating, moving, checking tensors) name ``new``; returns how many.
+
+    A model built on the meta device and traced by torch.export records ``meta`` wherever
+    its code asks for "the model's device" (``torch.arange(..., device=self.device)``,
+    ``x.to(self.device)``, export's own metadata checks), in nested programs too (an autocast
+    region); on a rank that device is the one its stages run on.
+    """
+    def swap(value: Any) -> Any:
+        return new if isinstance(value, torch.device) and value == old else value
+
+    changed = 0
+    for module in gm.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        touched = False
+        for node in module.graph.nodes:
+            args, kwargs = pytree.tree_map(swap, (node.args, node.kwargs))
+            if args != node.args or kwargs != node.kwargs:
+                node.args, node.kwargs = args, kwargs
+                changed += 1
+                touched = True
+        if touched:
+            module.recompile()
+    return changed
 
 
 def _flat_nodes(node: fx.Node) -> list[fx.Node]:

@@ -24,7 +24,6 @@ __all__ = [
     "stage_state_names",
     "cut_edges",
     "carry_stages",
-    "retarget_device",
 ]
 
 #: Key of the model output in a stage program's result dict (fx names never start with "__").
@@ -319,33 +318,6 @@ def _build_stage(gm: fx.GraphModule, nodes: list[fx.Node], placeholders: list[fx
     idx = {p: i for i, p in enumerate(placeholders)}
     return StageProgram(s, stage_gm, [p.name for p in inputs], [idx[p] for p in inputs], [n.name for n in external],
                         [n.name for n in produces], has_output, mutated)
-
-
-def retarget_device(gm: fx.GraphModule, old: torch.device, new: torch.device) -> int:
-    """Make the ops that name device ``old`` (creating, moving, checking tensors) name ``new``; returns how many.
-
-    A model built on the meta device and traced by torch.export records ``meta`` wherever
-    its code asks for "the model's device" (``torch.arange(..., device=self.device)``,
-    ``x.to(self.device)``, export's own metadata checks), in nested programs too (an autocast
-    region); on a rank that device is the one its stages run on.
-    """
-    def swap(value: Any) -> Any:
-        return new if isinstance(value, torch.device) and value == old else value
-
-    changed = 0
-    for module in gm.modules():
-        if not isinstance(module, fx.GraphModule):
-            continue
-        touched = False
-        for node in module.graph.nodes:
-            args, kwargs = pytree.tree_map(swap, (node.args, node.kwargs))
-            if args != node.args or kwargs != node.kwargs:
-                node.args, node.kwargs = args, kwargs
-                changed += 1
-                touched = True
-        if touched:
-            module.recompile()
-    return changed
 
 
 class _Recorder(fx.Interpreter):

@@ -223,10 +223,11 @@ SeqOpt = Annotated[Optional[int], typer.Option("--seq-len", help="sequence lengt
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu | cuda: where measured timing runs")]
 TimingOpt = Annotated[Optional[str], typer.Option(
     "--timing", help="measured (run every op here) | analytic (FLOPs and bytes priced on the --cluster "
-                     "profile's device) \\[default: measured; analytic with --meta]")]
+                     "profile's device; with --meta: run one op at a time on --device, only its weights "
+                     "materialized) \\[default: measured; analytic with --meta]")]
 MetaOpt = Annotated[bool, typer.Option(
-    "--meta", help="build the model on the meta device (no memory, no weights) and time it analytically: "
-                   "plans 1B-parameter presets in seconds")]
+    "--meta", help="build the model on the meta device (no memory, no weights) and time it analytically "
+                   "(or --timing measured: one op at a time): plans 1B-parameter presets in seconds")]
 DtypeOpt = Annotated[Optional[str], typer.Option(
     "--dtype", help="analytic timing: price ops as if run in this dtype (fp32, bf16, fp16)")]
 RepeatsOpt = Annotated[int, typer.Option("--repeats", help="measured timing: timed runs per op (median)")]
@@ -282,12 +283,7 @@ def _load_graph(path: str):
 def _timing_for(timing: str | None, meta: bool, cluster: str | None) -> tuple[str, str | None]:
     """(timing, device profile used to price analytic timing)."""
     timing = _choice(timing, TIMING_CHOICES, "--timing")
-    if meta:
-        if timing == "measured":
-            raise CLIUsageError("--meta builds the model without real tensors, so nothing can be measured: "
-                                "drop --timing measured (meta implies analytic)")
-        timing = "analytic"
-    timing = timing or "measured"
+    timing = timing or ("analytic" if meta else "measured")
     profile_name = (cluster or ("h100-sxm" if meta else "cpu")) if timing == "analytic" else None
     return timing, profile_name
 

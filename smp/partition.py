@@ -21,7 +21,7 @@ from partitioner.errors import PlanningError
 from partitioner.recompute import MODES, check_mode, is_matmul
 from partitioner.schedule import make_schedule, with_allreduce
 from partitioner.timeline import Timeline, TimelineEvent
-from partitioner.trace import fingerprint, flatten_inputs, trace
+from partitioner.trace import fingerprint, flatten_inputs, retarget_device, trace
 from runtime.comm import Comm, PipelineError
 from runtime.engine import Engine, Ownership, Program, RuntimeConfigError, concat_outputs, split_batch
 from runtime.layout import ReplicaLayout
@@ -30,7 +30,7 @@ from runtime.gradients import global_grad_norm
 from runtime.memory import rank_memory
 from runtime.precision import PipelineGradScaler, Precision
 from runtime.materialize import MaterializeError, materialize
-from runtime.split import SplitError, carry_stages, cut_edges, retarget_device, state_meta_of
+from runtime.split import SplitError, carry_stages, cut_edges, state_meta_of
 
 __all__ = ["partition", "PipelinedModel", "PipelineError", "RuntimeConfigError"]
 

@@ -153,6 +153,11 @@ def test_plan_big_preset_on_meta_with_a_cluster():
     assert data["stages"][0]["memory_limit_bytes"] > 70 * 2**30
 
 
+def test_plan_on_meta_measured_one_op_at_a_time():
+    data = as_json(ok("plan", GPT, "--meta", "--timing", "measured", "--repeats", 1, "--stages", 2, "--json"))
+    assert data["model"]["timing"] == "measured" and data["model"]["profiled_on"] == "cpu"
+
+
 # ------------------------------------------------------------------ inspect / simulate
 
 
@@ -230,7 +235,6 @@ def test_bad_option_values():
     _fails(2, "plan", SMALL, "--stages", 2, "--method", "magic", match="--method")
     _fails(2, "plan", SMALL, "--stages", 0, match="--stages")
     _fails(2, "plan", "mlp:layers=abc", "--stages", 2, match="expected an integer")
-    _fails(2, "plan", SMALL, "--stages", 2, "--meta", "--timing", "measured", match="--meta")
 
 
 def test_infeasible_memory_limit_says_what_would_fit():

@@ -125,6 +125,62 @@ def test_analytic_timing_plans_a_1b_model_on_meta():
     assert 1.5 <= graph.total_bwd / graph.total_fwd <= 2.5
 
 
+META_MEASURED = ["mlp:layers=4,d_in=256,hidden=512,d_out=256,batch=8",  # fx, one weight per op
+                 "gpt:layers=2,d_model=64,heads=4,vocab=128,seq_len=16,batch=2",  # tied embedding, buffers
+                 "hf-llama"]  # torch.export: parameters and constants fetched by get_attr
+
+
+@pytest.mark.parametrize("spec", META_MEASURED)
+def test_a_model_on_meta_is_measured_one_op_at_a_time(spec, monkeypatch):
+    if spec.startswith("hf-"):
+        pytest.importorskip("transformers")
+    import importlib
+    import weakref
+
+    profiling = importlib.import_module("partitioner.profile")  # the package's `profile` is the function
+
+    alive: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()
+    most = [0]
+    materialize = profiling._materialized
+
+    def tracked(tensor, device):
+        real = materialize(tensor, device)
+        if tensor.is_meta:
+            alive.add(real)
+            most[0] = max(most[0], sum(t.numel() * t.element_size() for t in alive))
+        return real
+
+    monkeypatch.setattr(profiling, "_materialized", tracked)
+    meta = build(spec, meta=True)
+    graph = profile(meta.model, meta.example_args, meta.example_kwargs, repeats=1, warmup=0)
+    assert graph.meta["timing"] == "measured" and graph.meta["one_op_at_a_time"] and graph.meta["device"] == "cpu"
+    assert all(p.is_meta for p in meta.model.parameters())  # the model as given is left on meta
+    # Bytes and FLOPs are those analytic timing counts on meta; the times are measured for real.
+    counted = profile(meta.model, meta.example_args, meta.example_kwargs, timing="analytic", device_profile="cpu")
+    for name, data in counted.nx.nodes(data=True):
+        for key in ("params", "shared_bytes", "buffers", "out_bytes", "flops", "saved_bytes", "storage_bytes"):
+            assert graph.nx.nodes[name][key] == data[key], (name, key)
+    assert all(d["fwd"] > 0 for _, d in graph.nx.nodes(data=True) if d["op"] != OUTPUT_OP)
+    assert all(d["bwd"] > 0 for _, d in graph.nx.nodes(data=True) if d["params"])
+    # Only one op's weights (and the sample batch, made up from meta too) were ever real at a time.
+    one_op = max(d["params"] + d["shared_bytes"] + d["buffers"] for _, d in graph.nx.nodes(data=True))
+    batch = sum(t.numel() * t.element_size() for t in pytree.tree_leaves((meta.example_args, meta.example_kwargs))
+                if isinstance(t, torch.Tensor))
+    assert 0 < most[0] <= one_op + batch, (most[0], one_op, batch)
+    assert not list(alive)
+
+
+def test_delay_param_initialization_models_are_measured_one_op_at_a_time():
+    import smp
+
+    with smp.delay_param_initialization():
+        bundle = build("gpt:layers=2,d_model=64,heads=4,vocab=128,seq_len=16,batch=2")
+    assert all(p.is_meta for p in bundle.model.parameters())
+    graph = profile(bundle.model, bundle.example_args, repeats=1, warmup=0)
+    assert graph.meta["one_op_at_a_time"] and graph.total_params == _unique_param_bytes(bundle.model)
+    assert graph.total_fwd > 0 and graph.total_bwd > 0
+
+
 def test_profiled_graph_json_round_trip(tmp_path):
     bundle = build("unet:size=tiny")
     graph = profile(bundle.model, bundle.example_args, repeats=1, warmup=0)
@@ -140,7 +196,7 @@ def test_profile_errors():
         profile(bundle.model, (bundle.example_args[0], 3, 4))
     meta = build("mlp:size=tiny", meta=True)
     with pytest.raises(ValueError, match="analytic"):
-        profile(meta.model, meta.example_args)
+        profile(meta.model, meta.example_args, device="meta")
     with pytest.raises(ValueError, match="timing"):
         profile(bundle.model, bundle.example_args, timing="guess")
     with pytest.raises(ProfileError, match="built-in names"):
