@@ -428,32 +428,34 @@ class Engine:
         return buf.reshape(())
 
     def _sum_tied_grads(self, meta: _StepMeta) -> None:
-        """A parameter held by several ranks gets the sum of their gradients (lowest rank adds, in rank order)."""
+        """A parameter held by several ranks gets the sum of their gradients (lowest rank adds, in rank order).
+
+        In place in each rank's ``.grad``: the lead holds one receive buffer, the others none
+        (a copy of the sum and of each part would be two or three more gradients' worth at the
+        step's peak: an LM head tied to the embedding is a vocabulary-sized matrix)."""
         assert self.comm is not None
         for ranks, params in sorted(self.ownership.ties.items()):
             for j, p in enumerate(params):
                 tag = self._special_tag(meta, 1 + j)
-                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                elif not p.grad.is_contiguous():  # sent and received in place
+                    p.grad = p.grad.contiguous()
+                total = p.grad
                 lead = ranks[0]
                 what = f"the gradient sum of tied parameter {self.ownership.canonical[id(p)]}"
                 if self.rank == lead:
-                    total = g.detach().clone()
+                    buf = torch.empty_like(total)
                     for r in ranks[1:]:
-                        buf = torch.empty_like(total)
                         self.comm.wait(Pending([self.comm.irecv(buf, r, tag)], [buf], what, r))
                         total += buf
+                    del buf
                     sends = [Pending([self.comm.isend(total, r, tag)], [total], what, r) for r in ranks[1:]]
                     for s in sends:
                         self.comm.wait(s)
                 else:
-                    buf = g.detach().contiguous().clone()
-                    self.comm.wait(Pending([self.comm.isend(buf, lead, tag)], [buf], what, lead))
-                    total = torch.empty_like(buf)
+                    self.comm.wait(Pending([self.comm.isend(total, lead, tag)], [total], what, lead))
                     self.comm.wait(Pending([self.comm.irecv(total, lead, tag)], [total], what, lead))
-                if p.grad is None:
-                    p.grad = total
-                else:
-                    p.grad.copy_(total)
 
     # ------------------------------------------------------------------ timeline
 
