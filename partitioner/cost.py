@@ -250,6 +250,22 @@ class StageTerms(NamedTuple):
     recompute_time: float  # seconds of forward run again inside one backward
 
 
+def _shared_readers(g: nx.DiGraph, order: Sequence[Hashable]) -> tuple[dict[str, int], list[tuple[int, tuple[str, ...]]]]:
+    """(each shared parameter's first reader, by the name it was counted under; each later reader in
+    order with the names of the shared parameters it reads)."""
+    first: dict[str, int] = {}
+    later: list[tuple[int, tuple[str, ...]]] = []
+    for i, v in enumerate(order):
+        data = g.nodes[v]
+        shared = set(data.get("shared_params", ()) or ())
+        for name in data.get("param_names", ()) or ():
+            if name not in shared:
+                first.setdefault(name, i)
+        if data.get("shared_from"):
+            later.append((i, tuple(data["shared_from"])))
+    return first, later
+
+
 class Problem:
     """A graph, a stage count and the cost options, flattened into arrays over a topological order.
 
@@ -346,12 +362,16 @@ class Problem:
                                         active_microbatches=active_microbatches)
         self.recomputing = peak_recomputing(self.schedule, stages, microbatches, num_ranks=ranks, training=training)
         factor = self.state_factor if training else 1.0
+        self.held_factor = factor
         # A parameter read on several stages (a tied embedding and LM head) is held, with
         # its gradient and optimizer state, by every stage that reads it; ``params`` counts
-        # it once on its first reader, ``shared_bytes`` on each later one. Two readers on
-        # one stage are counted twice: conservative, and it keeps memory per node.
-        self.held = self.params + attr("shared_bytes")
+        # it once on its first reader, ``shared_bytes`` on each later one. For the solvers
+        # two readers on one stage are counted twice: conservative, and it keeps memory per
+        # node; a plan's reported memory counts it once (``shared_counted_twice``).
+        self.shared = attr("shared_bytes")
+        self.held = self.params + self.shared
         self.fixed_mem = self.held * factor + self.buffers  # per node, independent of the stage
+        self._first_reader, self._later_readers = _shared_readers(g, self.order)
         if memory_limit is not None:
             if not memory_limit > 0:
                 raise PlanningError(f"memory_limit must be > 0 bytes, got {memory_limit}")
@@ -413,7 +433,8 @@ class Problem:
         used = {c for opts in options for c in opts}
         speed, infl, rinfl = self.speed, self.in_flight, self.recomputing
         comp = np.bincount(a, weights=self.work, minlength=p)
-        fixed = np.bincount(a, weights=self.fixed_mem, minlength=p)
+        fixed = np.bincount(a, weights=self.fixed_mem, minlength=p) - \
+            self.held_factor * self.shared_counted_twice(assign)
         per = {c: (np.bincount(a, weights=self.rec.kept[c], minlength=p),
                    np.bincount(a, weights=self.rec.remade[c], minlength=p),
                    np.bincount(a, weights=self.rec.seconds[c], minlength=p)) for c in used}
@@ -452,6 +473,23 @@ class Problem:
                     pick = term
             out.append(pick)
         return out
+
+    def shared_counted_twice(self, assign: Sequence[int]) -> np.ndarray:
+        """Per stage, the shared parameter bytes ``held`` counts again for a later reader on a stage that
+        already holds them (its first reader, or an earlier reader, is there): held once, not twice.
+
+        A reader of several shared parameters is let off only when the stage holds all of
+        them (its ``shared_bytes`` is one sum): conservative otherwise."""
+        twice = np.zeros(self.p)
+        holding = {name: {assign[i]} for name, i in self._first_reader.items()}
+        for i, names in self._later_readers:
+            s = assign[i]
+            if all(s in holding.get(name, ()) for name in names):
+                twice[s] += self.shared[i]
+            else:
+                for name in names:
+                    holding.setdefault(name, set()).add(s)
+        return twice
 
     def kept_for_sending(self, assign: Sequence[int], sent: Iterable[int],
                          choices: Iterable[str] = ("none",)) -> dict[str, list[float]]:
@@ -516,6 +554,7 @@ class Problem:
                 cout_t[a] += k * sec
                 cin_t[dst] += k * sec
         terms = self.stage_report(assign, choices)
+        twice = self.shared_counted_twice(assign)
         stats = []
         for s in range(p):
             idx, term = ops[s], terms[s]
@@ -530,7 +569,7 @@ class Problem:
                 comm_in_bytes=cin_b[s], comm_out_bytes=cout_b[s],
                 comm_in_time=cin_t[s], comm_out_time=cout_t[s],
                 time=compute + term.recompute_time + cin_t[s] + cout_t[s],
-                params=float(self.held[idx].sum()), buffers=float(self.buffers[idx].sum()),
+                params=float(self.held[idx].sum() - twice[s]), buffers=float(self.buffers[idx].sum()),
                 activations=term.kept, in_flight=self.in_flight[s], memory=term.memory,
                 memory_limit=self.mem_limit[s], recompute=term.choice, recompute_time=term.recompute_time,
                 recompute_bytes=term.remade, recomputing=self.recomputing[s] if term.choice != "none" else 0))
