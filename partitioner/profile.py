@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -198,6 +199,7 @@ class _OpRunner:
         self.warmup = warmup
         self.interpreter = fx.Interpreter(gm)
         self.cuda = device.type == "cuda"
+        self._costs: dict[str, _Costs] = {}  # by _cost_key: the 80 blocks of an LLM are costed once
 
     def run(self, inputs: list[Any], progress: ProgressFn | None) -> OpGraph:
         ops, owner = op_nodes(self.gm)
@@ -340,7 +342,47 @@ class _OpRunner:
         return params, buffers, tuple(shared), tuple(shared_from), param_bytes, buffer_bytes, shared_bytes
 
     def _cost(self, node: fx.Node, args: tuple, kwargs: dict, out: Any) -> _Costs:
-        """FLOPs of the op; with analytic timing also its priced times (measured ones come later)."""
+        """FLOPs of the op; with analytic timing also its priced times (measured ones come later).
+
+        An op that computes what an op already costed computes (same function or built-in torch.nn
+        module with the same settings, same shapes, dtypes and gradient needs) costs the same:
+        counting FLOPs runs the op and its backward again, most of the time of profiling a large
+        model analytically."""
+        key = self._cost_key(node, args, kwargs, out)
+        if key is not None and key in self._costs:
+            return dataclasses.replace(self._costs[key])
+        costs = self._count_cost(node, args, kwargs, out)
+        if key is not None:
+            self._costs[key] = dataclasses.replace(costs)
+        return costs
+
+    def _cost_key(self, node: fx.Node, args: tuple, kwargs: dict, out: Any) -> str | None:
+        """What an op's cost depends on, or None when that cannot be told (a module of the user's: its
+        behaviour may hang on attributes no signature shows)."""
+        if node.op == "call_module":
+            module = self.gm.get_submodule(str(node.target))
+            if not type(module).__module__.startswith("torch.nn.modules"):
+                return None
+            head: Any = (type(module).__qualname__, module.extra_repr(), module.training)
+        elif node.op in ("call_function", "call_method"):
+            head = (node.op, node.target if isinstance(node.target, str)
+                    else f"{getattr(node.target, '__module__', '')}.{getattr(node.target, '__qualname__', node.target)}")
+        else:
+            return None
+        state = {id(t) for t in self._node_state_tensors(node)}
+
+        def describe(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                return ("state" if id(value) in state else "tensor", tuple(value.shape), value.dtype,
+                        value.requires_grad)
+            return value
+
+        described = pytree.tree_map(describe, (args, kwargs, out))
+        text = repr((head, is_inplace(node, self.gm), self.training, described,
+                     [(tuple(t.shape), t.dtype, t.requires_grad) for t in self._node_state_tensors(node)]))
+        return None if " at 0x" in text else text  # an object known only by its address: no key
+
+    def _count_cost(self, node: fx.Node, args: tuple, kwargs: dict, out: Any) -> _Costs:
         inplace = is_inplace(node, self.gm)
         flops_fwd = _count_flops(lambda: self._call(node, *_fresh(args, kwargs, inplace)))
         if self.timing == "analytic":

@@ -181,6 +181,32 @@ def test_delay_param_initialization_models_are_measured_one_op_at_a_time():
     assert graph.total_fwd > 0 and graph.total_bwd > 0
 
 
+@pytest.mark.parametrize("spec", ["gpt:layers=3,d_model=64,heads=4,vocab=128,seq_len=16,batch=2",
+                                  "resnet:size=tiny", "t5:size=tiny"])
+def test_ops_that_compute_the_same_are_costed_once_with_the_same_costs(spec, monkeypatch):
+    import importlib
+
+    profiling = importlib.import_module("partitioner.profile")
+    meta = build(spec, meta=True)
+    counted = []
+    count = profiling._OpRunner._count_cost
+
+    def counting(self, node, *rest):
+        counted.append(node.name)
+        return count(self, node, *rest)
+
+    monkeypatch.setattr(profiling._OpRunner, "_count_cost", counting)
+    cached = profile(meta.model, meta.example_args, meta.example_kwargs, timing="analytic", device_profile="h100-sxm")
+    once = len(counted)
+    counted.clear()
+    monkeypatch.setattr(profiling._OpRunner, "_cost_key", lambda *_: None)
+    every = profile(meta.model, meta.example_args, meta.example_kwargs, timing="analytic", device_profile="h100-sxm")
+    assert once < len(counted)
+    for name, data in every.nx.nodes(data=True):
+        for key in ("fwd", "bwd", "bwd_w", "flops"):
+            assert cached.nx.nodes[name][key] == data[key], (name, key)
+
+
 def test_profiled_graph_json_round_trip(tmp_path):
     bundle = build("unet:size=tiny")
     graph = profile(bundle.model, bundle.example_args, repeats=1, warmup=0)
