@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -372,6 +373,7 @@ class Problem:
         self.held = self.params + self.shared
         self.fixed_mem = self.held * factor + self.buffers  # per node, independent of the stage
         self._first_reader, self._later_readers = _shared_readers(g, self.order)
+        self._strongest_bound: tuple[str, float] | None = None
         if memory_limit is not None:
             if not memory_limit > 0:
                 raise PlanningError(f"memory_limit must be > 0 bytes, got {memory_limit}")
@@ -474,6 +476,13 @@ class Problem:
             out.append(pick)
         return out
 
+    def strongest_bound(self) -> tuple[str, float]:
+        """(name, value) of the strongest lower bound on the bottleneck: the problem's alone, so
+        computed once (a search prices hundreds of partitions of one problem)."""
+        if self._strongest_bound is None:
+            self._strongest_bound = max(named_lower_bounds(self).items(), key=lambda kv: kv[1])
+        return self._strongest_bound
+
     def shared_counted_twice(self, assign: Sequence[int]) -> np.ndarray:
         """Per stage, the shared parameter bytes ``held`` counts again for a later reader on a stage that
         already holds them (its first reader, or an earlier reader, is there): held once, not twice.
@@ -564,7 +573,7 @@ class Problem:
             compute = float(self.work[idx].sum()) / speed[s]
             stats.append(StageStats(
                 index=s, device=s, ops=[str(self.order[i]) for i in idx],
-                modules=module_range([self.modules[i] for i in idx]),
+                modules=module_range(tuple(self.modules[i] for i in idx)),
                 fwd=fwd, bwd=bwd, bwd_w=bwd_w, compute=compute,
                 comm_in_bytes=cin_b[s], comm_out_bytes=cout_b[s],
                 comm_in_time=cin_t[s], comm_out_time=cout_t[s],
@@ -583,7 +592,7 @@ class Problem:
             training=self.training, memory_limit=self.memory_limit_arg, state_factor=self.state_factor,
             recompute_mode=self.recompute_mode if choices is None else "given",
             active_microbatches=self.active_microbatches)
-        name, bound = max(named_lower_bounds(self).items(), key=lambda kv: kv[1])
+        name, bound = self.strongest_bound()
         part.with_report(lower_bound=bound, bound_by=name)
         over = [st.index for st in stats if not st.fits]
         if over:
@@ -615,6 +624,11 @@ def module_range(modules: Sequence[str]) -> str:
     count, "layers.0–1 (+1 op of 3)", because a stray op (a parameterless mask or rotary
     computation of a later layer) must not read as the layers in between.
     """
+    return _module_range(tuple(modules))
+
+
+@functools.lru_cache(maxsize=1024)  # a search re-labels the stages a move did not change
+def _module_range(modules: tuple[str, ...]) -> str:
     groups: dict[str, dict[int, int]] = {}  # prefix -> layer number -> ops
     for m in modules:
         if not m:
