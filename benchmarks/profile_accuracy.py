@@ -106,7 +106,7 @@ def main() -> None:
         write_section(opts.write, SECTION,
                       f"`.venv/bin/python benchmarks/profile_accuracy.py --write docs/benchmarks.md` (written by the "
                       f"script; raw rows in `benchmarks/results/profile_accuracy.json`).\n"
-                      f"{__doc__.split(chr(10), 2)[2].strip()}\n\n{header}\n\n{text}")
+                      f"{__doc__.split(chr(10) * 2, 2)[2].strip()}\n\n{header}\n\n{text}")
 
 
 if __name__ == "__main__":
