@@ -81,7 +81,7 @@ def profile(
     # One op at a time: bytes and FLOPs are counted on meta as analytic timing counts them;
     # the times come from a second walk, on the target, with real values.
     walked_on = home if one_at_a_time else target
-    real_args, real_kwargs = _to_device((args, kwargs), target)
+    real_args, real_kwargs = _to_device((args, kwargs), target) if one_at_a_time else ((), {})
     args, kwargs = _to_device((args, kwargs), walked_on)
     # Profiling draws random numbers (dropout, output gradients): the caller's stream must not notice.
     with _borrowed(model, walked_on, training), \
