@@ -14,6 +14,7 @@ from partitioner.errors import PlanError
 __all__ = [
     "ActionKind",
     "Action",
+    "made_action",
     "Edge",
     "StageGraph",
     "ScheduleKind",
@@ -104,7 +105,19 @@ _MATCH = {
 @functools.lru_cache(maxsize=1 << 16)
 def _counterpart(kind: ActionKind, stage: int, mb: int, peer: int, tensor: str) -> Action:
     """The matching transfer of a transfer action, made once: schedule building and every walk ask for it."""
-    return Action(_MATCH[kind], peer, mb, stage, tensor)
+    return made_action(_MATCH[kind], peer, mb, stage, tensor)
+
+
+def made_action(kind: ActionKind, stage: int, mb: int, peer: int | None = None, tensor: str | None = None) -> Action:
+    """An action made by smp's own code from fields valid by construction (a generator, the walk),
+    without ``Action``'s checks: a 256-microbatch schedule's walk makes millions of them."""
+    action = object.__new__(Action)
+    object.__setattr__(action, "kind", kind)
+    object.__setattr__(action, "stage", stage)
+    object.__setattr__(action, "mb", mb)
+    object.__setattr__(action, "peer", peer)
+    object.__setattr__(action, "tensor", tensor)
+    return action
 
 
 _COMPUTE_RE = re.compile(r"^(F|B|W)(\d+)\.(\d+)$")

@@ -19,6 +19,7 @@ from partitioner.ir import (
     ScheduleError,
     ScheduleKind,
     StageGraph,
+    made_action,
     stage_graph_from_transfers,
 )
 from partitioner.walk import format_program, format_table, validate, walk
@@ -52,15 +53,15 @@ Orders = list[list[Action]]
 
 
 def _F(s: int, mb: int) -> Action:
-    return Action(ActionKind.F, s, mb)
+    return made_action(ActionKind.F, s, mb)
 
 
 def _B(s: int, mb: int) -> Action:
-    return Action(ActionKind.B, s, mb)
+    return made_action(ActionKind.B, s, mb)
 
 
 def _W(s: int, mb: int) -> Action:
-    return Action(ActionKind.W, s, mb)
+    return made_action(ActionKind.W, s, mb)
 
 
 def _as_graph(graph: StageGraph | int) -> StageGraph:
@@ -272,9 +273,9 @@ def _insert_transfers(graph: StageGraph, stage_to_rank: Sequence[int], orders: S
             if stage_to_rank[e.src] == stage_to_rank[e.dst]:
                 continue
             if send_kind is ActionKind.SEND_F:
-                send = Action(ActionKind.SEND_F, e.src, a.mb, e.dst, e.tensor)
+                send = made_action(ActionKind.SEND_F, e.src, a.mb, e.dst, e.tensor)
             else:
-                send = Action(ActionKind.SEND_B, e.dst, a.mb, e.src, e.tensor)
+                send = made_action(ActionKind.SEND_B, e.dst, a.mb, e.src, e.tensor)
             events.append((end[i], 0, r, position[i], j, send))
     events.sort(key=lambda ev: ev[:5])
     progs: list[list[Action]] = [[] for _ in orders]

@@ -21,7 +21,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from partitioner.ir import Action, ActionKind, Schedule, ScheduleError
+from partitioner.ir import Action, ActionKind, Schedule, ScheduleError, made_action
 
 __all__ = ["Walk", "walk", "validate", "format_table", "format_program"]
 
@@ -170,21 +170,21 @@ class _Walker:
         mb = a.mb
         kind = a.kind
         if kind is ActionKind.F:
-            return [Action(ActionKind.F, e.src, mb) if self.implicit or s2r[e.src] == here
-                    else Action(ActionKind.RECV_F, a.stage, mb, e.src, e.tensor) for e in self.ins[a.stage]]
+            return [made_action(ActionKind.F, e.src, mb) if self.implicit or s2r[e.src] == here
+                    else made_action(ActionKind.RECV_F, a.stage, mb, e.src, e.tensor) for e in self.ins[a.stage]]
         if kind is ActionKind.B:
-            return [Action(ActionKind.F, a.stage, mb)] + [
-                Action(ActionKind.B, e.dst, mb) if self.implicit or s2r[e.dst] == here
-                else Action(ActionKind.RECV_B, a.stage, mb, e.dst, e.tensor) for e in self.outs[a.stage]]
+            return [made_action(ActionKind.F, a.stage, mb)] + [
+                made_action(ActionKind.B, e.dst, mb) if self.implicit or s2r[e.dst] == here
+                else made_action(ActionKind.RECV_B, a.stage, mb, e.dst, e.tensor) for e in self.outs[a.stage]]
         if kind is ActionKind.W:
-            return [Action(ActionKind.B, a.stage, mb)]
+            return [made_action(ActionKind.B, a.stage, mb)]
         if kind is ActionKind.SEND_F:
-            return [Action(ActionKind.F, a.stage, mb)]
+            return [made_action(ActionKind.F, a.stage, mb)]
         if kind is ActionKind.SEND_B:
-            return [Action(ActionKind.B, a.stage, mb)]
+            return [made_action(ActionKind.B, a.stage, mb)]
         if kind is ActionKind.ALLREDUCE:  # every microbatch's weight gradients are final
             last = ActionKind.W if self.sch.split_backward else ActionKind.B
-            return [Action(last, a.stage, k) for k in range(self.sch.num_microbatches)]
+            return [made_action(last, a.stage, k) for k in range(self.sch.num_microbatches)]
         return []
 
     def run(self) -> Walk:
