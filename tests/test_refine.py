@@ -65,3 +65,27 @@ def test_step_time_plan_is_never_slower_than_a_baseline_and_says_what_is_proven(
                                       "simulated_step": pytest.approx(simulated_step_time(plain)), "optimal": True}
     data = picked.to_dict()
     assert data["objective"] == "step_time" and data["bound_on"] == "bottleneck"
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_many_microbatches_are_ranked_on_a_shorter_step_and_reported_in_full(schedule, monkeypatch):
+    """Above RANKING_MICROBATCHES candidates are simulated shorter and extended by their bottleneck; the plan's
+    own step is simulated in full and is never slower than the one the climb started from."""
+    import partitioner.refine as refine
+
+    graph = synthetic.unet(3, seed=1)
+    cluster = Cluster.uniform(8, bandwidth=2e9, latency=2e-5)
+    seen = []
+    simulate = refine.simulated_step_time
+
+    def counting(part, *args, **kw):
+        seen.append(kw.get("microbatches") or part.microbatches)
+        return simulate(part, *args, **kw)
+
+    monkeypatch.setattr(refine, "simulated_step_time", counting)
+    plain = solve(graph, 8, cluster=cluster, microbatches=96, schedule=schedule)
+    refined = solve(graph, 8, cluster=cluster, microbatches=96, schedule=schedule, objective="step_time")
+    assert_valid(graph, refined)
+    assert refine.RANKING_MICROBATCHES in seen and 96 in seen  # estimates, and the ends in full
+    assert refined.simulated_step == pytest.approx(simulate(refined))
+    assert refined.simulated_step <= simulate(plain) * (1 + 1e-9)
