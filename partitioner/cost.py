@@ -368,7 +368,8 @@ class Problem:
         # its gradient and optimizer state, by every stage that reads it; ``params`` counts
         # it once on its first reader, ``shared_bytes`` on each later one. For the solvers
         # two readers on one stage are counted twice: conservative, and it keeps memory per
-        # node; a plan's reported memory counts it once (``shared_counted_twice``).
+        # node. Every feasibility check (stage_report, fits, the recomputation choice) is the
+        # solvers'; a plan's reported memory (``partition``) counts it once (``shared_counted_twice``).
         self.shared = attr("shared_bytes")
         self.held = self.params + self.shared
         self.fixed_mem = self.held * factor + self.buffers  # per node, independent of the stage
@@ -435,8 +436,7 @@ class Problem:
         used = {c for opts in options for c in opts}
         speed, infl, rinfl = self.speed, self.in_flight, self.recomputing
         comp = np.bincount(a, weights=self.work, minlength=p)
-        fixed = np.bincount(a, weights=self.fixed_mem, minlength=p) - \
-            self.held_factor * self.shared_counted_twice(assign)
+        fixed = np.bincount(a, weights=self.fixed_mem, minlength=p)
         per = {c: (np.bincount(a, weights=self.rec.kept[c], minlength=p),
                    np.bincount(a, weights=self.rec.remade[c], minlength=p),
                    np.bincount(a, weights=self.rec.seconds[c], minlength=p)) for c in used}
@@ -579,7 +579,8 @@ class Problem:
                 comm_in_time=cin_t[s], comm_out_time=cout_t[s],
                 time=compute + term.recompute_time + cin_t[s] + cout_t[s],
                 params=float(self.held[idx].sum() - twice[s]), buffers=float(self.buffers[idx].sum()),
-                activations=term.kept, in_flight=self.in_flight[s], memory=term.memory,
+                activations=term.kept, in_flight=self.in_flight[s],
+                memory=term.memory - self.held_factor * twice[s],
                 memory_limit=self.mem_limit[s], recompute=term.choice, recompute_time=term.recompute_time,
                 recompute_bytes=term.remade, recomputing=self.recomputing[s] if term.choice != "none" else 0))
         times = [st.time for st in stats]
