@@ -6,16 +6,18 @@ Four runs: as is (glibc's malloc, AdamW's foreach implementation, torch's defaul
 glibc's mmap threshold fixed (`MALLOC_MMAP_THRESHOLD_=65536` in the environment: by default the
 threshold rises to 32 MiB after the first large free, and freed activation memory then stays in
 the heap, resident); with that and AdamW's per-parameter loop (the foreach step makes
-temporaries of about one more copy of the rank's parameters, the loop two of its largest
-parameter; no plan counts an optimizer's temporaries as stage memory yet); and the same program
-on one rank holding every stage. Each rank is a new interpreter (runtime.launch fresh=True). It
+temporaries of one more copy of the rank's parameters, which the plan counts as the step's
+workspace, the loop two copies of its largest parameter, which it does not); and the same
+program on one rank holding every stage. Each rank is a new interpreter (runtime.launch fresh=True). It
 notes its resident memory once
 torch and smp are imported and a tiny model has taken one AdamW step (the process baseline:
 torch's thread pools and kernels, about 75 MiB, start with the first ops), builds the model under
 `smp.delay_param_initialization()`, lets `smp.partition(..., checkpoint=DIR)` load its stages from
 a Hugging Face-style sharded safetensors directory, and trains `--steps` AdamW steps. Figures per
-rank: the stage memory it holds (parameters, gradients, AdamW state, buffers, peak stashed
-activations, counted exactly by `memory_stats`) and the plan's prediction of it; its peak resident
+rank: the stage memory it holds (parameters, gradients, AdamW state, buffers, and the larger of
+the peak stashed activations and the optimizer step's workspace, counted exactly by
+`memory_stats` with an `OptimizerStepMeter`) and the plan's prediction of it, and the step's
+workspace measured against the plan's; its peak resident
 memory (VmHWM) above the baseline, as a multiple of that stage memory (target: at most 1.2); the
 bytes it read from storage while loading (`/proc/self/io` read_bytes, the checkpoint's pages
 dropped from the page cache first, so page faults on the memory-mapped shards count) against its
@@ -90,6 +92,7 @@ def rank_worker(rank: int, world: int, *, spec: str, checkpoint: str, out: str, 
                 microbatches: int, foreach: bool) -> None:
     """One rank: build on meta, partition and load its stages from ``checkpoint``, train ``steps`` steps."""
     import smp
+    from runtime.memory import OptimizerStepMeter
     from smp.models import build
 
     _warm_up(foreach)
@@ -104,14 +107,17 @@ def rank_worker(rank: int, world: int, *, spec: str, checkpoint: str, out: str, 
     pipe.prepare(x)
     loaded_s, read = time.perf_counter() - started, _read_bytes() - read_before
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-4, foreach=foreach)
+    meter = OptimizerStepMeter(optimizer)
     for _ in range(steps):
         pipe.step(x, target=y)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)  # the gradients stay allocated, as the plan counts them
-    held = pipe.memory_stats(optimizer)[rank]
+    held = pipe.memory_stats(optimizer, step_meter=meter)[rank]
+    plan = pipe.plan
     local = [p for p in bundle.model.parameters() if not p.is_meta]
     result = {"rank": rank, "baseline": baseline, "peak": _status("VmHWM"), "held": held,
-              "predicted": pipe.plan.rank_memory[rank], "read": read, "loaded_s": loaded_s,
+              "predicted": plan.rank_memory[rank], "read": read,
+              "predicted_workspace": sum(plan.partition.stages[s].workspace for s in plan.schedule.stages_of(rank)), "loaded_s": loaded_s,
               "stage_param_bytes": sum(p.numel() * p.element_size() for p in local)}
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
 
@@ -147,14 +153,16 @@ def mib(n: float) -> str:
 def tables(runs: dict[str, list[dict]], total_bytes: int, planned: dict, spec: str) -> str:
     lines = [f"Model `{spec}`: {mib(total_bytes)} of weights in the checkpoint.", "",
              "| run | rank | stage memory held | predicted | held / predicted | peak RSS above baseline | "
-             "RSS / held | read from storage | its weights | read / its weights | partition + load s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "RSS / held | step workspace / predicted | read from storage | its weights | read / its weights | "
+             "partition + load s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for run, ranks in runs.items():
         for r in ranks:
             held = r["held"]["total"]
             grown = r["peak"] - r["baseline"]
             lines.append(f"| {run} | {r['rank']} | {mib(held)} | {mib(r['predicted'])} | "
-                         f"{held / r['predicted']:.3f} | {mib(grown)} | {grown / held:.2f} | {mib(r['read'])} | "
+                         f"{held / r['predicted']:.3f} | {mib(grown)} | {grown / held:.2f} | "
+                         f"{r['held']['optimizer_step_peak'] / r['predicted_workspace']:.2f} | {mib(r['read'])} | "
                          f"{mib(r['stage_param_bytes'])} | {r['read'] / r['stage_param_bytes']:.2f} | "
                          f"{r['loaded_s']:.1f} |")
     first = next(iter(runs.values()))

@@ -110,12 +110,13 @@ def memory_lower_bound(prob: Problem) -> tuple[float, float]:
     Every op sits on some stage holding at least min(in_flight) microbatches (and
     recomputing at least min(recomputing)) under one of the stages' allowed recomputation
     choices; a stage's memory is at least the sum over its ops of their least share, and
-    the stages share the total: max_s memory_s >= Σ_v least_v / p.
+    the stages share the total: max_s memory_s >= Σ_v least_v / p. A stage's memory is
+    also at least its state and optimizer-step workspace (``step_mem``), shared the same way.
     """
     least, least_rec = min(prob.in_flight), min(prob.recomputing)
     union = {c for opts in prob.choices for c in opts}
     per_op = prob.fixed_mem + np.min([least * prob.rec.kept[c] + least_rec * prob.rec.remade[c] for c in union],
                                      axis=0)
-    largest = float(per_op.max())
-    share = float(per_op.sum()) / prob.p
+    largest = float(np.maximum(per_op, prob.step_mem).max())
+    share = max(float(per_op.sum()), float(prob.step_mem.sum())) / prob.p  # max(Σ, Σ), not Σ max
     return max(largest, share), largest

@@ -22,13 +22,20 @@ from partitioner.units import format_bytes
 
 __all__ = [
     "Transfer", "StageStats", "StageTerms", "Partition", "Problem", "evaluate", "graph_order", "DEFAULT_STATE_FACTOR",
-    "format_bytes",
+    "DEFAULT_WORKSPACE_FACTOR", "format_bytes",
 ]
 
 #: Bytes kept per parameter byte when training: the weights, their gradients and Adam's
 #: two moments, all in the parameters' dtype (fp32 training, or the fp32 part of mixed
 #: precision counted at the stored dtype) -> 1 + 1 + 2.
 DEFAULT_STATE_FACTOR = 4.0
+
+#: Bytes the optimizer's step allocates for a while per parameter byte it updates: AdamW's
+#: foreach implementation (torch's default on GPUs) builds one temporary list of the
+#: parameters' size (sqrt of the second moment), measured in tests/test_memory_model.py.
+#: The step runs after the last backward, when the stashed activations are gone, so a
+#: stage's peak is its state + max(activations, workspace). 0 for a fused optimizer.
+DEFAULT_WORKSPACE_FACTOR = 1.0
 
 #: A plan is called optimal when a proven lower bound is within this fraction of its value
 #: (one part per million: CP-SAT's integer scaling rounds each term by under 1e-9 of it).
@@ -61,7 +68,8 @@ class StageStats:
     runtime executes: ``recompute_time`` is the forward run again inside each backward,
     ``activations`` what the stage keeps per microbatch in flight, ``recompute_bytes`` what
     one microbatch's recomputation re-creates, held for ``recomputing`` microbatches at
-    the peak: ``memory = state + in_flight × activations + recomputing × recompute_bytes``.
+    the peak, ``workspace`` what the optimizer's step allocates after the backward:
+    ``memory = state + max(in_flight × activations + recomputing × recompute_bytes, workspace)``.
     """
 
     index: int
@@ -87,10 +95,21 @@ class StageStats:
     recompute_time: float = 0.0
     recompute_bytes: float = 0.0
     recomputing: int = 0
+    workspace: float = 0.0
 
     @property
     def fits(self) -> bool:
         return self.memory_limit is None or self.memory <= self.memory_limit * (1 + 1e-12)
+
+    @property
+    def activation_peak(self) -> float:
+        """Bytes of activations held at the stage's peak: in flight plus those being recomputed."""
+        return self.in_flight * self.activations + self.recomputing * self.recompute_bytes
+
+    @property
+    def state(self) -> float:
+        """Bytes held for the whole step: parameters, gradients, optimizer state, buffers."""
+        return self.memory - max(self.activation_peak, self.workspace)
 
 
 @dataclass
@@ -114,6 +133,8 @@ class Partition:
     memory_limit: float | None
     state_factor: float
     notes: list[str] = field(default_factory=list)
+    #: Optimizer-step workspace per parameter byte the memory was counted under.
+    workspace_factor: float = DEFAULT_WORKSPACE_FACTOR
     #: What the plan was chosen for: "bottleneck" (the solvers' min-max), or "step_time"
     #: (then picked and refined by simulated step time, see partitioner/refine.py).
     objective: str = "bottleneck"
@@ -194,6 +215,7 @@ class Partition:
         d["transfers"] = [Transfer(**t) for t in d["transfers"]]
         d["stage_of"] = {str(k): int(v) for k, v in d["stage_of"].items()}
         d["notes"] = list(d.get("notes", []))
+        d.setdefault("workspace_factor", 0.0)  # saved before the optimizer's workspace was counted
         return cls(**d)
 
     def table(self) -> str:
@@ -249,6 +271,7 @@ class StageTerms(NamedTuple):
     kept: float  # bytes kept per microbatch in flight, the stage's cut included
     remade: float  # bytes one microbatch's recomputation re-creates
     recompute_time: float  # seconds of forward run again inside one backward
+    workspace: float = 0.0  # bytes the optimizer's step allocates (instead of the activations)
 
 
 def _shared_readers(g: nx.DiGraph, order: Sequence[Hashable]) -> tuple[dict[str, int], list[tuple[int, tuple[str, ...]]]]:
@@ -279,7 +302,7 @@ class Problem:
     def __init__(self, graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None = None,
                  microbatches: int = 1, schedule: str = "1f1b", training: bool = True,
                  memory_limit: float | None = None, state_factor: float = DEFAULT_STATE_FACTOR,
-                 order: Sequence[Hashable] | None = None, ranks: int | None = None,
+                 workspace_factor: float = DEFAULT_WORKSPACE_FACTOR, order: Sequence[Hashable] | None = None, ranks: int | None = None,
                  recompute: str | Sequence[str] = "none", active_microbatches: int | None = None):
         g, default_order = graph_order(graph)
         self.graph = graph
@@ -303,6 +326,8 @@ class Problem:
             raise PlanningError(f"microbatches must be >= 1, got {microbatches}")
         if state_factor < 1:
             raise PlanningError(f"state_factor must be >= 1 (parameters themselves), got {state_factor}")
+        if not workspace_factor >= 0:
+            raise PlanningError(f"workspace_factor must be >= 0 (0: a fused optimizer), got {workspace_factor}")
         self.n, self.p = n, stages
         self.cluster = (cluster or Cluster.free(stages)).for_stages(stages)
         self.microbatches, self.training = microbatches, training
@@ -313,6 +338,7 @@ class Problem:
             raise PlanningError(str(err)) from None
         self.active_microbatches = active_microbatches
         self.state_factor = float(state_factor)
+        self.workspace_factor = float(workspace_factor)
         self.memory_limit_arg = memory_limit
 
         def attr(key: str, default: float = 0.0) -> np.ndarray:
@@ -373,6 +399,12 @@ class Problem:
         self.shared = attr("shared_bytes")
         self.held = self.params + self.shared
         self.fixed_mem = self.held * factor + self.buffers  # per node, independent of the stage
+        # The optimizer's step workspace: a stage's peak is fixed + max(activations, workspace),
+        # so fitting is two sums within the limit: with the activations (node_memory), and
+        # ``step_mem`` (state and workspace) at the step.
+        self.step_workspace_per_held = self.workspace_factor if training else 0.0
+        self.step_workspace = self.held * self.step_workspace_per_held
+        self.step_mem = self.fixed_mem + self.step_workspace
         self._first_reader, self._later_readers = _shared_readers(g, self.order)
         self._strongest_bound: tuple[str, float] | None = None
         if memory_limit is not None:
@@ -411,7 +443,8 @@ class Problem:
         return nbytes / self.bw[a, t] + self.lat[a, t]
 
     def node_memory(self, i: int, s: int, choice: str = "none") -> float:
-        """Op ``i``'s own share of stage ``s``'s memory under ``choice`` (the cut's tensors come on top)."""
+        """Op ``i``'s own share of stage ``s``'s memory during the pipeline under ``choice`` (the cut's tensors
+        come on top); at the optimizer's step its share is ``step_mem[i]`` (both must fit)."""
         return (self.fixed_mem[i] + self.in_flight[s] * self.rec.kept[choice][i]
                 + self.recomputing[s] * self.rec.remade[choice][i])
 
@@ -437,6 +470,7 @@ class Problem:
         speed, infl, rinfl = self.speed, self.in_flight, self.recomputing
         comp = np.bincount(a, weights=self.work, minlength=p)
         fixed = np.bincount(a, weights=self.fixed_mem, minlength=p)
+        workspace = np.bincount(a, weights=self.step_workspace, minlength=p)
         per = {c: (np.bincount(a, weights=self.rec.kept[c], minlength=p),
                    np.bincount(a, weights=self.rec.remade[c], minlength=p),
                    np.bincount(a, weights=self.rec.seconds[c], minlength=p)) for c in used}
@@ -465,9 +499,10 @@ class Problem:
                 kept_s, remade_s, seconds_s = per[c]
                 kept = float(kept_s[s]) + (recv[s] if self.rec.received[c] else 0.0) + sent[c][s]
                 remade = float(remade_s[s])
-                memory = float(fixed[s]) + infl[s] * kept + rinfl[s] * remade
+                memory = float(fixed[s]) + max(infl[s] * kept + rinfl[s] * remade, float(workspace[s]))
                 rec_t = float(seconds_s[s]) / speed[s]
-                term = StageTerms(c, float(t[s] + rec_t), float(memory), float(kept), remade, rec_t)
+                term = StageTerms(c, float(t[s] + rec_t), float(memory), float(kept), remade, rec_t,
+                                  float(workspace[s]))
                 if self.mem_limit[s] is None or memory <= self.mem_limit[s] * (1 + 1e-12):
                     pick = term
                     break
@@ -567,6 +602,11 @@ class Problem:
         stats = []
         for s in range(p):
             idx, term = ops[s], terms[s]
+            # The pipeline's peak or the step's, each with a tied weight held once.
+            rinfl = self.recomputing[s] if term.choice != "none" else 0
+            during = term.memory - max(self.in_flight[s] * term.kept + rinfl * term.remade, term.workspace)
+            workspace = term.workspace - self.step_workspace_per_held * twice[s]
+            state = during - self.held_factor * twice[s]
             fwd = float(self.fwd[idx].sum()) / speed[s]
             bwd = float(self.bwd[idx].sum()) / speed[s] if self.training else 0.0
             bwd_w = float(self.bwd_w[idx].sum()) / speed[s] if self.training else 0.0
@@ -580,9 +620,9 @@ class Problem:
                 time=compute + term.recompute_time + cin_t[s] + cout_t[s],
                 params=float(self.held[idx].sum() - twice[s]), buffers=float(self.buffers[idx].sum()),
                 activations=term.kept, in_flight=self.in_flight[s],
-                memory=term.memory - self.held_factor * twice[s],
+                memory=state + max(self.in_flight[s] * term.kept + rinfl * term.remade, workspace),
                 memory_limit=self.mem_limit[s], recompute=term.choice, recompute_time=term.recompute_time,
-                recompute_bytes=term.remade, recomputing=self.recomputing[s] if term.choice != "none" else 0))
+                recompute_bytes=term.remade, recomputing=rinfl, workspace=workspace))
         times = [st.time for st in stats]
         worst = int(np.argmax(times))
         part = Partition(
@@ -591,7 +631,7 @@ class Problem:
             lower_bound=0.0, optimal=False, gap=1.0, method=method, solve_seconds=solve_seconds,
             cluster=self.cluster.to_dict(), microbatches=self.microbatches, schedule=self.schedule,
             training=self.training, memory_limit=self.memory_limit_arg, state_factor=self.state_factor,
-            recompute_mode=self.recompute_mode if choices is None else "given",
+            workspace_factor=self.workspace_factor, recompute_mode=self.recompute_mode if choices is None else "given",
             active_microbatches=self.active_microbatches)
         name, bound = self.strongest_bound()
         part.with_report(lower_bound=bound, bound_by=name)
@@ -680,8 +720,8 @@ def _span(run: Sequence[int]) -> str:
 def evaluate(graph: OpGraph | nx.DiGraph, stage_of: Mapping[Hashable, int], *,
              cluster: Cluster | None = None, microbatches: int = 1, schedule: str = "1f1b",
              training: bool = True, memory_limit: float | None = None,
-             state_factor: float = DEFAULT_STATE_FACTOR, stages: int | None = None,
-             method: str = "manual", ranks: int | None = None,
+             state_factor: float = DEFAULT_STATE_FACTOR, workspace_factor: float = DEFAULT_WORKSPACE_FACTOR,
+             stages: int | None = None, method: str = "manual", ranks: int | None = None,
              recompute: str | Sequence[str] = "none", active_microbatches: int | None = None) -> Partition:
     """The cost of any assignment ``stage_of`` (node -> stage index), per stage and overall.
 
@@ -700,8 +740,9 @@ def evaluate(graph: OpGraph | nx.DiGraph, stage_of: Mapping[Hashable, int], *,
             raise InvalidAssignmentError("stage_of is empty; map every node to a stage")
         stages = int(max(stage_of.values())) + 1
     prob = Problem(graph, stages, cluster=cluster, microbatches=microbatches, schedule=schedule,
-                   training=training, memory_limit=memory_limit, state_factor=state_factor, ranks=ranks,
-                   recompute=recompute, active_microbatches=active_microbatches)
+                   training=training, memory_limit=memory_limit, state_factor=state_factor,
+                   workspace_factor=workspace_factor, ranks=ranks, recompute=recompute,
+                   active_microbatches=active_microbatches)
     assign = prob.assignment(stage_of)
     problems = prob.check(assign)
     if problems:

@@ -176,7 +176,8 @@ class Plan:
 
     @property
     def rank_memory(self) -> list[float]:
-        """Each rank's predicted peak bytes: its stages' state plus the simulated peak of their activations.
+        """Each rank's predicted peak bytes: its stages' state plus the larger of the simulated peak of their
+        activations and the optimizer step's workspace (the step comes after the last backward).
 
         With several stages per rank (interleaved) the activations peak together only as
         the schedule's order makes them, which the simulator follows; the stages' own
@@ -186,9 +187,8 @@ class Plan:
         out = []
         for r in range(self.pipeline_ranks):
             stages = [self.partition.stages[s] for s in self.schedule.stages_of(r)]
-            acts = [s.in_flight * s.activations + s.recomputing * s.recompute_bytes for s in stages]
-            fixed = sum(s.memory for s in stages) - sum(acts)
-            out.append(fixed + (per_rank[r] if per_rank is not None else sum(acts)))
+            acts = per_rank[r] if per_rank is not None else sum(s.activation_peak for s in stages)
+            out.append(sum(s.state for s in stages) + max(acts, sum(s.workspace for s in stages)))
         return out
 
     @cached_property
@@ -312,6 +312,7 @@ class Plan:
         old = self.partition
         part = evaluate(graph, old.stage_of, cluster=stage_cluster, microbatches=m, schedule=kind.value,
                         training=old.training, memory_limit=old.memory_limit, state_factor=old.state_factor,
+                        workspace_factor=old.workspace_factor,
                         ranks=ranks, recompute=old.recompute if recompute is None else recompute,
                         active_microbatches=cap)  # type: ignore[arg-type]
         # What the original solve proved carries over only to the same cluster and, under a
@@ -424,6 +425,7 @@ class Plan:
                 "ops": len(s.ops),
                 "params": s.params,
                 "activations": s.activations,
+                "workspace": s.workspace,
                 "fwd": s.fwd,
                 "bwd": s.bwd,
                 "comm_in": s.comm_in_time,

@@ -21,7 +21,7 @@ from collections.abc import Hashable, Iterable, Sequence
 import networkx as nx
 
 from partitioner.cluster import Cluster
-from partitioner.cost import DEFAULT_STATE_FACTOR, Partition, Problem, evaluate
+from partitioner.cost import DEFAULT_STATE_FACTOR, DEFAULT_WORKSPACE_FACTOR, Partition, Problem, evaluate
 from partitioner.errors import MemoryLimitError
 from partitioner.graph import OpGraph
 
@@ -293,7 +293,7 @@ def generate(kind: str, ops: int, seed: int = 0) -> OpGraph:
 def brute_force(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None = None,
                 microbatches: int = 1, schedule: str = "1f1b", training: bool = True,
                 memory_limit: float | None = None, colocate: Iterable[Iterable[Hashable]] = (),
-                state_factor: float = DEFAULT_STATE_FACTOR,
+                state_factor: float = DEFAULT_STATE_FACTOR, workspace_factor: float = DEFAULT_WORKSPACE_FACTOR,
                 order: Sequence[Hashable] | None = None, recompute: str = "auto") -> Partition:
     """The true optimum by exhaustive enumeration (small graphs only: it is exponential).
 
@@ -308,7 +308,7 @@ def brute_force(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | 
     """
     prob = Problem(graph, stages, cluster=cluster, microbatches=microbatches, schedule=schedule,
                    training=training, memory_limit=memory_limit, state_factor=state_factor,
-                   order=order, recompute=recompute)
+                   workspace_factor=workspace_factor, order=order, recompute=recompute)
     n, p, k = prob.n, prob.p, prob.directions
     group_of = _group_ids(prob, colocate)
     lim = [math.inf if x is None else x * (1 + 1e-12) for x in prob.mem_limit]
@@ -422,6 +422,7 @@ def check_partition(graph: OpGraph | nx.DiGraph, part: Partition, *,
         fresh = evaluate(graph, part.stage_of, cluster=Cluster.from_dict(part.cluster),
                          microbatches=part.microbatches, schedule=part.schedule, training=part.training,
                          memory_limit=part.memory_limit, state_factor=part.state_factor,
+                         workspace_factor=part.workspace_factor,
                          stages=part.num_stages, recompute=part.recompute)
     except ValueError as err:
         return [str(err)]

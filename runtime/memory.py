@@ -2,12 +2,76 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-__all__ = ["rank_memory"]
+__all__ = ["rank_memory", "AllocationMeter", "OptimizerStepMeter"]
+
+
+class AllocationMeter(TorchDispatchMode):
+    """Bytes of tensor storage that ops under this mode create, while they live, and their peak.
+
+    An op's result is new unless it shares storage with one of the op's inputs (views and
+    in-place results are not counted); a new storage is counted until its tensor is
+    freed. Exact for what a device allocator would be asked for, without one (on CPU).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._alive: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.is_meta:
+                continue
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr == 0 or ptr in inputs or ptr in self._alive:
+                continue
+            self._alive.add(ptr)
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(t, self._freed, ptr, storage.nbytes())
+        return out
+
+    def _freed(self, ptr: int, nbytes: int) -> None:
+        if ptr in self._alive:
+            self._alive.discard(ptr)
+            self.live -= nbytes
+
+
+class OptimizerStepMeter:
+    """The peak bytes ``optimizer.step()`` allocates beyond what it keeps: its workspace, metered on every
+    step from now on (``peak``: the last step's; state an optimizer creates on its first
+    step is counted there, later steps see only the workspace). ``close()`` stops it."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.peak = 0
+        self.steps = 0
+        self._meter: AllocationMeter | None = None
+        self._hooks = [optimizer.register_step_pre_hook(self._start), optimizer.register_step_post_hook(self._stop)]
+
+    def _start(self, *_: Any) -> None:
+        self._meter = AllocationMeter()
+        self._meter.__enter__()
+
+    def _stop(self, *_: Any) -> None:
+        if self._meter is not None:
+            self._meter.__exit__(None, None, None)
+            self.peak, self.steps, self._meter = self._meter.peak, self.steps + 1, None
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -15,9 +79,11 @@ def _bytes(t: torch.Tensor) -> int:
 
 
 def rank_memory(model: nn.Module, ownership: Any, rank: int, optimizer: torch.optim.Optimizer | None,
-                activations_peak: int) -> dict[str, int]:
+                activations_peak: int, step_meter: OptimizerStepMeter | None = None) -> dict[str, int]:
     """Bytes rank ``rank`` holds: its parameters, their gradients and optimizer state, its buffers, and
-    ``activations_peak`` (the engine's stash meter); on a GPU also the allocator's peak."""
+    ``activations_peak`` (the engine's stash meter); with ``step_meter`` the optimizer step's
+    workspace, which comes after the stashed activations are gone, so the total holds the
+    larger of the two (as the plan counts it); on a GPU also the allocator's peak."""
     held = {i for i, ranks in ownership.holders.items() if rank in ranks}
     params = [p for p in model.parameters() if id(p) in held and not p.is_meta]
     buffers = [b for b in model.buffers() if id(b) in held and not b.is_meta]
@@ -32,7 +98,10 @@ def rank_memory(model: nn.Module, ownership: Any, rank: int, optimizer: torch.op
         "buffers": sum(_bytes(b) for b in buffers),
         "activations_peak": int(activations_peak),
     }
-    out["total"] = sum(out.values())
+    if step_meter is not None:
+        out["optimizer_step_peak"] = int(step_meter.peak)
+    out["total"] = (sum(v for k, v in out.items() if k not in ("activations_peak", "optimizer_step_peak"))
+                    + max(out["activations_peak"], out.get("optimizer_step_peak", 0)))
     device = params[0].device if params else torch.device("cpu")
     if device.type == "cuda":
         out["cuda_max_allocated"] = int(torch.cuda.max_memory_allocated(device))

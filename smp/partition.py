@@ -27,7 +27,7 @@ from runtime.engine import Engine, Ownership, Program, RuntimeConfigError, conca
 from runtime.layout import ReplicaLayout
 from runtime.checkpoint import CheckpointError, load_pipeline, open_weights, save_pipeline
 from runtime.gradients import global_grad_norm
-from runtime.memory import rank_memory
+from runtime.memory import OptimizerStepMeter, rank_memory
 from runtime.precision import PipelineGradScaler, Precision
 from runtime.materialize import MaterializeError, materialize
 from runtime.split import SplitError, carry_stages, cut_edges, state_meta_of
@@ -457,17 +457,20 @@ class PipelinedModel:
             raise RuntimeConfigError(f"{what} needs a first step() or call to build the stages")
         return self._engine
 
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+    def named_parameters(self, rank: int | None = None) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters, with the original model's names (a tied parameter under its first name).
 
-        Before partitioning (lazy planning) this is every parameter of the model.
+        Before partitioning (lazy planning) this is every parameter of the model. ``rank``:
+        only those pipeline rank ``rank`` holds (one process holding every rank, e.g. to give
+        each rank its own optimizer as separate processes would).
         """
+        holders = self._require_setup("named_parameters(rank=...)").ownership.holders if rank is not None else None
         for name, p in self.module.named_parameters():
-            if not p.is_meta:  # another rank's, once partitioned
+            if not p.is_meta and (holders is None or rank in holders.get(id(p), ())):  # meta: another rank's
                 yield name, p
 
-    def parameters(self) -> Iterator[nn.Parameter]:
-        for _, p in self.named_parameters():
+    def parameters(self, rank: int | None = None) -> Iterator[nn.Parameter]:
+        for _, p in self.named_parameters(rank):
             yield p
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -584,9 +587,13 @@ class PipelinedModel:
 
     # ------------------------------------------------------------------ measurements
 
-    def memory_stats(self, optimizer: torch.optim.Optimizer | None = None) -> dict[int, dict[str, int]]:
+    def memory_stats(self, optimizer: torch.optim.Optimizer | None = None,
+                     step_meter: OptimizerStepMeter | None = None) -> dict[int, dict[str, int]]:
         """What each rank in this process holds, in bytes, counted exactly: parameters, gradients, optimizer
         state, buffers, and the peak of stashed activations during the last step (``activations_peak``).
+        With ``step_meter`` (a :class:`runtime.memory.OptimizerStepMeter` made on ``optimizer``
+        before the steps) also the last optimizer step's workspace (``optimizer_step_peak``); the
+        ``total`` holds the larger of it and the activations, as the plan counts them.
 
         On a GPU ``cuda_max_allocated`` adds the allocator's peak. In one process every
         rank of the plan is reported (a tied parameter under each rank that holds it).
@@ -595,7 +602,7 @@ class PipelinedModel:
         eng = self._engine
         ranks = range(self._plan.pipeline_ranks) if not self.distributed else [self.pp_rank]  # type: ignore[union-attr]
         return {r: rank_memory(self.module, setup.ownership, r, optimizer,
-                               eng.stash_peak.get(r, 0) if eng is not None else 0) for r in ranks}
+                               eng.stash_peak.get(r, 0) if eng is not None else 0, step_meter) for r in ranks}
 
 
     def timeline(self, gather: bool = False) -> Timeline:

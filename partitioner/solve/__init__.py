@@ -11,7 +11,7 @@ import numpy as np
 
 from partitioner.bounds import memory_lower_bound, named_lower_bounds
 from partitioner.cluster import Cluster
-from partitioner.cost import DEFAULT_STATE_FACTOR, OPTIMAL_RTOL, Partition, Problem, format_bytes, graph_order
+from partitioner.cost import DEFAULT_STATE_FACTOR, DEFAULT_WORKSPACE_FACTOR, OPTIMAL_RTOL, Partition, Problem, format_bytes, graph_order
 from partitioner.errors import MemoryLimitError, PlanningError
 from partitioner.graph import OpGraph
 from partitioner.refine import refine_step_time, simulated_step_time
@@ -78,7 +78,8 @@ def solve(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None =
           microbatches: int = 1, schedule: str = "1f1b", training: bool = True,
           memory_limit: float | None = None, colocate: Iterable[Iterable[Hashable]] = (),
           method: str = "auto", time_limit: float | None = None,
-          state_factor: float = DEFAULT_STATE_FACTOR, workers: int = 1,
+          state_factor: float = DEFAULT_STATE_FACTOR, workspace_factor: float = DEFAULT_WORKSPACE_FACTOR,
+          workers: int = 1,
           objective: str = "bottleneck", ranks: int | None = None,
           wall_limit: float | None = None, recompute: str = "auto",
           active_microbatches: int | None = None) -> Partition:
@@ -114,7 +115,7 @@ def solve(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None =
     blocks = colocation_blocks(g, program_order, colocate)
     prob = Problem(graph, stages, cluster=cluster, microbatches=microbatches, schedule=schedule,
                    training=training, memory_limit=memory_limit, state_factor=state_factor,
-                   order=blocks.order, ranks=ranks, recompute=recompute, active_microbatches=active_microbatches)
+                   workspace_factor=workspace_factor, order=blocks.order, ranks=ranks, recompute=recompute, active_microbatches=active_microbatches)
     blocks.check_stages(prob.p, lonely=[i for i, out in enumerate(prob.is_output) if out])
     if method in BASELINES:
         part = prob.partition(baseline_assign(prob, method, _allowed_cuts(prob, blocks)), method=method)
@@ -311,7 +312,8 @@ def _recompute_rescue(prob: Problem, allowed: np.ndarray) -> str | None:
     """When recomputation was not (fully) allowed: what recompute='auto' makes fit, or None."""
     auto = Problem(prob.graph, prob.p, cluster=prob.cluster, microbatches=prob.microbatches,
                    schedule=prob.schedule, training=prob.training, memory_limit=prob.memory_limit_arg,
-                   state_factor=prob.state_factor, order=prob.order, ranks=prob.ranks, recompute="auto",
+                   state_factor=prob.state_factor, workspace_factor=prob.workspace_factor, order=prob.order,
+                   ranks=prob.ranks, recompute="auto",
                    active_microbatches=prob.active_microbatches)
     dp = dp_solve(auto, allowed)
     if dp is None:

@@ -214,6 +214,8 @@ class _Model:
                 recv = prob.in_flight[s] * prob.out_bytes[senders] if prob.rec.received[c] and s > 0 else np.zeros(0)
                 sent = prob.in_flight[s] * prob.rec.sent[c][roots] if s < prob.p - 1 else np.zeros(0)
                 rows[s, c] = per_op, recv, sent
+            # At the optimizer's step: the state and the step's workspace (no activations, no cut).
+            rows[s, "step"] = prob.step_mem, np.zeros(0), np.zeros(0)
         limits = {s: prob.mem_limit[s] * (1 + 1e-12) for s in limited}  # the float check's tolerance
         limit_values = np.array(list(limits.values()))
         exact_k = _dyadic_exponent(np.concatenate([limit_values, *(a for row in rows.values() for a in row)]))

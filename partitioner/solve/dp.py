@@ -101,6 +101,7 @@ def _lower_dp(prob: Problem, allowed: np.ndarray, limit: float,
     n, p = prob.n, prob.p
     cw = _prefix(prob.work)
     cf = _prefix(prob.fixed_mem)
+    cstep = _prefix(prob.step_mem)
     sums = _choice_sums(prob)
     fastest = float(prob.speed.max())
     lo = np.searchsorted(cw, cw - limit * fastest * (1 + 1e-9), side="left")
@@ -152,13 +153,15 @@ def _lower_dp(prob: Problem, allowed: np.ndarray, limit: float,
                 + np.outer(out_b, sb) + np.outer(out_l, sc))
         cost = np.full_like(base, math.inf)
         taken = np.zeros(base.shape, dtype=bool)
+        step = (cstep[j] - cstep[lj:j])[None, :]  # the optimizer step's memory, whatever the choice
         for c, (ck, cr, cs, ok) in sums.items():  # fastest first: the first choice that fits is taken
             fits = np.broadcast_to(ok[:, None], base.shape)
             if has_limit or minimise == "memory":
                 kept = ck[j] - ck[lj:j] + np.cumsum((own[c][lj:j] * live)[::-1])[::-1]
                 if prob.rec.received[c]:
                     kept = kept + rb[lj:j]
-                mem = (cf[j] - cf[lj:j])[None, :] + np.outer(infl, kept) + np.outer(rinfl, cr[j] - cr[lj:j])
+                mem = np.maximum((cf[j] - cf[lj:j])[None, :] + np.outer(infl, kept) + np.outer(rinfl, cr[j] - cr[lj:j]),
+                                 step)
                 if minimise == "memory":
                     cost = np.where(fits, np.minimum(cost, mem), cost)
                     continue
@@ -217,6 +220,7 @@ def _branch_and_bound(prob: Problem, allowed: np.ndarray, assign0: list[int], va
     mc = [s[-1] if s else -1 for s in prob.succ]
     cw = _prefix(work).tolist()
     cf = _prefix(prob.fixed_mem).tolist()
+    cstep = _prefix(prob.step_mem).tolist()
     sums = {c: (ck.tolist(), cr.tolist(), cs.tolist()) for c, (ck, cr, cs, _) in _choice_sums(prob).items()}
     lim = [math.inf if x is None else x * (1 + 1e-12) for x in prob.mem_limit]
     bw, lat = prob.bw, prob.lat
@@ -229,6 +233,8 @@ def _branch_and_bound(prob: Problem, allowed: np.ndarray, assign0: list[int], va
     def segment(s: int, i: int, j: int) -> float | None:
         """Seconds stage s recomputes at least with positions [i, j) (the fastest choice whose memory
         without the cut fits: the cut only adds); None when no choice fits even so."""
+        if cstep[j] - cstep[i] > lim[s]:  # the optimizer step's memory
+            return None
         for c in prob.choices[s]:
             ck, cr, cs = sums[c]
             if cf[j] - cf[i] + prob.in_flight[s] * (ck[j] - ck[i]) + prob.recomputing[s] * (cr[j] - cr[i]) <= lim[s]:

@@ -58,7 +58,7 @@ class _Lattice:
         self.masks: list[int] = []
         self.index: dict[int, int] = {}
         self.maximal: list[int] = []  # per ideal, its ops with no consumer inside it
-        self._values = {"work": prob.work, "fixed": prob.fixed_mem}
+        self._values = {"work": prob.work, "fixed": prob.fixed_mem, "step": prob.step_mem}
         for c in {c for opts in prob.choices for c in opts}:  # per recomputation choice a stage may take
             self._values.update({f"kept:{c}": prob.rec.kept[c], f"remade:{c}": prob.rec.remade[c],
                                  f"seconds:{c}": prob.rec.seconds[c]})
@@ -217,7 +217,7 @@ def _chain_dp(prob: Problem, lattice: _Lattice, pairs: dict[str, np.ndarray]) ->
     def seg(key: str) -> np.ndarray:
         return sums[key][i] - sums[key][j]
 
-    comp, fixed = seg("work"), seg("fixed")
+    comp, fixed, step = seg("work"), seg("fixed"), seg("step")
     in_b, in_l, out_b, out_l = link_prices(prob)
     order = np.lexsort((j, i))  # group pairs by their ideal I
     i_sorted = i[order]
@@ -236,7 +236,7 @@ def _chain_dp(prob: Problem, lattice: _Lattice, pairs: dict[str, np.ndarray]) ->
         for c in reversed(prob.choices[s]):
             kept = seg(f"kept:{c}") + (pairs["rb"] if prob.rec.received[c] else 0.0)
             mem = fixed + prob.in_flight[s] * kept + prob.recomputing[s] * seg(f"remade:{c}")
-            cost = np.where(mem <= lim, base + seg(f"seconds:{c}") / prob.speed[s], cost)
+            cost = np.where((mem <= lim) & (step <= lim), base + seg(f"seconds:{c}") / prob.speed[s], cost)
         cand = np.where(j == 0, cost, math.inf) if s == 0 else np.maximum(best[s - 1][j], cost)
         cand_sorted = cand[order]
         mins = np.minimum.reduceat(cand_sorted, starts)

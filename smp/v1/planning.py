@@ -84,7 +84,8 @@ def weigh_memory(fast: Plan, weight: float | None, limit: float | None) -> Plan:
         return fast
     peak = max(fast.stage_memory)
     prob = Problem(fast.graph, fast.num_stages, microbatches=fast.microbatches, schedule=fast.schedule_name,
-                   active_microbatches=fast.active_microbatches, state_factor=fast.partition.state_factor)
+                   active_microbatches=fast.active_microbatches, state_factor=fast.partition.state_factor,
+                   workspace_factor=fast.partition.workspace_factor)
     floor = memory_lower_bound(prob)[0]
     target = peak - weight * (peak - floor)
     for step in _RELAX_STEPS:
@@ -143,8 +144,9 @@ def _stage_lines(plan: Plan, ranks: list[int]) -> str:
             st = part.stages[s]
             lines.append(f"partition {s} ({st.modules or 'no module'}): about {format_bytes(st.memory)} = "
                          f"{format_bytes(st.params)} of parameters x{part.state_factor:g} with gradients and "
-                         f"optimizer state + {format_bytes(st.activations)} of activations per microbatch x "
-                         f"{st.in_flight} in flight")
+                         f"optimizer state + the larger of {format_bytes(st.activations)} of activations per "
+                         f"microbatch x {st.in_flight} in flight and the optimizer step's "
+                         f"{format_bytes(st.workspace)} of workspace")
     return "; ".join(lines)
 
 
