@@ -11,9 +11,11 @@ count and keeps the fastest simulated step that fits in 80 GB. It is set against
 plan (over the same microbatch counts) of three rules people use: pure data parallelism
 (P = 1; often it does not fit), pure pipeline (P = N) and "pipeline within a node"
 (P = 8, D = N / 8). Ratios are predicted samples per second, chosen over the rule (above 1:
-the planner's shape is faster). The planning time is the profile plus the search for N.
-``--no-rules`` skips the rules' own searches (P = N alone takes minutes at 64 GPUs on this
-machine): their columns then say "not run".
+the planner's shape is faster). A rule's best is read from the shapes the search weighed:
+where the search pruned some of the rule's shapes (their lower bound on the step was no
+better than a step it had found), no plan of them is faster than that bound, so the ratio
+is at least the one against the bound and reads "≥" (searching them out takes minutes at
+64 GPUs). The planning time is the profile plus the search for N.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ SECTION = "## Choosing replicas x stages x microbatches on H100 clusters"
 
 
 def run(name: str, spec: str, done: dict[tuple[str, int], dict[str, Any]],
-        devices: tuple[int, ...] = DEVICES, rules: bool = True) -> list[dict[str, Any]]:
+        devices: tuple[int, ...] = DEVICES) -> list[dict[str, Any]]:
     from partitioner.compile import _profile, _resolve_cluster, plan_from_graph
     from partitioner.shapes import search_shapes
     from smp.models import build
@@ -62,16 +64,12 @@ def run(name: str, spec: str, done: dict[tuple[str, int], dict[str, Any]],
             continue
         cluster = _resolve_cluster("h100-sxm", n)
 
-        def search(stages: int | None = None):
-            return search_shapes(graph, devices=n, global_batch=GLOBAL_BATCH, profiled_batch=1, cluster=cluster,
-                                 solve_plan=plan_from_graph, stages=stages, model_info=info)
-
         t0 = time.perf_counter()
-        chosen = search()
+        chosen = search_shapes(graph, devices=n, global_batch=GLOBAL_BATCH, profiled_batch=1, cluster=cluster,
+                               solve_plan=plan_from_graph, model_info=info)
         search_s = time.perf_counter() - t0
-        weighed = {rule: _rule_best(chosen, stages, lambda stages=stages: search(stages))
-                   for rule, stages in (("data parallel", 1), ("pipeline", n), ("pipeline in a node", min(NODE, n)))
-                   } if rules else {}
+        weighed = {rule: _rule_best(chosen, stages)
+                   for rule, stages in (("data parallel", 1), ("pipeline", n), ("pipeline in a node", min(NODE, n)))}
         best = chosen.candidates[0]
         row: dict[str, Any] = {
             "model": name, "spec": spec, "params": info.num_params, "devices": n,
@@ -83,22 +81,27 @@ def run(name: str, spec: str, done: dict[tuple[str, int], dict[str, Any]],
             "weighed": len(chosen.candidates), "pruned": sum(c.pruned for c in chosen.candidates),
         }
         for rule, top in weighed.items():
-            row[rule] = None if top is None else {
-                "shape": f"{top.shape.data_parallel}x{top.shape.stages} m={top.shape.microbatches}",
-                "samples_per_second": top.samples_per_second}
+            row[rule] = top
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
 
 
-def _rule_best(chosen: Any, stages: int, search: Any) -> Any:
-    """The fastest candidate with ``stages`` per pipeline: from the full search, unless it pruned some of
-    them (a pruned shape may beat the rule's others), then from a search of that P alone."""
+def _rule_best(chosen: Any, stages: int) -> dict[str, Any] | None:
+    """The rule's fastest shape (``stages`` per pipeline) among those the search weighed, or None when none fits.
+
+    A pruned shape is known by its lower bound alone: when one is below the fastest
+    plan's step, the rule's best step is at least that bound ("bound": True)."""
     mine = [c for c in chosen.candidates if c.shape.stages == stages]
-    if any(c.pruned for c in mine):
-        mine = search().candidates
     fitting = [c for c in mine if c.plan is not None]
-    return min(fitting, key=lambda c: c.step_time) if fitting else None
+    top = min(fitting, key=lambda c: c.step_time) if fitting else None
+    below = [c for c in mine if c.pruned and (top is None or c.lower_bound < top.step_time)]
+    if top is None and not below:
+        return None
+    by = min(below, key=lambda c: c.lower_bound) if below else top
+    step = by.lower_bound if below else top.step_time
+    return {"shape": f"{by.shape.data_parallel}x{by.shape.stages} m={by.shape.microbatches}",
+            "samples_per_second": chosen.global_batch / step, "bound": bool(below)}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -114,7 +117,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             other = r[rule]
             if other is None:
                 return "does not fit"
-            return f"{c['samples_per_second'] / other['samples_per_second']:.2f}x ({other['shape']})"
+            at_least = "≥ " if other.get("bound") else ""
+            return f"{at_least}{c['samples_per_second'] / other['samples_per_second']:.2f}x ({other['shape']})"
 
         lines.append(f"| {r['model']} | {r['devices']} | {c['data_parallel']} x {c['stages']}, m={c['microbatches']} "
                      f"({c['placement']}) | {c['samples_per_second']:.1f} | {vs('data parallel')} | {vs('pipeline')} | "
@@ -129,8 +133,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--devices", nargs="*", type=int, default=list(DEVICES), help="cluster sizes (GPUs)")
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/shapes.json")
     ap.add_argument("--write", type=Path, help="replace this benchmark's section of a markdown file")
-    ap.add_argument("--no-rules", action="store_true",
-                    help="skip the rules' comparisons (their own searches: P = N alone takes minutes at 64 GPUs)")
     ap.add_argument("--resume", type=Path, help="the output of an interrupted run: its rows (the JSON lines this "
                                                 "script prints) are kept, the others computed")
     a = ap.parse_args(argv)
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
             if line.startswith("{"):
                 row = json.loads(line)
                 done[row["model"], row["devices"]] = row
-    rows = [row for name in a.models for row in run(name, MODELS[name], done, tuple(a.devices), not a.no_rules)]
+    rows = [row for name in a.models for row in run(name, MODELS[name], done, tuple(a.devices))]
     text = table(rows)
     print(text)
     a.json.parent.mkdir(parents=True, exist_ok=True)

@@ -262,6 +262,7 @@ def plan_from_graph(
     placement: str | None = None,
     recompute: str = "auto",
     active_microbatches: int | None = None,
+    check_schedule: bool = True,
 ) -> Plan:
     """Solve, schedule and simulate an already-profiled graph (e.g. ``smp profile -o graph.json``).
 
@@ -269,7 +270,9 @@ def plan_from_graph(
     comes from ``graph.meta`` (its ``fingerprint`` is ``"unknown"`` when the graph has none).
     ``data_parallel`` replicas of the ``stages``-rank pipeline run on D x P devices of the
     cluster, laid out by ``placement`` ("cluster" or "spread", see :class:`Plan`; None
-    tries both and keeps the faster step).
+    tries both and keeps the faster step). ``check_schedule=False`` skips validating the
+    schedule (the simulator still walks it and stops at a deadlock): for a search that
+    screens many shapes and validates the plan it returns.
     """
     if stages < 1:
         raise PlanError(f"stages must be >= 1, got {stages}")
@@ -280,7 +283,8 @@ def plan_from_graph(
                                  memory_limit=memory_limit, method=method, time_limit=time_limit,
                                  virtual_stages=virtual_stages, colocate_tied=colocate_tied, training=training,
                                  model_info=model_info, name=name, objective=objective, data_parallel=data_parallel,
-                                 placement=how, recompute=recompute, active_microbatches=active_microbatches)
+                                 placement=how, recompute=recompute, active_microbatches=active_microbatches,
+                                 check_schedule=check_schedule)
                  for how in PLACEMENTS]
         return min(plans, key=lambda p: p.step_time)
     placement = placement or "cluster"
@@ -305,7 +309,7 @@ def plan_from_graph(
                  training=training, memory_limit=limit, colocate=colocate, method=method, time_limit=time_limit,
                  objective=objective, ranks=stages, recompute=recompute, active_microbatches=active_microbatches,
                  state_factor=state_factor_for(data_parallel))
-    sched = schedule_for(kind, part, microbatches, stages, data_parallel)
+    sched = schedule_for(kind, part, microbatches, stages, data_parallel, check=check_schedule)
     if model_info is None:
         model_info = _model_info_from_graph(graph, microbatches, training, name)
     return Plan(model=model_info, graph=graph, partition=part, schedule=sched,

@@ -488,12 +488,12 @@ def replica_layout(cluster: Cluster | None, stages: int, replicas: int,
 
 
 def schedule_for(kind: ScheduleKind | str, part: Partition, microbatches: int, ranks: int,
-                 data_parallel: int = 1) -> Schedule:
+                 data_parallel: int = 1, check: bool = True) -> Schedule:
     """The per-rank programs of ``kind`` over the partition's cut tensors (for ``data_parallel`` replicas),
-    under the cap on microbatches in flight the partition's memory was counted for."""
+    under the cap on microbatches in flight the partition's memory was counted for (``check``: validated)."""
     graph = stage_graph_from_transfers(part.num_stages, part.transfers)
     return make_schedule(kind, graph, microbatches, num_ranks=ranks, data_parallel=data_parallel,
-                         active_microbatches=part.active_microbatches)
+                         active_microbatches=part.active_microbatches, check=check)
 
 
 def simulate_partition(schedule: Schedule, part: Partition, dp_link: Link | None = None,

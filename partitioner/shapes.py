@@ -222,7 +222,9 @@ def search_shapes(
     # Screen every shape with the fast exact-bottleneck DP, then solve the finalists as plan() would.
     full = dict(options or {})
     two_phase = full.get("method", "auto") == "auto" and full.get("objective", "step_time") == "step_time"
-    screen = {**full, "method": "dp", "objective": "bottleneck"} if two_phase else full
+    # Screened plans' schedules are not validated (a search builds hundreds; the simulator
+    # still walks each and stops at a deadlock): the plan returned is, below.
+    screen = {**full, "method": "dp", "objective": "bottleneck", "check_schedule": False} if two_phase else full
     graphs: dict[int, OpGraph] = {profiled_batch: graph}
     own: set[int] = set()  # microbatch sizes with a graph of their own (profiled at that size)
 
@@ -277,6 +279,7 @@ def search_shapes(
     candidates.sort(key=lambda c: (c.plan is None, c.step_time, c.shape.stages, c.memory or 0.0, c.shape))
     head = candidates[0].plan if candidates else None
     if head is not None:
+        head.schedule.validate()
         head.partition.notes.append(
             f"shape chosen among {len(candidates)} candidates ({devices} devices, global batch {global_batch}): the "
             "fastest simulated step that fits memory (partitioner/shapes.py)")

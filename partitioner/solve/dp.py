@@ -153,19 +153,20 @@ def _lower_dp(prob: Problem, allowed: np.ndarray, limit: float,
                 + np.outer(out_b, sb) + np.outer(out_l, sc))
         cost = np.full_like(base, math.inf)
         taken = np.zeros(base.shape, dtype=bool)
-        step = (cstep[j] - cstep[lj:j])[None, :]  # the optimizer step's memory, whatever the choice
+        # The optimizer step's memory (state + workspace), the same under every choice.
+        step = (cstep[j] - cstep[lj:j])[None, :]
+        step_fits = step <= lim[:, None] if has_limit and minimise != "memory" else True
         for c, (ck, cr, cs, ok) in sums.items():  # fastest first: the first choice that fits is taken
             fits = np.broadcast_to(ok[:, None], base.shape)
             if has_limit or minimise == "memory":
                 kept = ck[j] - ck[lj:j] + np.cumsum((own[c][lj:j] * live)[::-1])[::-1]
                 if prob.rec.received[c]:
                     kept = kept + rb[lj:j]
-                mem = np.maximum((cf[j] - cf[lj:j])[None, :] + np.outer(infl, kept) + np.outer(rinfl, cr[j] - cr[lj:j]),
-                                 step)
+                mem = (cf[j] - cf[lj:j])[None, :] + np.outer(infl, kept) + np.outer(rinfl, cr[j] - cr[lj:j])
                 if minimise == "memory":
-                    cost = np.where(fits, np.minimum(cost, mem), cost)
+                    cost = np.where(fits, np.minimum(cost, np.maximum(mem, step)), cost)
                     continue
-                fits = fits & (mem <= lim[:, None])
+                fits = fits & (mem <= lim[:, None]) & step_fits
             take = fits & ~taken
             if take.any():
                 cost[take] = (base + np.outer(inv_speed, cs[j] - cs[lj:j]))[take]
