@@ -21,7 +21,8 @@ workspace measured against the plan's; its peak resident
 memory (VmHWM) above the baseline, as a multiple of that stage memory (target: at most 1.2); the
 bytes it read from storage while loading (`/proc/self/io` read_bytes, the checkpoint's pages
 dropped from the page cache first, so page faults on the memory-mapped shards count) against its
-stage's share of the checkpoint; and the seconds partitioning and loading took. Then the planning row: a model larger than this machine's memory, built on meta and
+stage's share of the checkpoint; the seconds partitioning and loading took; and the last training step's seconds (pipeline and
+optimizer: what the fixed mmap threshold costs, every large allocation then being a fresh mapping). Then the planning row: a model larger than this machine's memory, built on meta and
 planned analytically for H100s, with its planning time and the planning process's peak memory.
 """
 
@@ -109,15 +110,18 @@ def rank_worker(rank: int, world: int, *, spec: str, checkpoint: str, out: str, 
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-4, foreach=foreach)
     meter = OptimizerStepMeter(optimizer)
     for _ in range(steps):
+        step_started = time.perf_counter()
         pipe.step(x, target=y)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)  # the gradients stay allocated, as the plan counts them
+        step_s = time.perf_counter() - step_started  # the last step's: the allocator then holds what it keeps
     held = pipe.memory_stats(optimizer, step_meter=meter)[rank]
     plan = pipe.plan
     local = [p for p in bundle.model.parameters() if not p.is_meta]
     result = {"rank": rank, "baseline": baseline, "peak": _status("VmHWM"), "held": held,
               "predicted": plan.rank_memory[rank], "read": read,
-              "predicted_workspace": sum(plan.partition.stages[s].workspace for s in plan.schedule.stages_of(rank)), "loaded_s": loaded_s,
+              "predicted_workspace": sum(plan.partition.stages[s].workspace for s in plan.schedule.stages_of(rank)),
+              "loaded_s": loaded_s, "step_s": step_s,
               "stage_param_bytes": sum(p.numel() * p.element_size() for p in local)}
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
 
@@ -154,8 +158,8 @@ def tables(runs: dict[str, list[dict]], total_bytes: int, planned: dict, spec: s
     lines = [f"Model `{spec}`: {mib(total_bytes)} of weights in the checkpoint.", "",
              "| run | rank | stage memory held | predicted | held / predicted | peak RSS above baseline | "
              "RSS / held | step workspace / predicted | read from storage | its weights | read / its weights | "
-             "partition + load s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "partition + load s | last step s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for run, ranks in runs.items():
         for r in ranks:
             held = r["held"]["total"]
@@ -164,7 +168,7 @@ def tables(runs: dict[str, list[dict]], total_bytes: int, planned: dict, spec: s
                          f"{held / r['predicted']:.3f} | {mib(grown)} | {grown / held:.2f} | "
                          f"{r['held']['optimizer_step_peak'] / r['predicted_workspace']:.2f} | {mib(r['read'])} | "
                          f"{mib(r['stage_param_bytes'])} | {r['read'] / r['stage_param_bytes']:.2f} | "
-                         f"{r['loaded_s']:.1f} |")
+                         f"{r['loaded_s']:.1f} | {r['step_s']:.2f} |")
     first = next(iter(runs.values()))
     lines += ["", f"Read from storage, summed over the ranks of the first run: {mib(sum(r['read'] for r in first))}; "
               f"the most any rank read: {max(r['read'] for r in first) / total_bytes:.2f} of the checkpoint.", "",
