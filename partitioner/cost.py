@@ -302,7 +302,8 @@ class Problem:
     def __init__(self, graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None = None,
                  microbatches: int = 1, schedule: str = "1f1b", training: bool = True,
                  memory_limit: float | None = None, state_factor: float = DEFAULT_STATE_FACTOR,
-                 workspace_factor: float = DEFAULT_WORKSPACE_FACTOR, order: Sequence[Hashable] | None = None, ranks: int | None = None,
+                 workspace_factor: float = DEFAULT_WORKSPACE_FACTOR, order: Sequence[Hashable] | None = None,
+                 ranks: int | None = None,
                  recompute: str | Sequence[str] = "none", active_microbatches: int | None = None):
         g, default_order = graph_order(graph)
         self.graph = graph

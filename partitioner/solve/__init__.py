@@ -11,7 +11,8 @@ import numpy as np
 
 from partitioner.bounds import memory_lower_bound, named_lower_bounds
 from partitioner.cluster import Cluster
-from partitioner.cost import DEFAULT_STATE_FACTOR, DEFAULT_WORKSPACE_FACTOR, OPTIMAL_RTOL, Partition, Problem, format_bytes, graph_order
+from partitioner.cost import (DEFAULT_STATE_FACTOR, DEFAULT_WORKSPACE_FACTOR, OPTIMAL_RTOL, Partition, Problem,
+                              format_bytes, graph_order)
 from partitioner.errors import MemoryLimitError, PlanningError
 from partitioner.graph import OpGraph
 from partitioner.refine import refine_step_time, simulated_step_time
@@ -105,7 +106,9 @@ def solve(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None =
     "full" on every stage. Under ``"none"`` a limit nothing fits raises a
     :class:`MemoryLimitError` that gives the least memory a plan needs and says whether
     recomputation would fit. ``active_microbatches``: a cap on microbatches in flight (gpipe,
-    1f1b) that the memory is counted under.
+    1f1b) that the memory is counted under. ``state_factor`` and ``workspace_factor``: bytes
+    held per parameter byte, and the optimizer step's workspace per parameter byte (a stage
+    peaks at its state + max(activations, workspace); docs/cost-model.md).
     """
     _check_choices(method, objective)
     t0 = time.perf_counter()
@@ -115,7 +118,8 @@ def solve(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None =
     blocks = colocation_blocks(g, program_order, colocate)
     prob = Problem(graph, stages, cluster=cluster, microbatches=microbatches, schedule=schedule,
                    training=training, memory_limit=memory_limit, state_factor=state_factor,
-                   workspace_factor=workspace_factor, order=blocks.order, ranks=ranks, recompute=recompute, active_microbatches=active_microbatches)
+                   workspace_factor=workspace_factor, order=blocks.order, ranks=ranks, recompute=recompute,
+                   active_microbatches=active_microbatches)
     blocks.check_stages(prob.p, lonely=[i for i, out in enumerate(prob.is_output) if out])
     if method in BASELINES:
         part = prob.partition(baseline_assign(prob, method, _allowed_cuts(prob, blocks)), method=method)
