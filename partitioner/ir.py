@@ -87,11 +87,20 @@ class ActionKind(str, enum.Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (ActionKind.F, ActionKind.B, ActionKind.W)
+        return self in _COMPUTE_KINDS
 
     @property
     def is_transfer(self) -> bool:
         return self in _MATCH
+
+
+# Sets, not tuples of ``ActionKind.X``: a member looked up on the enum class costs a
+# microsecond, and a walk asks these questions millions of times.
+_COMPUTE_KINDS = frozenset((ActionKind.F, ActionKind.B, ActionKind.W))
+_SEND_KINDS = frozenset((ActionKind.SEND_F, ActionKind.SEND_B))
+_RECV_KINDS = frozenset((ActionKind.RECV_F, ActionKind.RECV_B))
+_FORWARD_EDGE_KINDS = frozenset((ActionKind.SEND_F, ActionKind.RECV_B))  # stage is the edge's source
+_BACKWARD_EDGE_KINDS = frozenset((ActionKind.RECV_F, ActionKind.SEND_B))  # stage is the edge's destination
 
 
 _MATCH = {
@@ -111,13 +120,17 @@ def _counterpart(kind: ActionKind, stage: int, mb: int, peer: int, tensor: str) 
 def made_action(kind: ActionKind, stage: int, mb: int, peer: int | None = None, tensor: str | None = None) -> Action:
     """An action made by smp's own code from fields valid by construction (a generator, the walk),
     without ``Action``'s checks: a 256-microbatch schedule's walk makes millions of them."""
-    action = object.__new__(Action)
-    object.__setattr__(action, "kind", kind)
-    object.__setattr__(action, "stage", stage)
-    object.__setattr__(action, "mb", mb)
-    object.__setattr__(action, "peer", peer)
-    object.__setattr__(action, "tensor", tensor)
+    action = _new_object(Action)
+    fields = action.__dict__  # written directly: the frozen dataclass's __setattr__ refuses, and
+    fields["kind"] = kind     # object.__setattr__ per field costs twice as much
+    fields["stage"] = stage
+    fields["mb"] = mb
+    fields["peer"] = peer
+    fields["tensor"] = tensor
     return action
+
+
+_new_object = object.__new__
 
 
 _COMPUTE_RE = re.compile(r"^(F|B|W)(\d+)\.(\d+)$")
@@ -176,26 +189,26 @@ class Action:
     # -- views
     @property
     def is_compute(self) -> bool:
-        return self.kind.is_compute
+        return self.kind in _COMPUTE_KINDS
 
     @property
     def is_transfer(self) -> bool:
-        return self.kind.is_transfer
+        return self.kind in _MATCH
 
     @property
     def is_send(self) -> bool:
-        return self.kind in (ActionKind.SEND_F, ActionKind.SEND_B)
+        return self.kind in _SEND_KINDS
 
     @property
     def is_recv(self) -> bool:
-        return self.kind in (ActionKind.RECV_F, ActionKind.RECV_B)
+        return self.kind in _RECV_KINDS
 
     @property
     def edge(self) -> tuple[int, int, str]:
         """Forward cut edge ``(src, dst, tensor)`` a transfer action moves (data or its gradient)."""
-        if self.kind in (ActionKind.SEND_F, ActionKind.RECV_B):
+        if self.kind in _FORWARD_EDGE_KINDS:
             return (self.stage, self.peer, self.tensor)  # type: ignore[return-value]
-        if self.kind in (ActionKind.RECV_F, ActionKind.SEND_B):
+        if self.kind in _BACKWARD_EDGE_KINDS:
             return (self.peer, self.stage, self.tensor)  # type: ignore[return-value]
         raise ValueError(f"{self} moves no cut tensor, it has no edge")
 

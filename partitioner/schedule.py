@@ -8,6 +8,8 @@ The IR types live in :mod:`partitioner.ir` and are re-exported here.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,7 +24,7 @@ from partitioner.ir import (
     made_action,
     stage_graph_from_transfers,
 )
-from partitioner.walk import format_program, format_table, validate, walk
+from partitioner.walk import Walk, format_program, format_table, gc_paused, validate, walk
 
 __all__ = [
     "ActionKind",
@@ -237,6 +239,7 @@ def peak_in_flight(kind: ScheduleKind | str, num_stages: int, num_microbatches: 
 # --------------------------------------------------------------------------- transfers
 
 
+@gc_paused()  # ~10^5 acyclic objects (see gc_paused)
 def _insert_transfers(graph: StageGraph, stage_to_rank: Sequence[int], orders: Sequence[Sequence[Action]],
                       split: bool) -> tuple[tuple[Action, ...], ...]:
     """Add SEND/RECV actions so that the programs are deadlock-free under rendezvous semantics.
@@ -259,24 +262,20 @@ def _insert_transfers(graph: StageGraph, stage_to_rank: Sequence[int], orders: S
     for i, r in enumerate(w.rank):  # ids are numbered rank by rank, in program order
         first.setdefault(r, i)
     position = [i - first[r] for i, r in enumerate(w.rank)]
+    # What each stage's F and B send: (position among the stage's edges, kind, from, to, tensor), cross-rank only.
+    crossing = {e for e in graph.edges if stage_to_rank[e.src] != stage_to_rank[e.dst]}
+    sends: dict[tuple[ActionKind, int], list[tuple[int, ActionKind, int, int, str]]] = {}
+    for s in range(graph.num_stages):
+        sends[ActionKind.F, s] = [(j, ActionKind.SEND_F, e.src, e.dst, e.tensor)
+                                  for j, e in enumerate(graph.out_edges(s)) if e in crossing]
+        sends[ActionKind.B, s] = [(j, ActionKind.SEND_B, e.dst, e.src, e.tensor)
+                                  for j, e in enumerate(graph.in_edges(s)) if e in crossing]
     events: list[tuple[float, int, int, int, int, Action]] = []
     for i, a in enumerate(w.actions):
         r = w.rank[i]
         events.append((start[i], 1, r, position[i], 0, a))
-        if a.kind is ActionKind.F:
-            moves = [(e, ActionKind.SEND_F) for e in graph.out_edges(a.stage)]
-        elif a.kind is ActionKind.B:
-            moves = [(e, ActionKind.SEND_B) for e in graph.in_edges(a.stage)]
-        else:
-            moves = []
-        for j, (e, send_kind) in enumerate(moves):
-            if stage_to_rank[e.src] == stage_to_rank[e.dst]:
-                continue
-            if send_kind is ActionKind.SEND_F:
-                send = made_action(ActionKind.SEND_F, e.src, a.mb, e.dst, e.tensor)
-            else:
-                send = made_action(ActionKind.SEND_B, e.dst, a.mb, e.src, e.tensor)
-            events.append((end[i], 0, r, position[i], j, send))
+        for j, send_kind, stage, peer, tensor in sends.get((a.kind, a.stage), ()):
+            events.append((end[i], 0, r, position[i], j, made_action(send_kind, stage, a.mb, peer, tensor)))
     events.sort(key=lambda ev: ev[:5])
     progs: list[list[Action]] = [[] for _ in orders]
     for *_, a in events:
@@ -395,15 +394,70 @@ def make_schedule(kind: ScheduleKind | str, graph: StageGraph | int, num_microba
     """
     kind = ScheduleKind.parse(kind)
     check_active_microbatches(kind, active_microbatches)
+    g = _as_graph(graph)
+    ranks = (num_ranks if num_ranks is not None else g.num_stages) if kind is ScheduleKind.INTERLEAVED else None
+    _check_m(num_microbatches)
+    key = (kind, g.num_stages, tuple((e.src, e.dst) for e in g.edges), num_microbatches, ranks, data_parallel,
+           active_microbatches)
+    with _templates_lock:
+        hit = _templates.get(key)
+        if hit is not None:
+            _templates.move_to_end(key)
+    if hit is not None:
+        template, checked = hit
+        sched = _relabelled(template, g)
+        if check and not checked:
+            validate(sched)  # valid under one naming of the cut tensors, valid under every other
+            with _templates_lock:
+                _templates[key] = (template, True)
+        return sched
     if kind is ScheduleKind.INTERLEAVED:
-        g = _as_graph(graph)
-        sched = interleaved_1f1b(g, num_microbatches, num_ranks if num_ranks is not None else g.num_stages,
-                                 check=check)
+        sched = interleaved_1f1b(g, num_microbatches, ranks, check=check)  # type: ignore[arg-type]
     elif kind in CAPPABLE:
-        sched = SCHEDULES[kind](graph, num_microbatches, active_microbatches=active_microbatches, check=check)
+        sched = SCHEDULES[kind](g, num_microbatches, active_microbatches=active_microbatches, check=check)
     else:
-        sched = SCHEDULES[kind](graph, num_microbatches, check=check)
-    return with_allreduce(sched, data_parallel) if data_parallel > 1 else sched
+        sched = SCHEDULES[kind](g, num_microbatches, check=check)
+    if data_parallel > 1:
+        sched = with_allreduce(sched, data_parallel)
+    with _templates_lock:
+        _templates[key] = (sched, check)
+        while len(_templates) > TEMPLATES_KEPT:
+            _templates.popitem(last=False)
+    return sched
+
+
+#: Schedules kept as templates (least recently used dropped): a plan search builds the same
+#: programs again and again for cuts that differ only in which tensors cross them (the step-time
+#: refinement moves one op at a time; the shape search tries each layout of a shape).
+TEMPLATES_KEPT = 4
+_templates: OrderedDict[tuple[Any, ...], tuple[Schedule, bool]] = OrderedDict()  # key -> (schedule, validated)
+_templates_lock = threading.Lock()  # the shape search solves its finalists in threads
+
+
+def _relabelled(template: Schedule, graph: StageGraph) -> Schedule:
+    """``template``'s programs for ``graph``: the same stage pairs in the same order, other tensors.
+
+    A generator's programs depend on the cut tensors only through each stage's edges in
+    order (what it sends after an F or B, in :meth:`StageGraph.out_edges` order), never on
+    their names or sizes: the i-th edge of ``graph`` takes the i-th edge's place. The walk,
+    which depends on the programs' structure alone, is the template's too.
+    """
+    names = {old.key: new.tensor for old, new in zip(template.graph.edges, graph.edges)}
+
+    def renamed(a: Action) -> Action:
+        if a.tensor is None:
+            return a
+        src, dst = (a.stage, a.peer) if a.kind in (ActionKind.SEND_F, ActionKind.RECV_B) else (a.peer, a.stage)
+        return made_action(a.kind, a.stage, a.mb, a.peer, names[src, dst, a.tensor])
+
+    template_walk = walk(template)
+    with gc_paused():
+        programs = tuple(tuple(renamed(a) for a in prog) for prog in template.actions)
+        sched = Schedule(template.name, graph, template.num_microbatches, template.stage_to_rank, programs,
+                         template.split_backward, dict(template.meta), data_parallel=template.data_parallel)
+        sched._walk = Walk(sched, [a for prog in programs for a in prog], template_walk.rank, template_walk.after,
+                           template_walk.needs, template_walk.mate, template_walk.sequence)
+    return sched
 
 
 def with_allreduce(schedule: Schedule, data_parallel: int, *, overlap: bool = True) -> Schedule:

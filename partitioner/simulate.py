@@ -106,10 +106,11 @@ class SimResult:
     or W not, when the backward is split). ``peak_activation_bytes`` (per stage) and
     ``peak_activation_bytes_per_rank`` are filled when the costs give ``act_bytes``.
     ``throughput`` is microbatches per second (``samples_per_second`` when the
-    microbatch size was given).
+    microbatch size was given). ``timeline`` is built on first use (a search simulates
+    hundreds of steps and draws one).
     """
 
-    timeline: Timeline | None
+    _timeline: Timeline | Callable[[], Timeline] | None
     step_time: float
     bubble_fraction: float
     throughput: float
@@ -118,6 +119,12 @@ class SimResult:
     peak_activation_bytes: list[float] | None
     peak_activation_bytes_per_rank: list[float] | None
     samples_per_second: float | None = None
+
+    @property
+    def timeline(self) -> Timeline | None:
+        if callable(self._timeline):
+            self._timeline = self._timeline()
+        return self._timeline
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -136,7 +143,7 @@ class SimResult:
     def from_dict(d: Mapping[str, Any]) -> SimResult:
         tl = d.get("timeline")
         return SimResult(
-            timeline=Timeline.from_dict(tl) if tl else None,
+            _timeline=Timeline.from_dict(tl) if tl else None,
             step_time=float(d["step_time"]),
             bubble_fraction=float(d["bubble_fraction"]),
             throughput=float(d["throughput"]),
@@ -162,10 +169,13 @@ def _durations(schedule: Schedule, costs: StageCosts) -> Callable[[Action], floa
     allreduce = costs.allreduce
     assert allreduce is not None
 
+    allreduce_kind = ActionKind.ALLREDUCE  # (bound once: called for every action of every simulated step)
+
     def duration(a: Action) -> float:
-        if a.is_compute:
-            return compute[a.kind][a.stage]
-        if a.kind is ActionKind.ALLREDUCE:
+        per_stage = compute.get(a.kind)
+        if per_stage is not None:
+            return per_stage[a.stage]
+        if a.kind is allreduce_kind:
             return float(allreduce[a.stage])
         return float(comm.get(a.edge, 0.0)) if a.is_send else 0.0
 
@@ -175,8 +185,9 @@ def _durations(schedule: Schedule, costs: StageCosts) -> Callable[[Action], floa
 def _peak_inflight(w: Walk, num_stages: int, release: ActionKind) -> list[int]:
     peak = [0] * num_stages
     held = [0] * num_stages
+    forward = ActionKind.F
     for a in w.actions:  # rank by rank, in program order: a stage's actions all sit on one rank
-        if a.kind is ActionKind.F:
+        if a.kind is forward:
             held[a.stage] += 1
             peak[a.stage] = max(peak[a.stage], held[a.stage])
         elif a.kind is release:
@@ -191,11 +202,12 @@ def _peak_bytes(w: Walk, size: int, bucket: Callable[[int, Action], int], releas
     when the backward is split, else B itself)."""
     current = [0.0] * size
     best = [0.0] * size
+    forward, backward = ActionKind.F, ActionKind.B
     for r, a in zip(w.rank, w.actions):
         k = bucket(r, a)
-        if a.kind is ActionKind.F:
+        if a.kind is forward:
             current[k] += act[a.stage]
-        elif a.kind is ActionKind.B:
+        elif a.kind is backward:
             current[k] += remade[a.stage]
         best[k] = max(best[k], current[k])
         if a.kind is release:
@@ -254,10 +266,13 @@ def simulate(schedule: Schedule, costs: StageCosts, *, timeline: bool = True, la
         assert remade is not None
         peak_bytes = _peak_bytes(w, schedule.num_stages, lambda r, a: a.stage, release, costs.act_bytes, remade)
         per_rank = _peak_bytes(w, R, lambda r, a: r, release, costs.act_bytes, remade)
-    tl = None
-    if timeline:
+    def make_timeline() -> Timeline:
+        recompute = costs.recompute
+        assert recompute is not None
         events = [e for i, a in enumerate(w.actions) if not a.is_transfer
-                  for e in _events(w.rank[i], a, start[i], end[i], float(costs.recompute[a.stage]))]  # type: ignore[index]
-        tl = Timeline(events, step, label, R, {"schedule": schedule.name, "num_microbatches": m})
+                  for e in _events(w.rank[i], a, start[i], end[i], float(recompute[a.stage]))]
+        return Timeline(events, step, label, R, {"schedule": schedule.name, "num_microbatches": m})
+
+    tl = make_timeline if timeline else None
     return SimResult(tl, step, bubble, thr, busy, inflight, peak_bytes, per_rank,
                      thr * samples_per_microbatch if samples_per_microbatch else None)

@@ -16,14 +16,47 @@ asynchronous posts (see :meth:`Walk.times`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
-
-from collections.abc import Callable
+import gc
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from partitioner.ir import _COMPUTE_KINDS as _COMPUTE
+from partitioner.ir import _MATCH as _MATCHING
+from partitioner.ir import _SEND_KINDS as _SEND
 from partitioner.ir import Action, ActionKind, Schedule, ScheduleError, made_action
 
 __all__ = ["Walk", "walk", "validate", "format_table", "format_program"]
+
+
+# The kinds as module constants: ``ActionKind.F`` is a lookup on the enum class, a microsecond a time
+_F, _B, _W, _ALLREDUCE = ActionKind.F, ActionKind.B, ActionKind.W, ActionKind.ALLREDUCE
+_SEND_F, _RECV_F, _SEND_B, _RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B
+_TRANSFER = frozenset(_MATCHING)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for a block that allocates many acyclic objects.
+
+    A walk of 64 ranks x 256 microbatches makes ~10^5 lists and tuples, which triggers
+    full collections over everything the process holds (a search's graphs and plans):
+    40% of the walk's time. Nothing made here forms a cycle, so reference counting frees
+    it all; the collector is back on (if it was) when the block ends.
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _key_action(key: tuple) -> Action:
+    """The action a walker key names (for messages)."""
+    return made_action(*key)
 
 
 @dataclass
@@ -57,7 +90,7 @@ class Walk:
         if self.schedule.split_backward or not self.schedule.meta.get("overlap_backward", True):
             return out
         for i, a in enumerate(self.actions):
-            if a.kind is not ActionKind.ALLREDUCE:
+            if a.kind is not _ALLREDUCE:
                 continue
             j = self.after[i]
             while j >= 0 and self.actions[j].is_transfer:
@@ -91,19 +124,20 @@ class Walk:
         clock = [0.0] * self.schedule.num_ranks
         reducing = [0.0] * self.schedule.num_ranks  # when each rank's last all-reduce ends
         done = [False] * n
+        actions, rank, needs = self.actions, self.rank, self.needs
         for i in self.sequence:
             if done[i]:
                 continue
-            a = self.actions[i]
-            r = self.rank[i]
-            if a.is_compute:
+            a = actions[i]
+            r = rank[i]
+            if a.kind in _COMPUTE:
                 t = clock[r]
-                for d in self.needs[i]:
+                for d in needs[i]:
                     if end[d] > t:
                         t = end[d]
                 start[i] = t
                 end[i] = clock[r] = t + duration(a)
-            elif a.kind is ActionKind.ALLREDUCE:  # posted, it runs beside the rank's later compute
+            elif a.kind is _ALLREDUCE:  # posted, it runs beside the rank's later compute
                 # ... but after the rank's earlier all-reduces: they share its data-parallel group,
                 # whose collectives run one after another (NCCL and gloo alike)
                 during = self.overlapped.get(i) if tail is not None else None
@@ -116,10 +150,10 @@ class Walk:
                     end[i] = reducing[r] = max(start[i] + duration(a), end[during] + tail(a))
             else:
                 j = self.mate[i]
-                send, recv = (i, j) if a.is_send else (j, i)
-                posted = max(clock[self.rank[send]], clock[self.rank[recv]])
+                send, recv = (i, j) if a.kind in _SEND else (j, i)
+                posted = max(clock[rank[send]], clock[rank[recv]])
                 start[send] = start[recv] = posted
-                end[send] = end[recv] = posted + duration(self.actions[send])
+                end[send] = end[recv] = posted + duration(actions[send])
                 done[j] = True
             done[i] = True
         return start, end
@@ -135,7 +169,8 @@ def walk(schedule: Schedule, *, implicit_transfers: bool = False) -> Walk:
     cached = schedule._walk
     if isinstance(cached, Walk) and not implicit_transfers:
         return cached
-    result = _Walker(schedule, implicit_transfers).run()
+    with gc_paused():
+        result = _Walker(schedule, implicit_transfers).run()
     if not implicit_transfers:
         schedule._walk = result
     return result
@@ -160,32 +195,50 @@ class _Walker:
                 self.after.append(len(self.actions) - 1 if k else -1)
                 self.actions.append(a)
                 self.rank.append(r)
-        self.id_of = {(self.rank[i], a): i for i, a in enumerate(self.actions)}
-        self.compute_id = {a: i for i, a in enumerate(self.actions) if a.is_compute}
+        # Plain-tuple keys (an Action's dataclass hash is a Python call; a schedule of 64 ranks x
+        # 256 microbatches has ~10^5 actions, each looked up a few times).
+        self.compute_id: dict[tuple[ActionKind, int, int], int] = {}
+        self.transfer_id: dict[tuple[int, ActionKind, int, int, int | None, str | None], int] = {}
+        for i, a in enumerate(self.actions):
+            if a.kind in _COMPUTE:
+                self.compute_id[a.kind, a.stage, a.mb] = i
+            elif a.kind is not _ALLREDUCE:
+                self.transfer_id[self.rank[i], a.kind, a.stage, a.mb, a.peer, a.tensor] = i
 
     def _inputs(self, a: Action) -> list[Action]:
         """What ``a`` reads: the actions that must have completed, on ``a``'s rank or (implicit) anywhere."""
+        return [_key_action(key) for key in self._input_keys(a)]
+
+    def _input_keys(self, a: Action) -> list[tuple]:
+        """:meth:`_inputs` as keys: (kind, stage, mb) for a compute, (kind, stage, mb, peer, tensor) for a RECV."""
         s2r = self.sch.stage_to_rank
         here = s2r[a.stage]
         mb = a.mb
         kind = a.kind
-        if kind is ActionKind.F:
-            return [made_action(ActionKind.F, e.src, mb) if self.implicit or s2r[e.src] == here
-                    else made_action(ActionKind.RECV_F, a.stage, mb, e.src, e.tensor) for e in self.ins[a.stage]]
-        if kind is ActionKind.B:
-            return [made_action(ActionKind.F, a.stage, mb)] + [
-                made_action(ActionKind.B, e.dst, mb) if self.implicit or s2r[e.dst] == here
-                else made_action(ActionKind.RECV_B, a.stage, mb, e.dst, e.tensor) for e in self.outs[a.stage]]
-        if kind is ActionKind.W:
-            return [made_action(ActionKind.B, a.stage, mb)]
-        if kind is ActionKind.SEND_F:
-            return [made_action(ActionKind.F, a.stage, mb)]
-        if kind is ActionKind.SEND_B:
-            return [made_action(ActionKind.B, a.stage, mb)]
-        if kind is ActionKind.ALLREDUCE:  # every microbatch's weight gradients are final
-            last = ActionKind.W if self.sch.split_backward else ActionKind.B
-            return [made_action(last, a.stage, k) for k in range(self.sch.num_microbatches)]
+        if kind is _F:
+            return [(_F, e.src, mb) if self.implicit or s2r[e.src] == here
+                    else (_RECV_F, a.stage, mb, e.src, e.tensor) for e in self.ins[a.stage]]
+        if kind is _B:
+            return [(_F, a.stage, mb)] + [
+                (_B, e.dst, mb) if self.implicit or s2r[e.dst] == here
+                else (_RECV_B, a.stage, mb, e.dst, e.tensor) for e in self.outs[a.stage]]
+        if kind is _W:
+            return [(_B, a.stage, mb)]
+        if kind is _SEND_F:
+            return [(_F, a.stage, mb)]
+        if kind is _SEND_B:
+            return [(_B, a.stage, mb)]
+        if kind is _ALLREDUCE:  # every microbatch's weight gradients are final
+            last = _W if self.sch.split_backward else _B
+            return [(last, a.stage, k) for k in range(self.sch.num_microbatches)]
         return []
+
+    def _input_ids(self, i: int) -> list[int]:
+        """Ids of action i's inputs (-1 where no action of the schedule makes it)."""
+        r = self.rank[i]
+        compute, transfer = self.compute_id, self.transfer_id
+        return [compute.get(key, -1) if len(key) == 3 else transfer.get((r, *key), -1)  # type: ignore[arg-type]
+                for key in self._input_keys(self.actions[i])]
 
     def run(self) -> Walk:
         n = len(self.actions)
@@ -196,37 +249,39 @@ class _Walker:
         progs = self.sch.actions
         pc = [0] * len(progs)
         s2r = self.sch.stage_to_rank
+        rank = self.rank
+        inputs: list[list[int] | None] = [None] * n  # each action's input ids, found once
 
         def ready(i: int) -> bool:
             """Whether action i's inputs are there; ScheduleError if they can never be (same rank, later)."""
-            a = self.actions[i]
-            r = self.rank[i]
-            deps = []
-            for need in self._inputs(a):
-                # computes are unique across ranks; a RECV is looked up on this rank
-                j = self.compute_id.get(need) if need.is_compute else self.id_of.get((r, need))
-                if j is None or (self.rank[j] == r and not done[j]):
+            deps = inputs[i]
+            if deps is None:
+                deps = inputs[i] = self._input_ids(i)
+            r = rank[i]
+            for k, j in enumerate(deps):
+                if j < 0 or (rank[j] == r and not done[j]):
+                    need = self._inputs(self.actions[i])[k]
                     raise ScheduleError(f"uses the result of {need} before it is available on this rank "
-                                        "(dependency not satisfied)", r, i - self.first[r], a)
+                                        "(dependency not satisfied)", r, i - self.first[r], self.actions[i])
                 if not done[j]:
                     return False  # made on another rank (implicit transfers), not yet run
-                deps.append(j)
             needs[i] = deps
             return True
 
         def complete(i: int) -> None:
             done[i] = True
             sequence.append(i)
-            pc[self.rank[i]] += 1
+            pc[rank[i]] += 1
 
         remaining = n
         while remaining:
             progressed = False
             for r in range(len(progs)):
-                while pc[r] < len(progs[r]):
+                prog = progs[r]
+                while pc[r] < len(prog):
                     i = self.first[r] + pc[r]
                     a = self.actions[i]
-                    if not a.is_transfer:
+                    if a.kind not in _TRANSFER:
                         if not ready(i):
                             break
                         complete(i)
@@ -234,10 +289,10 @@ class _Walker:
                         progressed = True
                         continue
                     peer = s2r[a.peer]  # type: ignore[index]
-                    j = self.id_of.get((peer, a.matching()), -1)
+                    j = self.transfer_id.get((peer, _MATCHING[a.kind], a.peer, a.mb, a.stage, a.tensor), -1)
                     if j < 0 or pc[peer] != j - self.first[peer]:
                         break
-                    send, recv = (i, j) if a.is_send else (j, i)
+                    send, recv = (i, j) if a.kind in _SEND else (j, i)
                     ready(send)
                     mate[i], mate[j] = j, i
                     needs[recv] = [send]

@@ -30,6 +30,7 @@ from partitioner.schedule import (
     validate,
     zb_h1,
 )
+from partitioner.walk import walk
 
 K = ActionKind
 
@@ -341,6 +342,30 @@ def test_error_dependency_before_receive() -> None:
     assert (ei.value.rank, ei.value.index) == (1, 0)
 
 
+def test_walk_leaves_the_garbage_collector_as_it_found_it() -> None:
+    # The walk pauses Python's cyclic collector (partitioner.walk.gc_paused); a schedule that
+    # fails mid-walk must not leave it off for the rest of the user's process.
+    import gc
+
+    g = StageGraph.chain(2)
+    bad = Schedule("bad", g, 1, (0, 1), (tuple(P("F0.0", "SEND_F[0->1 t=s0_out mb=0]", "RECV_B[1->0 t=s0_out mb=0]",
+                                                  "B0.0")),
+                                         tuple(P("F1.0", "RECV_F[0->1 t=s0_out mb=0]", "B1.0",
+                                                 "SEND_B[1->0 t=s0_out mb=0]"))))
+    assert gc.isenabled()
+    with pytest.raises(ScheduleError):
+        validate(bad)
+    assert gc.isenabled()
+    one_f_one_b(StageGraph.chain(3), 4)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        one_f_one_b(StageGraph.chain(3), 4)
+        assert not gc.isenabled()  # off stays off
+    finally:
+        gc.enable()
+
+
 def test_error_backward_before_forward_local() -> None:
     g = StageGraph.chain(2)
     sch = Schedule("bad", g, 1, (0, 0), (tuple(P("B1.0", "F0.0", "F1.0", "B0.0")),))
@@ -411,3 +436,37 @@ def test_active_microbatches_caps_what_every_stage_holds(kind: str, S: int, m: i
 def test_a_cap_a_schedule_cannot_take_is_refused(kind: str, cap: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         make_schedule(kind, 4, 8, num_ranks=2 if kind == "interleaved" else None, active_microbatches=cap)
+
+
+@settings(max_examples=40, deadline=None)
+@given(kind=st.sampled_from(["gpipe", "1f1b", "interleaved", "zb-h1"]), stages=st.integers(2, 6),
+       m=st.integers(1, 6), data_parallel=st.sampled_from([1, 2]), seed=st.integers(0, 10**6))
+def test_a_schedule_made_from_a_template_equals_one_built_afresh(kind: str, stages: int, m: int,
+                                                                 data_parallel: int, seed: int) -> None:
+    # make_schedule reuses the programs of a schedule with the same stage pairs crossed in the
+    # same order, renaming the tensors (partitioner.schedule._relabelled): the result, and its
+    # walk, must be what building from scratch gives.
+    import partitioner.schedule as schedule_module
+
+    if kind == "interleaved" and stages % 2:
+        stages += 1
+    rng = random.Random(seed)
+    pairs = [(s, s + 1) for s in range(stages - 1)]
+    pairs += [tuple(sorted(rng.sample(range(stages), 2))) for _ in range(rng.randint(0, 3))]  # skips, repeats
+
+    def graph(prefix: str) -> StageGraph:
+        names = [f"{prefix}{i:02d}_{rng.randint(0, 99)}" for i in range(len(pairs))]  # same order in both
+        return StageGraph(stages, tuple(Edge(a, b, t, rng.randint(1, 1000)) for (a, b), t in zip(pairs, names)))
+
+    ranks = {"num_ranks": stages // 2} if kind == "interleaved" else {}
+    first, second = graph("a"), graph("b")
+    schedule_module._templates.clear()
+    make_schedule(kind, first, m, data_parallel=data_parallel, check=False, **ranks)
+    reused = make_schedule(kind, second, m, data_parallel=data_parallel, **ranks)  # checked: validates it
+    schedule_module._templates.clear()
+    fresh = make_schedule(kind, second, m, data_parallel=data_parallel, **ranks)
+    assert reused.actions == fresh.actions
+    assert reused.graph == fresh.graph and reused.meta == fresh.meta
+    a, b = walk(reused), walk(fresh)
+    assert (a.actions, a.rank, a.after, a.needs, a.mate, a.sequence) == \
+        (b.actions, b.rank, b.after, b.needs, b.mate, b.sequence)
