@@ -53,8 +53,8 @@ def oracle(g, p, **opts):
         return None
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(problems())
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(problems())  # derandomized for reproducible CI, as test_colocation_anywhere_matches_brute_force below
 def test_solvers_match_brute_force(case):
     g, p, opts = case
     best = oracle(g, p, **opts)
@@ -102,7 +102,9 @@ def synthetic_memory(g, opts):
     return [factor * d["params"] + 4 * d["out_bytes"] for _, d in g.nodes(data=True)]
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# derandomize: the same 150 draws on every run, so CI is reproducible; random draws found the
+# rare CP-SAT miss pinned in test_cpsat_matches_brute_force_on_a_heterogeneous_chain_of_links.
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(colocated_problems())
 def test_colocation_anywhere_matches_brute_force(case):
     g, p, opts, groups = case
@@ -274,3 +276,23 @@ def test_ideal_dp_bounds_every_assignment(case):
     assert prob.fits(prob.stage_costs(res.assign)[1])
     if opts["cluster"] is None:  # free links: the lower model is exact, so its chain is the optimum
         assert res.value == pytest.approx(best.bottleneck, rel=1e-9)
+
+
+@pytest.mark.xfail(strict=True, reason="known bug (issue 15): CP-SAT proves 0.0392 s optimal where the "
+                   "brute-force optimum is 0.0385 s on this heterogeneous chain of links; found by "
+                   "test_colocation_anywhere_matches_brute_force in 2 of 4,000 random draws, present since before stop 21")
+def test_cpsat_matches_brute_force_on_a_heterogeneous_chain_of_links():
+    g = nx.DiGraph()
+    costs = {"v0": (0.007, 0.034, 2196.8, 6e6), "v1": (0.003, 0.002, 3844.4, 2e6), "v2": (0.019, 0.01, 6727.7, 0),
+             "v3": (0.018, 0.019, 4530.9, 8e6), "v4": (0.01, 0.021, 5217.4, 5e6), "v5": (0.004, 0.017, 686.5, 3e6),
+             "v6": (0.005, 0.002, 3432.5, 2e6)}
+    for v, (fwd, bwd, params, out) in costs.items():
+        g.add_node(v, fwd=fwd, bwd=bwd, params=params, out_bytes=out)
+    g.add_edges_from([("v0", "v3"), ("v0", "v5"), ("v0", "v6"), ("v1", "v2"), ("v1", "v3"), ("v1", "v4"),
+                      ("v2", "v3"), ("v2", "v4"), ("v4", "v5")])
+    cluster = Cluster.heterogeneous([2.0] * 4, bandwidths=[1e9, 1e10, 1e9], latencies=[0.0, 0.0, 1e-3])
+    opts = {"cluster": cluster, "microbatches": 3, "schedule": "1f1b", "training": True,
+            "memory_limit": 46847945.791246824}
+    best = synthetic.brute_force(g, 4, colocate=[["v1", "v2"]], **opts)
+    part = solve(g, 4, colocate=[["v1", "v2"]], method="cpsat", **opts)
+    assert part.bottleneck == pytest.approx(best.bottleneck, rel=1e-6)

@@ -143,6 +143,11 @@ def _optimise(prob: Problem, blocks: Blocks, method: str, budget: float, deadlin
     search = _Search(prob)
     for name, value in named_lower_bounds(prob).items():
         search.bound(name, value)
+    limits = prob.mem_limit
+    if limits and all(x is not None for x in limits) and \
+            memory_lower_bound(prob)[0] > max(limits) * (1 + 1e-12):  # type: ignore[type-var]
+        # some stage needs more than any device has, whatever the assignment: no search can fit
+        raise _memory_error(prob, _allowed_cuts(prob, blocks), proven=True)
     single = blocks.single_order(prob.succ)
     _run_dp(search, blocks, single, deadline)
     if method == "auto" and not search.proven:

@@ -20,6 +20,7 @@ any machine); the wall clock is only a safety limit, and reported when it struck
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from fractions import Fraction
 
 import numpy as np
 from ortools.sat.python import cp_model
+from ortools.sat.python.cp_model import LinearExpr
 
 from partitioner.cost import Problem
 
@@ -78,6 +80,13 @@ def _dyadic_exponent(values: np.ndarray) -> int:
     return max(0, int((53 - exp - trailing).max()))
 
 
+def _weighted(terms: Sequence[tuple[int, cp_model.IntVar]]) -> cp_model.LinearExpr:
+    """Σ coef x lit over the nonzero terms, built in one call (a Python sum of expressions nests one
+    node per term: seconds on a model of 10^5 variables)."""
+    kept = [(coef, lit) for coef, lit in terms if coef]
+    return LinearExpr.weighted_sum([lit for _, lit in kept], [coef for coef, _ in kept])
+
+
 class _Model:
     """The CP-SAT model of one :class:`Problem`: variables, per-stage load terms, bottleneck."""
 
@@ -105,27 +114,27 @@ class _Model:
     def _assignment(self) -> None:
         prob, m = self.prob, self.m
         n, p = prob.n, prob.p
-        self.x = [[m.NewBoolVar(f"x{v}_{s}") for s in range(p)] for v in range(n)]
+        self.x = [[m.new_bool_var(f"x{v}_{s}") for s in range(p)] for v in range(n)]
         for v in range(n):
-            m.AddExactlyOne(self.x[v])
+            m.add_exactly_one(self.x[v])
         # Order encoding: z[v][s] = [stage(v) >= s]; an edge u -> v is z[u][s] <= z[v][s] for
         # every s, which propagates far better than comparing two weighted sums.
-        self.z = z = [[None] + [m.NewBoolVar(f"z{v}_{s}") for s in range(1, p)] for v in range(n)]
+        self.z = z = [[None] + [m.new_bool_var(f"z{v}_{s}") for s in range(1, p)] for v in range(n)]
         for v in range(n):
             for s in range(1, p):
-                m.Add(z[v][s] == sum(self.x[v][t] for t in range(s, p)))
+                m.add(z[v][s] == LinearExpr.sum(self.x[v][s:]))
         for u in range(n):
             for v in prob.succ[u]:
                 for s in range(1, p):
-                    m.AddImplication(z[u][s], z[v][s])
+                    m.add_implication(z[u][s], z[v][s])
         for s in range(p):
-            m.Add(sum(self.x[v][s] for v in range(n) if not prob.is_output[v]) >= 1)  # a real op: the output is none
+            m.add(LinearExpr.sum([self.x[v][s] for v in range(n) if not prob.is_output[v]]) >= 1)  # a real op: the output is none
 
     def _colocate(self, group: Sequence[int]) -> None:
         first = group[0]
         for g in group[1:]:
             for s in range(self.prob.p):
-                self.m.Add(self.x[g][s] == self.x[first][s])
+                self.m.add(self.x[g][s] == self.x[first][s])
 
     def _compute(self) -> None:
         prob = self.prob
@@ -138,10 +147,10 @@ class _Model:
     def _received(self, u: int, t: int) -> cp_model.IntVar:
         """r[u,t]: stage t receives u's output (forced to 1 when a consumer of u is on t and u is not)."""
         if (u, t) not in self.r:
-            rt = self.m.NewBoolVar(f"r{u}_{t}")
+            rt = self.m.new_bool_var(f"r{u}_{t}")
             self.r[u, t] = rt
             for v in self.prob.succ[u]:
-                self.m.Add(rt >= self.x[v][t] - self.x[u][t])
+                self.m.add(rt >= self.x[v][t] - self.x[u][t])
         return self.r[u, t]
 
     def _sends(self, r: int, a: int) -> cp_model.IntVar:
@@ -149,12 +158,12 @@ class _Model:
         has a consumer on a later stage): the stage keeps that storage for the backward."""
         if (r, a) not in self.snd:
             prob, m = self.prob, self.m
-            var = m.NewBoolVar(f"snd{r}_{a}")
+            var = m.new_bool_var(f"snd{r}_{a}")
             self.snd[r, a] = var
             for u in self.views[r]:
                 for w in prob.succ[u]:
                     lits = [self.x[r][a], self.z[w][a + 1]] + ([self.x[u][a]] if u != r else [])
-                    m.AddBoolOr([lit.Not() for lit in lits] + [var])
+                    m.add_bool_or([lit.Not() for lit in lits] + [var])
         return self.snd[r, a]
 
     def _communication(self) -> None:
@@ -162,16 +171,17 @@ class _Model:
         for u in _comm_nodes(prob):
             b = float(prob.out_bytes[u])
             for t in range(1, prob.p):
-                prices = {a: k * prob.transfer_seconds(a, t, b) for a in range(t)}
-                if not any(c > 0 for c in prices.values()):
+                # k x Problem.transfer_seconds(a, t, b) for every a < t, as one column (the same floats)
+                prices = (k * (b / prob.bw[:t, t] + prob.lat[:t, t])).tolist()
+                if not any(c > 0 for c in prices):
                     continue
                 rt = self._received(u, t)
-                for a, c in prices.items():
+                for a, c in enumerate(prices):
                     if c <= 0:
                         continue
-                    ya = m.NewBoolVar(f"y{u}_{a}_{t}")
+                    ya = m.new_bool_var(f"y{u}_{a}_{t}")
                     self.y[u, a, t] = ya
-                    m.Add(ya >= self.x[u][a] + rt - 1)
+                    m.add(ya >= self.x[u][a] + rt - 1)
                     self.load[a].append((c, ya))
                     self.load[t].append((c, ya))
 
@@ -187,10 +197,10 @@ class _Model:
                 if len(options) == 1:
                     self.load[s].extend(terms)
                 else:
-                    self.choice[s][c] = self.m.NewBoolVar(f"c{s}_{c}")
+                    self.choice[s][c] = self.m.new_bool_var(f"c{s}_{c}")
                     self.rec_terms[s][c] = terms
             if len(options) > 1:
-                self.m.AddExactlyOne(self.choice[s].values())
+                self.m.add_exactly_one(self.choice[s].values())
 
     def _memory(self) -> None:
         """Per-stage memory within the limit under the stage's choice, in integers that keep every plan
@@ -230,9 +240,9 @@ class _Model:
             terms += [(int(math.floor(b * q)), self._received(u, s)) for u, b in zip(senders, recv) if b > 0]
             terms += [(int(math.floor(b * q)), self._sends(r, s)) for r, b in zip(roots, sent) if b > 0]
             cap = math.floor(Fraction(limits[s]) * Fraction(2) ** k)
-            ct = self.m.Add(sum(coef * lit for coef, lit in terms if coef) <= cap)
+            ct = self.m.add(_weighted(terms) <= cap)
             if c in self.choice[s]:
-                ct.OnlyEnforceIf(self.choice[s][c])
+                ct.only_enforce_if(self.choice[s][c])
 
     def objective(self, ref: float, upper: float | None, lower_bound: float) -> None:
         """B >= every stage's integer load, minimised; ``upper``/``lower_bound`` (seconds) narrow B.
@@ -258,10 +268,12 @@ class _Model:
             if not rec:
                 continue
             cap = max(sum(c for c, _ in t) for t in rec.values())
-            self.rec_var[s] = var = self.m.NewIntVar(0, cap, f"rec{s}")
+            self.rec_var[s] = var = self.m.new_int_var(0, cap, f"rec{s}")
             for c, t in rec.items():
                 if any(coef for coef, _ in t):
-                    self.m.Add(var >= sum(coef * lit for coef, lit in t if coef)).OnlyEnforceIf(self.choice[s][c])
+                    # var - terms >= 0 (not var >= terms: the same constraint, and the very proto as before)
+                    self.m.add(_weighted([(1, var), *((-coef, lit) for coef, lit in t)]) >= 0).only_enforce_if(
+                        self.choice[s][c])
         tops = [sum(c for c, _ in terms) + (max(sum(c for c, _ in t) for t in rec.values()) if rec else 0)
                 for terms, rec in zip(self.int_load, self.int_rec)]
         top = max(tops, default=0)
@@ -269,35 +281,42 @@ class _Model:
                      for t, rec in zip(self.int_load, self.int_rec)), default=0)
         lo = max(0, min(top, int(math.floor(lower_bound * self.scale)) - terms))
         hi = top if upper is None else max(lo, min(top, int(math.floor(upper * self.scale)) + 1))
-        self.bneck = self.m.NewIntVar(lo, hi, "bottleneck")
+        self.bneck = self.m.new_int_var(lo, hi, "bottleneck")
         for terms_s, rec_var in zip(self.int_load, self.rec_var):
-            total = [c * lit for c, lit in terms_s if c] + ([rec_var] if rec_var is not None else [])
+            total = [(c, lit) for c, lit in terms_s if c] + ([(1, rec_var)] if rec_var is not None else [])
             if total:
-                self.m.Add(sum(total) <= self.bneck)
-        self.m.Minimize(self.bneck)
+                self.m.add(_weighted([*total, (-1, self.bneck)]) <= 0)
+        self.m.minimize(self.bneck)
 
     def hint(self, assign: Sequence[int]) -> None:
         """A full warm start: every x, r, y, recomputation choice and B from ``assign``."""
-        prob, m = self.prob, self.m
+        prob = self.prob
+        # (variable, value) pairs appended to the proto in bulk: add_hint is a Python call per variable
+        hinted: list[tuple[cp_model.IntVar, int]] = []
         for v in range(prob.n):
-            for s in range(prob.p):
-                m.AddHint(self.x[v][s], int(assign[v] == s))
+            hinted += [(self.x[v][s], int(assign[v] == s)) for s in range(prob.p)]
         dst = {(u, t): any(assign[w] == t for w in prob.succ[u]) and assign[u] != t for (u, t) in self.r}
-        for key, var in self.r.items():
-            m.AddHint(var, int(dst[key]))
-        for (u, a, t), var in self.y.items():
-            m.AddHint(var, int(dst[u, t] and assign[u] == a))
+        hinted += [(var, int(dst[key])) for key, var in self.r.items()]
+        hinted += [(var, int(dst[u, t] and assign[u] == a)) for (u, a, t), var in self.y.items()]
         on = {id(self.x[v][assign[v]]) for v in range(prob.n)}
         on |= {id(var) for (u, a, t), var in self.y.items() if dst[u, t] and assign[u] == a}
         loads = [sum(c for c, lit in terms if id(lit) in on) for terms in self.int_load]
         for s, term in enumerate(prob.stage_report(assign)):
-            for c, var in self.choice[s].items():
-                m.AddHint(var, int(c == term.choice))
+            hinted += [(var, int(c == term.choice)) for c, var in self.choice[s].items()]
             if self.rec_var[s] is not None:
                 rec = sum(coef for coef, lit in self.int_rec[s].get(term.choice, []) if id(lit) in on)
-                m.AddHint(self.rec_var[s], rec)
+                hinted.append((self.rec_var[s], rec))
                 loads[s] += rec
-        m.AddHint(self.bneck, max(loads))
+        hinted.append((self.bneck, max(loads)))
+        hint = self.m.proto.solution_hint  # every variable here is a new one: a positive index
+        hint.vars.extend([var.index for var, _ in hinted])
+        hint.values.extend([value for _, value in hinted])
+
+
+#: Building a model is Python that holds the GIL throughout; solving runs without it. Threads
+#: that solve at once (the shape search's finalists) build one at a time, so the first solve
+#: starts after one build, not after all of them interleaved.
+_BUILDING = threading.Lock()
 
 
 def cpsat_solve(prob: Problem, groups: Sequence[Sequence[int]] = (), *, hint: Sequence[int] | None = None,
@@ -310,10 +329,11 @@ def cpsat_solve(prob: Problem, groups: Sequence[Sequence[int]] = (), *, hint: Se
     """
     t0 = time.perf_counter()
     upper = prob.bottleneck(hint) if hint is not None else None
-    model = _Model(prob, groups)
-    model.objective(max(upper or 0.0, lower_bound), upper, lower_bound)
-    if hint is not None:
-        model.hint(hint)
+    with _BUILDING:
+        model = _Model(prob, groups)
+        model.objective(max(upper or 0.0, lower_bound), upper, lower_bound)
+        if hint is not None:
+            model.hint(hint)
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = workers
     solver.parameters.interleave_search = workers > 1  # parallel yet reproducible

@@ -120,6 +120,8 @@ def _lower_dp(prob: Problem, allowed: np.ndarray, limit: float,
     # own their storage, so a view sent without its base is missed: memory is never
     # overcounted here, which keeps the DP a relaxation (its value a lower bound) where it is not exact.
     own = {c: np.array([prob.rec.sent[c][u] if prob.root[u] == u else 0.0 for u in range(n)]) for c in sums}
+    own_row = {c: 2 + k for k, c in enumerate(own)}
+    suffixed = np.vstack([b, nz, *own.values()])  # rows summed from each segment start (below)
     # incoming[v]: (first start position, bytes) of each tensor first consumed at v from
     # a segment starting at or after that position (see R(i, j) in the module doc).
     incoming: list[list[tuple[int, float]]] = [[] for _ in range(n)]
@@ -130,6 +132,10 @@ def _lower_dp(prob: Problem, allowed: np.ndarray, limit: float,
         for v in succ:
             incoming[v].append((prev + 1, float(b[u])))
             prev = v
+    inv_speed_c, in_b_c, in_l_c, out_b_c, out_l_c, infl_c, rinfl_c = (
+        x[:, None] for x in (inv_speed, in_b, in_l, out_b, out_l, infl, rinfl))
+    lim_c = lim[:, None]
+    allowed_c = {c: ok[:, None] for c, (*_, ok) in sums.items()}
     rb = np.zeros(n + 1)
     rc = np.zeros(n + 1)
     best = np.full((p, n + 1), math.inf)
@@ -146,31 +152,35 @@ def _lower_dp(prob: Problem, allowed: np.ndarray, limit: float,
             continue
         ii = np.arange(lj, j)
         live = mc[lj:j] >= j
-        sb = np.cumsum((b[lj:j] * live)[::-1])[::-1]
-        sc = np.cumsum((nz[lj:j] * live)[::-1])[::-1]
+        # From each start i to j: the bytes and count of the outputs still needed at or after j, and
+        # (per choice) the storages kept for sending; one suffix sum over the stacked rows.
+        sent = np.cumsum((suffixed[:, lj:j] * live)[:, ::-1], axis=1)[:, ::-1]
+        sb, sc = sent[0], sent[1]
         comp = cw[j] - cw[lj:j]
-        base = (np.outer(inv_speed, comp) + np.outer(in_b, rb[lj:j]) + np.outer(in_l, rc[lj:j])
-                + np.outer(out_b, sb) + np.outer(out_l, sc))
+        # (columns: per-stage prices; broadcasting is np.outer without its per-call checks, ~10^6 calls a search)
+        base = (inv_speed_c * comp + in_b_c * rb[lj:j] + in_l_c * rc[lj:j] + out_b_c * sb + out_l_c * sc)
         cost = np.full_like(base, math.inf)
         taken = np.zeros(base.shape, dtype=bool)
         # The optimizer step's memory (state + workspace), the same under every choice.
         step = (cstep[j] - cstep[lj:j])[None, :]
-        step_fits = step <= lim[:, None] if has_limit and minimise != "memory" else True
+        step_fits = step <= lim_c if has_limit and minimise != "memory" else True
         for c, (ck, cr, cs, ok) in sums.items():  # fastest first: the first choice that fits is taken
-            fits = np.broadcast_to(ok[:, None], base.shape)
+            fits = allowed_c[c]  # broadcast against the (stage, start) grid
             if has_limit or minimise == "memory":
-                kept = ck[j] - ck[lj:j] + np.cumsum((own[c][lj:j] * live)[::-1])[::-1]
+                kept = ck[j] - ck[lj:j] + sent[own_row[c]]
                 if prob.rec.received[c]:
                     kept = kept + rb[lj:j]
-                mem = (cf[j] - cf[lj:j])[None, :] + np.outer(infl, kept) + np.outer(rinfl, cr[j] - cr[lj:j])
+                mem = (cf[j] - cf[lj:j])[None, :] + infl_c * kept + rinfl_c * (cr[j] - cr[lj:j])
                 if minimise == "memory":
                     cost = np.where(fits, np.minimum(cost, np.maximum(mem, step)), cost)
                     continue
-                fits = fits & (mem <= lim[:, None]) & step_fits
+                fits = fits & (mem <= lim_c) & step_fits
             take = fits & ~taken
             if take.any():
-                cost[take] = (base + np.outer(inv_speed, cs[j] - cs[lj:j]))[take]
+                cost[take] = (base + inv_speed_c * (cs[j] - cs[lj:j]))[take]
                 taken |= take
+                if taken.all():
+                    break  # every (stage, start) has its fastest choice: the slower ones cannot win
         if lj == 0:
             best[0, j] = cost[0, 0]
         if p > 1:
@@ -313,8 +323,15 @@ def _branch_and_bound(prob: Problem, allowed: np.ndarray, assign0: list[int], va
 
 
 def _banded_lower_dp(prob: Problem, allowed: np.ndarray) -> tuple[float, list[int] | None]:
-    """The lower DP's optimum, widening the band until it provably covers the optimum."""
-    limit = max(trivial_lower_bound(prob), 1e-300) * 1.25
+    """The lower DP's optimum, widening the band until it provably covers the optimum.
+
+    The first band reaches a balanced baseline's bottleneck when one fits (every segment
+    of that plan lies inside it, so the lower optimum does, and one pass suffices), up to
+    2.5x the trivial bound; else 1.25x the trivial bound.
+    """
+    trivial = max(trivial_lower_bound(prob), 1e-300)
+    _, seed = _best_seed(prob, allowed, [], math.inf)
+    limit = min(seed, 2.5 * trivial) if math.isfinite(seed) else 1.25 * trivial
     total = float(prob.work.sum()) / float(prob.speed.min())
     while True:
         value, cuts = _lower_dp(prob, allowed, limit)
