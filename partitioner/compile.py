@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from partitioner.cluster import Cluster, Link
-from partitioner.cost import DEFAULT_STATE_FACTOR
+from partitioner.cost import DEFAULT_STATE_FACTOR, Partition
+from partitioner.errors import ShapePruned
 from partitioner.graph import OpGraph
 from partitioner.ir import ScheduleKind
 from partitioner.microbatch import batch_size, split_microbatches
@@ -263,6 +264,7 @@ def plan_from_graph(
     recompute: str = "auto",
     active_microbatches: int | None = None,
     check_schedule: bool = True,
+    prune_above: float | None = None,
 ) -> Plan:
     """Solve, schedule and simulate an already-profiled graph (e.g. ``smp profile -o graph.json``).
 
@@ -272,20 +274,29 @@ def plan_from_graph(
     cluster, laid out by ``placement`` ("cluster" or "spread", see :class:`Plan`; None
     tries both and keeps the faster step). ``check_schedule=False`` skips validating the
     schedule (the simulator still walks it and stops at a deadlock): for a search that
-    screens many shapes and validates the plan it returns.
+    screens many shapes and validates the plan it returns. ``prune_above`` (seconds): raise
+    :class:`ShapePruned` instead of scheduling a partition whose step is provably at least
+    that long (:func:`pipeline_step_bound`), for a search that needs no slower plan.
     """
     if stages < 1:
         raise PlanError(f"stages must be >= 1, got {stages}")
     if data_parallel < 1:
         raise PlanError(f"data_parallel must be >= 1, got {data_parallel}")
     if placement is None and data_parallel > 1 and cluster is not None:
-        plans = [plan_from_graph(graph, stages=stages, microbatches=microbatches, schedule=schedule, cluster=cluster,
-                                 memory_limit=memory_limit, method=method, time_limit=time_limit,
-                                 virtual_stages=virtual_stages, colocate_tied=colocate_tied, training=training,
-                                 model_info=model_info, name=name, objective=objective, data_parallel=data_parallel,
-                                 placement=how, recompute=recompute, active_microbatches=active_microbatches,
-                                 check_schedule=check_schedule)
-                 for how in PLACEMENTS]
+        plans, bounds = [], []
+        for how in PLACEMENTS:
+            try:
+                plans.append(plan_from_graph(
+                    graph, stages=stages, microbatches=microbatches, schedule=schedule, cluster=cluster,
+                    memory_limit=memory_limit, method=method, time_limit=time_limit, virtual_stages=virtual_stages,
+                    colocate_tied=colocate_tied, training=training, model_info=model_info, name=name,
+                    objective=objective, data_parallel=data_parallel, placement=how, recompute=recompute,
+                    active_microbatches=active_microbatches, check_schedule=check_schedule,
+                    prune_above=prune_above))
+            except ShapePruned as pruned:
+                bounds.append(pruned.bound)
+        if not plans:
+            raise ShapePruned(min(bounds))
         return min(plans, key=lambda p: p.step_time)
     placement = placement or "cluster"
     if placement not in PLACEMENTS:
@@ -309,11 +320,37 @@ def plan_from_graph(
                  training=training, memory_limit=limit, colocate=colocate, method=method, time_limit=time_limit,
                  objective=objective, ranks=stages, recompute=recompute, active_microbatches=active_microbatches,
                  state_factor=state_factor_for(data_parallel))
+    if prune_above is not None:
+        bound = pipeline_step_bound(part, kind, microbatches)
+        if bound is not None and bound >= prune_above:
+            raise ShapePruned(bound)
     sched = schedule_for(kind, part, microbatches, stages, data_parallel, check=check_schedule)
     if model_info is None:
         model_info = _model_info_from_graph(graph, microbatches, training, name)
     return Plan(model=model_info, graph=graph, partition=part, schedule=sched,
                 simulated=simulate_partition(sched, part, dp_link, graph), placement=placement, dp_link=dp_link)
+
+
+def pipeline_step_bound(part: Partition, kind: ScheduleKind, microbatches: int) -> float | None:
+    """Seconds no GPipe or 1F1B step of ``part`` can beat (None for other schedules): for every stage s,
+    its first forward waits for the forwards of the stages before it on a path of cut edges, its rank
+    then runs m forwards and m backwards (recomputation included), the last of them B(s, m-1), whose
+    gradient the stages before s pass back to the first on a path again. Transfers only add."""
+    if kind not in (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B):
+        return None
+    fwd = [float(s.fwd) for s in part.stages]
+    bwd = [float(s.bwd) + float(getattr(s, "recompute_time", 0.0) or 0.0) for s in part.stages]
+    senders: list[set[int]] = [set() for _ in part.stages]  # stage -> the stages that send to it
+    for t in part.transfers:
+        if t.src_stage != t.dst_stage:
+            senders[int(t.dst_stage)].add(int(t.src_stage))
+    before = [0.0] * len(fwd)  # the longest path of forwards into s
+    after = [0.0] * len(fwd)  # the longest path of backwards from s's senders back
+    for s in range(len(fwd)):  # stages are numbered in pipeline order: senders come first
+        before[s] = max((before[u] + fwd[u] for u in senders[s]), default=0.0)
+        after[s] = max((bwd[u] + after[u] for u in senders[s]), default=0.0)
+    # (1 - 1e-9): the simulator adds the same seconds in another order
+    return max(b + microbatches * (f + g) + a for b, f, g, a in zip(before, fwd, bwd, after)) * (1 - 1e-9)
 
 
 def state_factor_for(data_parallel: int) -> float:

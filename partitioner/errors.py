@@ -11,6 +11,7 @@ __all__ = [
     "ColocationError",
     "ClusterError",
     "ProfileError",
+    "ShapePruned",
 ]
 
 
@@ -57,3 +58,12 @@ class ClusterError(PlanningError):
 
 class ProfileError(ClusterError):
     """A device profile file is missing or malformed."""
+
+
+class ShapePruned(Exception):
+    """Not an error: a shape search asked for no plan whose step is at least ``bound`` seconds, and this
+    shape's partition has none faster (raised before its schedule is built and simulated)."""
+
+    def __init__(self, bound: float):
+        super().__init__(f"its step is at least {bound:.4g} s")
+        self.bound = bound

@@ -12,7 +12,11 @@ rarely moves a step by more than a percent). A ``method`` or ``objective`` given
 caller (other than the defaults, auto and step_time) is used for every shape instead, in one phase;
 a finalist keeps its screened plan when the full solve finds no faster one. The screen is exact over the
 enumerated grid (for the bottleneck-optimal plans it compares): a shape is skipped only when a lower bound on its step time (the busiest
-rank does at least its share of the work) is no better than a step time already found.
+rank does at least its share of the work) is no better than a step time already found, and a
+screened partition is not scheduled and simulated when its pipeline's critical path
+(:func:`partitioner.compile.pipeline_step_bound`: the forwards into a stage, its m forwards and
+backwards, the backwards out of it) already puts it beyond the finalists' slack of the best
+step found. The finalists are solved in threads, one per core.
 Piper (Tarnawski et al., NeurIPS 2021) and Alpa's inter-operator pass (Zheng et al.,
 OSDI 2022) choose such shapes; torch.distributed.pipelining and DeepSpeed leave them to
 the user.
@@ -26,13 +30,17 @@ profiles each microbatch size the sample batch splits into on its own (``graph_f
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from partitioner.cluster import Cluster
-from partitioner.errors import PlanError, PlanningError
+from partitioner.errors import PlanError, PlanningError, ShapePruned
 from partitioner.graph import OpGraph
 from partitioner.ir import ScheduleKind, ScheduleError
 from partitioner.plan import ModelInfo, Plan
@@ -237,7 +245,8 @@ def search_shapes(
             graphs[micro] = g = g if g is not None else graph.scaled(micro / profiled_batch)
         return g
 
-    def solve(cand: Candidate, opts: Mapping[str, Any], where: str | None = placement) -> None:
+    def solve(cand: Candidate, opts: Mapping[str, Any], where: str | None = placement,
+              prune_above: float | None = None, behind: str = "") -> None:
         shape = cand.shape
         g = graph_of(global_batch // (shape.data_parallel * shape.microbatches))
         info = replace(model_info, batch_size=global_batch // shape.data_parallel) if model_info else None
@@ -246,10 +255,13 @@ def search_shapes(
                 g, stages=shape.stages, microbatches=shape.microbatches, schedule=shape.schedule, cluster=cluster,
                 data_parallel=shape.data_parallel, model_info=info,
                 placement=where if shape.data_parallel > 1 and shape.stages > 1 else "cluster",
-                virtual_stages=virtual_stages, **opts)
+                virtual_stages=virtual_stages, prune_above=prune_above, **opts)
         except (PlanningError, ScheduleError) as err:
             cand.reason = " ".join(str(err).split())
             cand.needs = getattr(err, "works", None) or getattr(err, "needed", None)
+        except ShapePruned as pruned:
+            cand.lower_bound = max(cand.lower_bound, pruned.bound)
+            cand.reason = f"pruned: its critical path alone takes {pruned.bound:.4g} s, {behind}"
 
     best = math.inf
     for done, cand in enumerate(sorted(candidates, key=lambda c: (c.lower_bound, c.shape)), 1):
@@ -260,14 +272,22 @@ def search_shapes(
         if cand.lower_bound >= best:
             cand.reason = f"pruned: its lower bound {cand.lower_bound:.4g} s is no better than {best:.4g} s"
         else:
-            solve(cand, screen)
+            # A partition whose step cannot come within the finalists' slack of the best found is
+            # not scheduled and simulated (most of a screen's time at 64 ranks x 256 microbatches).
+            slack = FINALIST_SLACK if two_phase else 0.0
+            solve(cand, screen, prune_above=best * (1 + slack),
+                  behind=f"at least {slack:.0%} behind the best step so far ({best:.4g} s)" if slack
+                  else f"no better than the best step so far ({best:.4g} s)")
             best = min(best, cand.step_time)
         if progress is not None:
             progress(done, len(candidates) + (MAX_FINALISTS if two_phase else 0))
     if two_phase:
         solved = sorted((c for c in candidates if c.plan is not None), key=lambda c: c.step_time)
         finalists = [c for c in solved if c.step_time <= solved[0].step_time * (1 + FINALIST_SLACK)][:MAX_FINALISTS]
-        for i, cand in enumerate(finalists, 1):
+        finished = itertools.count(len(candidates) + 1)
+        lock = threading.Lock()
+
+        def finish(cand: Candidate) -> None:
             screened = cand.plan
             assert screened is not None
             solve(cand, full, screened.placement)  # the placement the screen chose
@@ -275,7 +295,15 @@ def search_shapes(
                 cand.plan = screened
             cand.final = True
             if progress is not None:
-                progress(len(candidates) + i, len(candidates) + len(finalists))
+                with lock:
+                    progress(next(finished), len(candidates) + len(finalists))
+
+        # One thread per finalist, up to the cores: CP-SAT (one worker each) runs without the GIL, so
+        # one finalist's solver overlaps another's Python. Each solve is deterministic (a work budget,
+        # not wall time), so the plans do not depend on the threads.
+        # The most ranks first: the largest model to build and solve starts first.
+        with ThreadPoolExecutor(max_workers=max(1, min(len(finalists), os.cpu_count() or 1))) as pool:
+            list(pool.map(finish, sorted(finalists, key=lambda c: -c.shape.stages)))
     candidates.sort(key=lambda c: (c.plan is None, c.step_time, c.shape.stages, c.memory or 0.0, c.shape))
     head = candidates[0].plan if candidates else None
     if head is not None:

@@ -17,8 +17,10 @@ class AllocationMeter(TorchDispatchMode):
     """Bytes of tensor storage that ops under this mode create, while they live, and their peak.
 
     An op's result is new unless it shares storage with one of the op's inputs (views and
-    in-place results are not counted); a new storage is counted until its tensor is
-    freed. Exact for what a device allocator would be asked for, without one (on CPU).
+    in-place results are not counted); a new storage is counted until the tensor the op
+    returned is freed. That is what a device allocator would be asked for, without one (on
+    CPU), except where a view outlives the tensor it was taken from: the storage is then
+    counted as freed early, and the meter reads low.
     """
 
     def __init__(self) -> None:

@@ -277,7 +277,8 @@ def candidate_table(candidates: Sequence[Any], *, shapes: bool = False, title: s
                c.shape.data_parallel > 1 and c.shape.stages > 1 else "-"] if shapes else []
         row += [str(c.shape.microbatches), c.shape.schedule, format_time(c.step_time) if p is not None else "-",
                 f"{c.samples_per_second:,.1f}" if p is not None else "-",
-                f"{p.bubble:.1%}" if p is not None else "-", peak, "yes" if c.fits else "no",
+                f"{p.bubble:.1%}" if p is not None else "-", peak,
+                "yes" if c.fits else "-" if c.pruned else "no",  # pruned: not known, only not faster
                 "yes" if c.proven else "", rec, escape(why)]
         t.add_row(*row)
     return t

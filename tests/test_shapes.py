@@ -256,3 +256,27 @@ def test_replicas_count_the_gradient_buckets_flat_copies() -> None:
     assert two.partition.stage_of == one.partition.stage_of  # no memory limit: the same stages
     for a, b in zip(one.partition.stages, two.partition.stages):
         assert b.memory - a.memory == pytest.approx(a.params, rel=1e-9)
+
+
+@settings(max_examples=30, deadline=None)
+@given(kind=st.sampled_from(["chain", "layered", "transformer", "unet", "inception", "encdec"]),
+       seed=st.integers(0, 10_000), stages=st.integers(2, 5), microbatches=st.integers(1, 9),
+       schedule=st.sampled_from(["gpipe", "1f1b"]), data_parallel=st.sampled_from([1, 2]),
+       recompute=st.sampled_from(["none", "full"]))
+def test_the_pipeline_bound_never_exceeds_the_simulated_step(kind: str, seed: int, stages: int, microbatches: int,
+                                                             schedule: str, data_parallel: int,
+                                                             recompute: str) -> None:
+    # The screen skips scheduling a partition whose critical path (pipeline_step_bound) already
+    # rules it out; that is exact only if the bound is below every step the simulator gives.
+    from partitioner.compile import pipeline_step_bound
+    from partitioner.ir import ScheduleKind
+
+    graph = synthetic.generate(kind, 24, seed=seed)
+    plan = plan_from_graph(graph, stages=stages, microbatches=microbatches, schedule=schedule,
+                           cluster=_cluster(stages * data_parallel), data_parallel=data_parallel, method="dp",
+                           objective="bottleneck", recompute=recompute, placement="cluster")
+    bound = pipeline_step_bound(plan.partition, ScheduleKind.parse(schedule), microbatches)
+    assert bound is not None and 0 < bound <= plan.step_time
+    # every rank runs its m forwards and backwards: the bound is at least that much
+    busiest = max(s.fwd + s.bwd + s.recompute_time for s in plan.partition.stages)
+    assert bound >= microbatches * busiest * (1 - 1e-6)
