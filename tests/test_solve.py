@@ -278,10 +278,10 @@ def test_ideal_dp_bounds_every_assignment(case):
         assert res.value == pytest.approx(best.bottleneck, rel=1e-9)
 
 
-@pytest.mark.xfail(strict=True, reason="known bug (issue 15): CP-SAT proves 0.0392 s optimal where the "
-                   "brute-force optimum is 0.0385 s on this heterogeneous chain of links; found by "
-                   "test_colocation_anywhere_matches_brute_force in 2 of 4,000 random draws, present since before stop 21")
 def test_cpsat_matches_brute_force_on_a_heterogeneous_chain_of_links():
+    # Was: CP-SAT proved 0.0392 s optimal where 0.0385 s exists (found by 2 of 4,000 random draws
+    # of test_colocation_anywhere_matches_brute_force): OR-Tools 9.15's inclusion presolve
+    # (google/or-tools#5293), now switched off in cpsat_solve.
     g = nx.DiGraph()
     costs = {"v0": (0.007, 0.034, 2196.8, 6e6), "v1": (0.003, 0.002, 3844.4, 2e6), "v2": (0.019, 0.01, 6727.7, 0),
              "v3": (0.018, 0.019, 4530.9, 8e6), "v4": (0.01, 0.021, 5217.4, 5e6), "v5": (0.004, 0.017, 686.5, 3e6),
