@@ -10,6 +10,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .teardown import destroy_groups_at_exit, mark_failed
+
 __all__ = ["PipelineError", "Comm", "LocalComm", "Pending", "FAILURE_KEY"]
 
 #: Store key where the first rank that fails writes why; the others read it when they stop.
@@ -69,6 +71,7 @@ class Comm:
             self.store = dist.distributed_c10d._get_default_store()
         except Exception:  # noqa: BLE001 - a custom init without a store: failures are still named locally
             self.store = None
+        destroy_groups_at_exit()
 
     # ------------------------------------------------------------------ transfers
 
@@ -128,6 +131,7 @@ class Comm:
         return f"rank {peer}"
 
     def _failed(self, pending: Pending, err: BaseException) -> PipelineError:
+        mark_failed()
         text = str(err)
         peer = pending.peer
         who = self._peer_text(pending)
@@ -155,6 +159,7 @@ class Comm:
 
     def report_failure(self, message: str) -> None:
         """Record why the pipeline stopped (first writer wins), so that the other ranks can say it."""
+        mark_failed()
         if self.store is None:
             return
         try:

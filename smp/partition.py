@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 from collections.abc import Callable, Iterator, Mapping
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from runtime.memory import OptimizerStepMeter, rank_memory
 from runtime.precision import PipelineGradScaler, Precision
 from runtime.materialize import MaterializeError, materialize
 from runtime.split import SplitError, carry_stages, cut_edges, state_meta_of
+from runtime.teardown import release_at_exit
 
 __all__ = ["partition", "PipelinedModel", "PipelineError", "RuntimeConfigError"]
 
@@ -190,6 +192,14 @@ class PipelinedModel:
         self._setup: _SetUp | None = None
         self._engine: Engine | None = None  # the engine of the last mode used
         self._engines: dict[bool, Engine] = {}
+        release_at_exit(self._release_groups)
+
+    def _release_groups(self) -> None:
+        """Let go of the process groups at exit, after smp destroyed them, so that their threads stop before the
+        interpreter finalizes (runtime/teardown.py); the pipeline cannot step afterwards."""
+        self.layout = dataclasses.replace(self.layout, pp_group=None, dp_group=None, mesh=None)
+        for engine in self._engines.values():
+            engine.dp_group = None
 
     # ------------------------------------------------------------------ where this rank sits
 

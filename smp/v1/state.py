@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from runtime.teardown import destroy_groups_at_exit, release_at_exit
 from smp.v1.config import V1Config, load_config
 from smp.v1.errors import V1Error
 from smp.v1.ranks import Launch, Topology, export_for_torch, from_environment, topology
@@ -45,6 +46,12 @@ class State:
     def distributed(self) -> bool:
         return self.topology.world > 1
 
+    def release_groups(self) -> None:
+        """Let go of the groups at exit, after smp destroyed them (runtime/teardown.py): their threads stop then."""
+        self.group = None
+        self.gloo_groups = {}
+        self.process_groups = {}
+
     def next_key(self, what: str) -> str:
         """A store key for the next collective named ``what``: every rank calls them in the same order, and
         ``generation`` (the how-many-th ``smp.init``) keeps a new start from meeting an old one's keys."""
@@ -76,6 +83,8 @@ def init(config: dict[str, Any] | None = None) -> None:
     if launch.world > 1:
         state.group, state.store = _join(launch, cfg.timeout)
         state.gloo_groups, state.process_groups = _subgroups(cfg, launch.world, state.group, cfg.timeout)
+        destroy_groups_at_exit()  # v1 scripts never destroy them; exiting with them alive can abort
+        release_at_exit(state.release_groups)
     _state = state
 
 
