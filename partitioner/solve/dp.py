@@ -27,6 +27,7 @@ in two steps:
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from dataclasses import dataclass
@@ -230,6 +231,7 @@ def _branch_and_bound(prob: Problem, allowed: np.ndarray, assign0: list[int], va
     ob = prob.out_bytes
     mc = [s[-1] if s else -1 for s in prob.succ]
     cw = _prefix(work).tolist()
+    speed_left = np.cumsum(speed[::-1])[::-1].tolist()  # Σ speed over stages s..p-1
     cf = _prefix(prob.fixed_mem).tolist()
     cstep = _prefix(prob.step_mem).tolist()
     sums = {c: (ck.tolist(), cr.tolist(), cs.tolist()) for c, (ck, cr, cs, _) in _choice_sums(prob).items()}
@@ -292,10 +294,17 @@ def _branch_and_bound(prob: Problem, allowed: np.ndarray, assign0: list[int], va
             finished = False
             return
         if s == p - 1:
-            if segment(s, i, n) is None:
+            recompute = segment(s, i, n)
+            if recompute is None:
                 return
-            for v in range(i, n):
-                assign[v] = s
+            added = place(s, i, n, recompute)
+            promising = max(exact) < best_val * (1 - _REL)  # every stage's time, at least
+            unplace(s, i, n, added, recompute)
+            if not promising:
+                return
+            if not budget.spend(n):  # pricing a leaf scans every op
+                finished = False
+                return
             times, mem = prob.stage_costs(assign)  # exact: the cut tensors a stage keeps included
             if not prob.fits(mem):
                 return
@@ -303,9 +312,14 @@ def _branch_and_bound(prob: Problem, allowed: np.ndarray, assign0: list[int], va
             if val < best_val * (1 - _REL):
                 best_val, best_assign = val, list(assign)
             return
-        for j in range(i + 1, n - (p - 1 - s) + 1):
+        # Compute only grows with j, so the ends worth trying are a prefix of the range; try them
+        # nearest the balanced share first (the stage's speed times the mean remaining work per unit
+        # of speed), so the first leaves are balanced plans and best_val falls early.
+        last = min(n - (p - 1 - s), bisect.bisect_left(cw, cw[i] + best_val * speed[s] * (1 - _REL)) - 1)
+        target = cw[i] + (cw[n] - cw[i]) * speed[s] / speed_left[s]
+        for j in sorted(range(i + 1, last + 1), key=lambda j: abs(cw[j] - target)):
             if (cw[j] - cw[i]) / speed[s] >= best_val * (1 - _REL):
-                break  # compute only grows with j
+                continue  # best_val fell since the ends were listed
             recompute = segment(s, i, j) if allowed[j] else None
             if recompute is None:
                 continue
@@ -354,10 +368,10 @@ def _best_seed(prob: Problem, allowed: np.ndarray, assign: list[int], value: flo
     return assign, value
 
 
-#: Work units (branch-and-bound nodes plus ops scanned per node) dp may spend closing its
-#: order gap: a count, not seconds, so the same input gets the same plan and proof on any
-#: machine (about 2 s at most on one core of this 2-core machine; ~5 us a unit).
-DP_SEARCH_WORK = 400_000
+#: Work units (branch-and-bound nodes plus ops scanned per node, n per leaf priced in full) dp
+#: may spend closing its order gap: a count, not seconds, so the same input gets the same plan
+#: and proof on any machine (about 1.2 s at most on one core of this 2-core machine).
+DP_SEARCH_WORK = 2_000_000
 
 
 def dp_solve(prob: Problem, allowed: np.ndarray, *, work: int = DP_SEARCH_WORK,
