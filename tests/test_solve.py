@@ -339,3 +339,40 @@ def test_dp_branch_and_bound_is_the_best_cut_of_the_order(case):
     assert res.order_optimal
     assert res.value == pytest.approx(best, rel=1e-9)
     assert res.order_lower_bound <= best * (1 + 1e-9)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(broadcast_chains(), st.randoms(use_true_random=False))
+def test_cut_shifting_never_worsens_and_prices_exactly(case, rng):
+    import itertools
+
+    from partitioner.solve.baselines import cuts_to_assign
+    from partitioner.solve.dp import _Budget, _shift_cuts
+
+    g, p, cluster = case
+    prob = Problem(g, p, cluster=cluster, microbatches=2)
+    n = prob.n
+    start = cuts_to_assign(sorted(rng.sample(range(1, n), p - 1)), n)
+    before = max(prob.stage_costs(start)[0])
+    assign, value = _shift_cuts(prob, np.ones(n + 1, dtype=bool), start, before, _Budget(10**9, math.inf))
+    best = min(max(prob.stage_costs(cuts_to_assign(list(c), n))[0])
+               for c in itertools.combinations(range(1, n), p - 1))
+    assert len(set(assign)) == p and assign == sorted(assign)  # p contiguous stages
+    assert value == max(prob.stage_costs(assign)[0])
+    assert best * (1 - 1e-12) <= value <= before
+
+
+def test_cut_shifting_balances_a_chain():
+    # Six equal ops on three equal stages: from cuts (1, 2) the search reaches (2, 4).
+    from partitioner.solve.dp import _Budget, _shift_cuts
+
+    g = nx.DiGraph()
+    for i in range(6):
+        g.add_node(f"v{i}", fwd=1e-3, index=i)
+        if i:
+            g.add_edge(f"v{i - 1}", f"v{i}")
+    prob = Problem(g, 3)
+    start = [0, 1, 2, 2, 2, 2]
+    assign, value = _shift_cuts(prob, np.ones(7, dtype=bool), start, max(prob.stage_costs(start)[0]),
+                                _Budget(10**9, math.inf))
+    assert assign == [0, 0, 1, 1, 2, 2] and value == pytest.approx(2e-3)
