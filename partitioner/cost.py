@@ -545,9 +545,11 @@ class Problem:
         a tensor received from an earlier stage keeps nothing more (the received copy is counted).
         """
         out = {c: [0.0] * self.p for c in choices}
-        sent = list(sent)
-        for r in {self.root[u] for u in sent}:
-            if any(assign[r] == assign[u] for u in sent if self.root[u] == r):
+        views: dict[int, list[int]] = {}  # the sent ops of each storage (one pass: this runs per plan priced)
+        for u in sent:
+            views.setdefault(self.root[u], []).append(u)
+        for r, us in views.items():
+            if any(assign[r] == assign[u] for u in us):
                 for c, per_stage in out.items():
                     per_stage[assign[r]] += float(self.rec.sent[c][r])
         return out
