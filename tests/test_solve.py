@@ -339,6 +339,14 @@ def test_dp_branch_and_bound_is_the_best_cut_of_the_order(case):
     assert res.order_optimal
     assert res.value == pytest.approx(best, rel=1e-9)
     assert res.order_lower_bound <= best * (1 + 1e-9)
+    # Starved of work the search stops early; cut shifting from its plan and every seed then
+    # returns a plan priced exactly, no worse than any seed, never below the optimum.
+    from partitioner.solve.dp import _seeds
+
+    starved = dp_solve(prob, np.ones(n + 1, dtype=bool), work=3)
+    assert starved.value == max(prob.stage_costs(starved.assign)[0])
+    assert best * (1 - 1e-12) <= starved.value <= min(v for _, v in _seeds(prob, np.ones(n + 1, dtype=bool)))
+    assert starved.order_lower_bound <= best * (1 + 1e-9)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
