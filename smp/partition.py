@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 from collections.abc import Callable, Iterator, Mapping
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
