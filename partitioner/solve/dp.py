@@ -320,6 +320,8 @@ def _branch_and_bound(prob: Problem, allowed: np.ndarray, assign0: list[int], va
         for j in sorted(range(i + 1, last + 1), key=lambda j: abs(cw[j] - target)):
             if (cw[j] - cw[i]) / speed[s] >= best_val * (1 - _REL):
                 continue  # best_val fell since the ends were listed
+            if (cw[n] - cw[j]) / speed_left[s + 1] >= best_val * (1 - _REL):
+                continue  # the later stages share the rest: one of them computes at least its mean
             recompute = segment(s, i, j) if allowed[j] else None
             if recompute is None:
                 continue
