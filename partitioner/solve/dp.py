@@ -90,14 +90,15 @@ def _choice_sums(prob: Problem) -> dict[str, tuple[np.ndarray, np.ndarray, np.nd
     return out
 
 
-def _lower_dp(prob: Problem, allowed: np.ndarray, limit: float,
-              minimise: str = "time") -> tuple[float, list[int] | None]:
+def _lower_dp(prob: Problem, allowed: np.ndarray, limit: float, minimise: str = "time",
+              keep: list[tuple[int, int, np.ndarray]] | None = None) -> tuple[float, list[int] | None]:
     """Min over cuts of max segment lower cost, scanning only segments with compute <= limit.
 
     Each segment costs what its stage pays under its fastest recomputation choice that fits
     (in this lower model's memory): the choice changes nothing on other stages. With
     ``minimise="memory"`` a segment costs its least memory over the choices instead (pass
-    ``limit=inf``: every segment is scanned).
+    ``limit=inf``: every segment is scanned). ``keep`` collects (end, first start, costs per
+    stage and start) of every end, for :func:`_completion_bounds`.
     """
     n, p = prob.n, prob.p
     cw = _prefix(prob.work)
@@ -182,6 +183,8 @@ def _lower_dp(prob: Problem, allowed: np.ndarray, limit: float,
                 taken |= take
                 if taken.all():
                     break  # every (stage, start) has its fastest choice: the slower ones cannot win
+        if keep is not None:
+            keep.append((j, lj, cost))  # every stage's lower cost of every segment [i, j) in the band
         if lj == 0:
             best[0, j] = cost[0, 0]
         if p > 1:
@@ -224,8 +227,10 @@ class _Budget:
 
 
 def _branch_and_bound(prob: Problem, allowed: np.ndarray, assign0: list[int], value0: float,
-                      lower: float, budget: _Budget) -> tuple[list[int], float, bool]:
-    """Exact search over cut positions; returns (assign, value, finished)."""
+                      lower: float, budget: _Budget,
+                      completion: np.ndarray | None = None) -> tuple[list[int], float, bool]:
+    """Exact search over cut positions; returns (assign, value, finished). ``completion``
+    (:func:`_completion_bounds`) bounds the stages not placed yet."""
     n, p, k = prob.n, prob.p, prob.directions
     work, speed = prob.work, prob.speed
     ob = prob.out_bytes
@@ -322,6 +327,8 @@ def _branch_and_bound(prob: Problem, allowed: np.ndarray, assign0: list[int], va
                 continue  # best_val fell since the ends were listed
             if (cw[n] - cw[j]) / speed_left[s + 1] >= best_val * (1 - _REL):
                 continue  # the later stages share the rest: one of them computes at least its mean
+            if completion is not None and completion[s + 1, j] >= best_val * (1 - _REL):
+                continue  # no cuts of the rest into the later stages can beat the incumbent
             recompute = segment(s, i, j) if allowed[j] else None
             if recompute is None:
                 continue
@@ -356,6 +363,41 @@ def _banded_lower_dp(prob: Problem, allowed: np.ndarray) -> tuple[float, list[in
         if limit > total:
             return value, cuts  # the band already covered every segment
         limit = value if cuts is not None else limit * 4
+
+
+#: Segment costs (stages x segments in the band) kept for the completion bounds; above this the
+#: branch and bound goes without them.
+COMPLETION_CELLS = 20_000_000
+
+
+def _completion_bounds(prob: Problem, allowed: np.ndarray, limit: float) -> np.ndarray | None:
+    """``lower[s, j]``: the least any cuts of positions j..n-1 into stages s..p-1 can cost, at least.
+
+    The lower DP run backwards over the same per-segment lower costs (exact compute and
+    received tensors, the cheapest links, every needed output sent once), so it bounds the
+    stages the branch and bound has not placed yet. Only segments whose compute is at most
+    ``limit`` are scanned: a completion using a longer one costs more than ``limit``, so
+    with ``limit`` the incumbent's value the bound is exact for pruning. None when the
+    segments in the band exceed :data:`COMPLETION_CELLS`.
+    """
+    n, p = prob.n, prob.p
+    cw = _prefix(prob.work)
+    fastest = float(prob.speed.max())
+    lo = np.maximum.accumulate(np.searchsorted(cw, cw - limit * fastest * (1 + 1e-9), side="left"))
+    if int(np.sum(np.arange(n + 1) - np.minimum(lo, np.arange(n + 1)))) * p > COMPLETION_CELLS:
+        return None
+    keep: list[tuple[int, int, np.ndarray]] = []
+    _lower_dp(prob, allowed, limit, keep=keep)
+    lower = np.full((p + 1, n + 1), math.inf)
+    lower[p, n] = 0.0
+    for s in range(p - 1, 0, -1):
+        after = lower[s + 1]
+        for j, lj, cost in keep:
+            if j < n and not allowed[j]:
+                continue  # no stage may end here
+            if math.isfinite(after[j]):
+                np.minimum(lower[s, lj:j], np.maximum(cost[s], after[j]), out=lower[s, lj:j])
+    return lower
 
 
 def _seeds(prob: Problem, allowed: np.ndarray, lower: list[int] | None = None) -> list[tuple[list[int], float]]:
@@ -404,7 +446,8 @@ def dp_solve(prob: Problem, allowed: np.ndarray, *, work: int = DP_SEARCH_WORK,
     # The lower model undercounts tensors sent to several stages: search the cuts exactly.
     assign, exact = _best_seed(prob, allowed, assign, exact)
     budget = _Budget(work, time.perf_counter() + wall_limit)
-    assign, exact, finished = _branch_and_bound(prob, allowed, assign, exact, value, budget)
+    completion = _completion_bounds(prob, allowed, exact) if math.isfinite(exact) else None
+    assign, exact, finished = _branch_and_bound(prob, allowed, assign, exact, value, budget, completion)
     if finished and not math.isfinite(exact):
         return None  # the lower model's cuts fit only in its relaxed memory; no cut of the order fits
     wall_stopped = budget.wall_stopped
