@@ -1,6 +1,7 @@
 """Solvers against the brute-force oracle on random small DAGs, plus errors and speed."""
 
 import importlib
+import itertools
 import math
 
 import networkx as nx
@@ -14,6 +15,8 @@ from partitioner.cluster import Cluster
 from partitioner.cost import Problem, evaluate, graph_order
 from partitioner.errors import ColocationError, MemoryLimitError, StageCountError
 from partitioner.solve import solve
+from partitioner.solve.baselines import cuts_to_assign
+from partitioner.solve.dp import _Budget, _completion_bounds, _seeds, _shift_cuts, dp_solve
 from partitioner.solve.ideals import ideal_dp
 
 
@@ -320,29 +323,31 @@ def broadcast_chains(draw):
     return g, p, cluster
 
 
+def every_cut(prob):
+    """(cuts, stage times) of every contiguous cut of ``prob``'s order into its p stages."""
+    for cuts in itertools.combinations(range(1, prob.n), prob.p - 1):
+        yield cuts, prob.stage_costs(cuts_to_assign(list(cuts), prob.n))[0]
+
+
+def broadcast_problem(case):
+    g, p, cluster = case
+    return Problem(g, p, cluster=cluster, microbatches=2)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(broadcast_chains())
 def test_dp_branch_and_bound_is_the_best_cut_of_the_order(case):
     # The search tries balanced ends first and skips pricing leaves whose partial times already
     # lose: neither may cost the optimum, nor a false claim that the order's optimum was found.
-    import itertools
-
-    from partitioner.solve.baselines import cuts_to_assign
-    from partitioner.solve.dp import dp_solve
-
-    g, p, cluster = case
-    prob = Problem(g, p, cluster=cluster, microbatches=2)
+    prob = broadcast_problem(case)
     n = prob.n
-    best = min(max(prob.stage_costs(cuts_to_assign(list(c), n))[0])
-               for c in itertools.combinations(range(1, n), p - 1))
+    best = min(max(times) for _, times in every_cut(prob))
     res = dp_solve(prob, np.ones(n + 1, dtype=bool))
     assert res.order_optimal
     assert res.value == pytest.approx(best, rel=1e-9)
     assert res.order_lower_bound <= best * (1 + 1e-9)
     # Starved of work the search stops early; cut shifting from its plan and every seed then
     # returns a plan priced exactly, no worse than any seed, never below the optimum.
-    from partitioner.solve.dp import _seeds
-
     starved = dp_solve(prob, np.ones(n + 1, dtype=bool), work=3)
     assert starved.value == max(prob.stage_costs(starved.assign)[0])
     assert best * (1 - 1e-12) <= starved.value <= min(v for _, v in _seeds(prob, np.ones(n + 1, dtype=bool)))
@@ -352,28 +357,19 @@ def test_dp_branch_and_bound_is_the_best_cut_of_the_order(case):
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(broadcast_chains(), st.randoms(use_true_random=False))
 def test_cut_shifting_never_worsens_and_prices_exactly(case, rng):
-    import itertools
-
-    from partitioner.solve.baselines import cuts_to_assign
-    from partitioner.solve.dp import _Budget, _shift_cuts
-
-    g, p, cluster = case
-    prob = Problem(g, p, cluster=cluster, microbatches=2)
+    prob = broadcast_problem(case)
     n = prob.n
-    start = cuts_to_assign(sorted(rng.sample(range(1, n), p - 1)), n)
+    start = cuts_to_assign(sorted(rng.sample(range(1, n), prob.p - 1)), n)
     before = max(prob.stage_costs(start)[0])
     assign, value = _shift_cuts(prob, np.ones(n + 1, dtype=bool), start, before, _Budget(10**9, math.inf))
-    best = min(max(prob.stage_costs(cuts_to_assign(list(c), n))[0])
-               for c in itertools.combinations(range(1, n), p - 1))
-    assert len(set(assign)) == p and assign == sorted(assign)  # p contiguous stages
+    best = min(max(times) for _, times in every_cut(prob))
+    assert len(set(assign)) == prob.p and assign == sorted(assign)  # p contiguous stages
     assert value == max(prob.stage_costs(assign)[0])
     assert best * (1 - 1e-12) <= value <= before
 
 
 def test_cut_shifting_balances_a_chain():
     # Six equal ops on three equal stages: from cuts (1, 2) the search reaches (2, 4).
-    from partitioner.solve.dp import _Budget, _shift_cuts
-
     g = nx.DiGraph()
     for i in range(6):
         g.add_node(f"v{i}", fwd=1e-3, index=i)
@@ -391,19 +387,11 @@ def test_cut_shifting_balances_a_chain():
 def test_completion_bounds_are_below_every_completion(case):
     # The branch and bound prunes with _completion_bounds: for every cut of the order, the bound
     # at each stage's start must not exceed what the stages from there on really cost.
-    import itertools
-
-    from partitioner.solve.baselines import cuts_to_assign
-    from partitioner.solve.dp import _completion_bounds
-
-    g, p, cluster = case
-    prob = Problem(g, p, cluster=cluster, microbatches=2)
-    n = prob.n
-    lower = _completion_bounds(prob, np.ones(n + 1, dtype=bool), math.inf)
+    prob = broadcast_problem(case)
+    lower = _completion_bounds(prob, np.ones(prob.n + 1, dtype=bool), math.inf)
     tight = 0
-    for cuts in itertools.combinations(range(1, n), p - 1):
-        times = prob.stage_costs(cuts_to_assign(list(cuts), n))[0]
-        for s in range(1, p):
+    for cuts, times in every_cut(prob):
+        for s in range(1, prob.p):
             rest = max(times[s:])
             assert lower[s, cuts[s - 1]] <= rest * (1 + 1e-9)
             tight += lower[s, cuts[s - 1]] >= rest * (1 - 1e-9)
