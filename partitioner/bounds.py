@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from partitioner.cost import Problem
 
 __all__ = ["trivial_lower_bound", "named_lower_bounds", "comm_lower_bound", "neighbourhood_lower_bound",
-           "memory_lower_bound"]
+           "broadcast_lower_bound", "memory_lower_bound"]
 
 
 def named_lower_bounds(prob: Problem) -> dict[str, float]:
@@ -22,7 +22,8 @@ def named_lower_bounds(prob: Problem) -> dict[str, float]:
     - ``pigeonhole``: among the p + 1 largest ops two share a stage, so some stage holds at
       least the p-th and (p+1)-th largest;
     - ``communication``: :func:`comm_lower_bound`;
-    - ``neighbourhood``: :func:`neighbourhood_lower_bound`.
+    - ``neighbourhood``: :func:`neighbourhood_lower_bound`;
+    - ``broadcast``: :func:`broadcast_lower_bound`.
 
     An op's work is its least on any stage (``Problem.least_work``: its forward and
     backward, plus the recomputation every allowed choice runs).
@@ -32,7 +33,8 @@ def named_lower_bounds(prob: Problem) -> dict[str, float]:
     top = np.sort(work)[::-1]
     bounds = {"work": float(work.sum()) / float(prob.speed.sum()),
               "largest op": float(top[0]) / fastest if prob.n else 0.0,
-              "communication": comm_lower_bound(prob), "neighbourhood": neighbourhood_lower_bound(prob)}
+              "communication": comm_lower_bound(prob), "neighbourhood": neighbourhood_lower_bound(prob),
+              "broadcast": broadcast_lower_bound(prob)}
     if prob.n > prob.p:
         bounds["pigeonhole"] = float(top[prob.p - 1] + top[prob.p]) / fastest
     return bounds
@@ -102,6 +104,102 @@ def neighbourhood_lower_bound(prob: Problem) -> float:
         consumers = min(sum(work[w] for w in prob.succ[v]), transfer[v]) if prob.succ[v] else 0.0
         best = max(best, work[v] + producers + consumers)
     return float(best)
+
+
+def broadcast_lower_bound(prob: Problem) -> float:
+    """The least B at which the tensors read by a chain of consumers (a position bias, an encoder
+    output read by every layer) can reach them all, summed over the stages.
+
+    Let ``c_1 → … → c_m`` be consumers of one tensor, each reachable from the one before. Two
+    of them share a stage only with every op on the paths between them (stages are convex),
+    so a stage holding ``c_a..c_b`` holds their hull, and at bottleneck B its work is at
+    most B × the fastest speed: the consumers need at least ``g(B)`` stages, the fewest
+    intervals of the chain whose hulls fit (greedy is exact for intervals). The tensor is
+    then sent to at least ``g(B) − 1`` stages, each copy paid by sender and receiver, at
+    least ``directions × (bytes / fastest bandwidth + least latency)``. Summing over
+    tensors as :func:`comm_lower_bound` does, ``B × Σ speed >= total work + min speed ×
+    Σ 2 (g(B) − 1) × copy``; both sides move with B, so the bound is the least B that
+    satisfies it (bisection; g only falls as B grows).
+    """
+    if prob.p < 2:
+        return 0.0
+    chains = _consumer_chains(prob)
+    if not chains:
+        return 0.0
+    upper = np.triu_indices(prob.p, 1)
+    max_bw, min_lat = float(prob.bw[upper].max()), float(prob.lat[upper].min())
+    fastest, total_speed, slowest = float(prob.speed.max()), float(prob.speed.sum()), float(prob.speed.min())
+    work = float(prob.least_work.sum())
+    copies = [(2 * prob.directions * (float(prob.out_bytes[u]) / max_bw + min_lat), hulls)
+              for u, hulls in chains]
+
+    def shortfall(bound: float) -> float:
+        """How far ``bound`` is below what the stages must hold at that bottleneck (> 0: too low)."""
+        cap = bound * fastest
+        comm = 0.0
+        for copy, hulls in copies:
+            groups, start = 1, 0
+            for b in range(1, len(hulls)):
+                if hulls[start][b] > cap:  # c_start..c_b cannot share a stage: a new one starts at b
+                    groups, start = groups + 1, b
+            comm += (groups - 1) * copy
+        return (work + slowest * comm) / total_speed - bound
+
+    low, high = work / total_speed, work / total_speed + sum(c * len(h) for c, h in copies)
+    if shortfall(low) <= 0:
+        return low
+    for _ in range(60):  # to a part in 10^18 of the range: the bound is as tight as floats allow
+        mid = 0.5 * (low + high)
+        low, high = (mid, high) if shortfall(mid) > 0 else (low, mid)
+    return high
+
+
+def _consumer_chains(prob: Problem) -> list[tuple[int, list[list[float]]]]:
+    """Per tensor read by a chain of two or more consumers: (producer, hull work of c_a..c_b for a <= b).
+
+    The chain is greedy in program order (each consumer kept when reachable from the last kept):
+    any chain of consumers gives a valid bound. Reachability as bitsets of ancestors and
+    descendants, one pass each; a hull is ``descendants(c_a) & ancestors(c_b)`` with both ends.
+    """
+    n = prob.n
+    candidates = [u for u in range(n) if prob.out_bytes[u] > 0 and len(prob.succ[u]) > 1]
+    if not candidates:
+        return []
+    ancestors, descendants = [0] * n, [0] * n
+    for v in range(n):  # positions are a topological order
+        for u in prob.pred[v]:
+            ancestors[v] |= ancestors[u] | (1 << u)
+    for v in range(n - 1, -1, -1):
+        for w in prob.succ[v]:
+            descendants[v] |= descendants[w] | (1 << w)
+    work = prob.least_work
+    nbytes = (n + 7) // 8
+
+    def mass(mask: int) -> float:
+        bits = np.unpackbits(np.frombuffer(mask.to_bytes(nbytes, "little"), dtype=np.uint8), bitorder="little")
+        return float(work @ bits[:n])
+
+    out = []
+    budget = _BROADCAST_HULLS
+    for u in sorted(candidates, key=lambda u: -prob.out_bytes[u]):  # the largest tensors first
+        chain: list[int] = []
+        for c in sorted(prob.succ[u]):
+            if not chain or (ancestors[c] >> chain[-1]) & 1:
+                chain.append(c)
+        if len(chain) > _BROADCAST_CHAIN:  # an evenly spread sub-chain is a chain too
+            chain = [chain[round(k * (len(chain) - 1) / (_BROADCAST_CHAIN - 1))] for k in range(_BROADCAST_CHAIN)]
+        if len(chain) < 2 or len(chain) ** 2 > budget:
+            continue
+        budget -= len(chain) ** 2
+        hulls = [[mass((descendants[ca] & ancestors[cb]) | (1 << ca) | (1 << cb)) for cb in chain] for ca in chain]
+        out.append((u, hulls))
+    return out
+
+
+#: Consumers kept per chain, and hulls weighed over all tensors: a count, so the bound costs the
+#: same on any machine (about 0.2 s at 9,000 ops).
+_BROADCAST_CHAIN = 16
+_BROADCAST_HULLS = 4_000
 
 
 def memory_lower_bound(prob: Problem) -> tuple[float, float]:

@@ -396,3 +396,36 @@ def test_completion_bounds_are_below_every_completion(case):
             assert lower[s, cuts[s - 1]] <= rest * (1 + 1e-9)
             tight += lower[s, cuts[s - 1]] >= rest * (1 - 1e-9)
     assert tight  # the bound is attained somewhere: it is not vacuous
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(broadcast_chains())
+def test_broadcast_bound_is_below_the_optimum(case):
+    # Over every valid assignment (not only cuts of the order): a bound above the optimum would
+    # make solve() call a worse plan optimal.
+    from partitioner.bounds import broadcast_lower_bound
+
+    g, p, cluster = case
+    best = synthetic.brute_force(g, p, cluster=cluster, microbatches=2)
+    assert broadcast_lower_bound(broadcast_problem(case)) <= best.bottleneck * (1 + 1e-9)
+
+
+def test_broadcast_bound_counts_the_copies_of_a_tensor_every_layer_reads():
+    # Eight ops on a chain read a 1 GB tensor from v0, on 4 stages: near any bottleneck a plan
+    # can have they span several stages, so the tensor is sent several times, each copy paid
+    # at both ends; the communication bound counts the least transfer once per stage.
+    from partitioner.bounds import broadcast_lower_bound, named_lower_bounds
+
+    g = nx.DiGraph()
+    g.add_node("v0", fwd=1e-3, out_bytes=1e9, index=0)
+    for i in range(1, 9):
+        g.add_node(f"v{i}", fwd=10e-3, out_bytes=1e3, index=i)
+        g.add_edge("v0", f"v{i}")
+        if i > 1:
+            g.add_edge(f"v{i - 1}", f"v{i}")
+    cluster = Cluster.uniform(4, bandwidth=1e11, latency=0.0)
+    prob = Problem(g, 4, cluster=cluster)
+    bounds = named_lower_bounds(prob)
+    best = synthetic.brute_force(g, 4, cluster=cluster).bottleneck
+    assert bounds["broadcast"] > max(bounds["work"], bounds["communication"]) * 1.01
+    assert broadcast_lower_bound(prob) <= best * (1 + 1e-9)
