@@ -90,6 +90,13 @@ def _choice_sums(prob: Problem) -> dict[str, tuple[np.ndarray, np.ndarray, np.nd
     return out
 
 
+def _band_starts(prob: Problem, cw: np.ndarray, limit: float) -> np.ndarray:
+    """Per end j, the first start i of a segment [i, j) whose compute (prefix sums ``cw``) is at most
+    ``limit`` on the fastest device: the band the lower DP scans."""
+    fastest = float(prob.speed.max())
+    return np.maximum.accumulate(np.searchsorted(cw, cw - limit * fastest * (1 + 1e-9), side="left"))
+
+
 def _lower_dp(prob: Problem, allowed: np.ndarray, limit: float, minimise: str = "time",
               keep: list[tuple[int, int, np.ndarray]] | None = None) -> tuple[float, list[int] | None]:
     """Min over cuts of max segment lower cost, scanning only segments with compute <= limit.
@@ -105,9 +112,7 @@ def _lower_dp(prob: Problem, allowed: np.ndarray, limit: float, minimise: str = 
     cf = _prefix(prob.fixed_mem)
     cstep = _prefix(prob.step_mem)
     sums = _choice_sums(prob)
-    fastest = float(prob.speed.max())
-    lo = np.searchsorted(cw, cw - limit * fastest * (1 + 1e-9), side="left")
-    lo = np.maximum.accumulate(lo)
+    lo = _band_starts(prob, cw, limit)
     b = prob.out_bytes
     nz = (b > 0).astype(float)
     mc = np.array([s[-1] if s else -1 for s in prob.succ])
@@ -381,9 +386,7 @@ def _completion_bounds(prob: Problem, allowed: np.ndarray, limit: float) -> np.n
     segments in the band exceed :data:`COMPLETION_CELLS`.
     """
     n, p = prob.n, prob.p
-    cw = _prefix(prob.work)
-    fastest = float(prob.speed.max())
-    lo = np.maximum.accumulate(np.searchsorted(cw, cw - limit * fastest * (1 + 1e-9), side="left"))
+    lo = _band_starts(prob, _prefix(prob.work), limit)
     if int(np.sum(np.arange(n + 1) - np.minimum(lo, np.arange(n + 1)))) * p > COMPLETION_CELLS:
         return None
     keep: list[tuple[int, int, np.ndarray]] = []
