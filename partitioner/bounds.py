@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import math
+
 import numpy as np
 
 if TYPE_CHECKING:
@@ -108,98 +110,156 @@ def neighbourhood_lower_bound(prob: Problem) -> float:
 
 def broadcast_lower_bound(prob: Problem) -> float:
     """The least B at which the tensors read by a chain of consumers (a position bias, an encoder
-    output read by every layer) can reach them all, summed over the stages.
+    output read by every layer) can reach them all: summed over the stages, and at their sender.
 
-    Let ``c_1 → … → c_m`` be consumers of one tensor, each reachable from the one before. Two
-    of them share a stage only with every op on the paths between them (stages are convex),
-    so a stage holding ``c_a..c_b`` holds their hull, and at bottleneck B its work is at
-    most B × the fastest speed: the consumers need at least ``g(B)`` stages, the fewest
-    intervals of the chain whose hulls fit (greedy is exact for intervals). The tensor is
-    then sent to at least ``g(B) − 1`` stages, each copy paid by sender and receiver, at
-    least ``directions × (bytes / fastest bandwidth + least latency)``. Summing over
-    tensors as :func:`comm_lower_bound` does, ``B × Σ speed >= total work + min speed ×
-    Σ 2 (g(B) − 1) × copy``; both sides move with B, so the bound is the least B that
-    satisfies it (bisection; g only falls as B grows).
+    Let ``c_1 → … → c_m`` be consumers of one tensor ``u``, each reachable from the one before.
+    Two of them share a stage only with every op on the paths between them (stages are
+    convex), so a stage holding ``c_a..c_b`` holds their hull, and at bottleneck B its work is
+    at most B × the fastest speed: the consumers span at least ``g(B)`` stages, the fewest
+    intervals of the chain whose hulls fit (greedy is exact for intervals). Consumers on one
+    stage are contiguous in the chain, so at most one interval shares ``u``'s stage ``a`` and
+    ``u`` is sent to at least ``g(B) − 1`` distinct later stages ``t``, each copy costing
+    ``directions × (bytes / bandwidth(a, t) + latency(a, t))`` at each end. Whatever ``a`` is,
+    those copies cost at least the ``g(B) − 1`` cheapest links out of ``a`` (``a`` needs that
+    many later stages), which on a cluster of nodes prices the copies that must cross a node
+    boundary on the network. Two conditions follow, each solved for the least B:
+
+    - *summed*: ``B × Σ speed >= total work + min speed × Σ_u 2 × copies_u(B)``, as
+      :func:`comm_lower_bound` argues;
+    - *at the sender*: ``B >= work(u) / speed(a) + copies_u(B)`` for some stage ``a``: the stage
+      holding ``u`` computes it and sends every copy (an encoder output sent to 30 decoder
+      stages is the bottleneck of its sender).
+
+    Both sides move with B and ``g`` only falls as B grows, so the bound is found by bisection.
     """
     if prob.p < 2:
         return 0.0
-    chains = _consumer_chains(prob)
-    if not chains:
+    chains = _ConsumerChains(prob)
+    if not chains.tensors:
         return 0.0
-    upper = np.triu_indices(prob.p, 1)
-    max_bw, min_lat = float(prob.bw[upper].max()), float(prob.lat[upper].min())
     fastest, total_speed, slowest = float(prob.speed.max()), float(prob.speed.sum()), float(prob.speed.min())
     work = float(prob.least_work.sum())
-    copies = [(2 * prob.directions * (float(prob.out_bytes[u]) / max_bw + min_lat), hulls)
-              for u, hulls in chains]
+    per_byte, per_tensor = _cheapest_links(prob)
+    upstream = [chains.upstream(u) for u in chains.tensors]
 
     def shortfall(bound: float) -> float:
-        """How far ``bound`` is below what the stages must hold at that bottleneck (> 0: too low)."""
+        """How far ``bound`` is below what the conditions need at that bottleneck (> 0: too low)."""
         cap = bound * fastest
-        comm = 0.0
-        for copy, hulls in copies:
-            groups, start = 1, 0
-            for b in range(1, len(hulls)):
-                if hulls[start][b] > cap:  # c_start..c_b cannot share a stage: a new one starts at b
-                    groups, start = groups + 1, b
-            comm += (groups - 1) * copy
-        return (work + slowest * comm) / total_speed - bound
+        summed, sender = 0.0, 0.0
+        for k, u in enumerate(chains.tensors):
+            copies = chains.groups(k, cap) - 1
+            if copies <= 0:
+                continue
+            if copies >= prob.p:  # more stages than there are
+                return math.inf
+            # Per sender stage; inf where too few stages follow it.
+            cost = float(prob.out_bytes[u]) * per_byte[:, copies] + per_tensor[:, copies]
+            # Stages 0..a hold u and all its ancestors, each at most cap: a is at least this.
+            cost[:max(0, math.ceil(upstream[k] / cap * (1 - 1e-12)) - 1)] = math.inf
+            summed += 2 * float(cost.min())
+            sender = max(sender, float((prob.least_work[u] / prob.speed + cost).min()))
+        return max((work + slowest * summed) / total_speed, sender) - bound
 
-    low, high = work / total_speed, work / total_speed + sum(c * len(h) for c, h in copies)
+    low = work / total_speed
+    high = work / slowest  # every hull fits a stage at this B: no copy is forced
     if shortfall(low) <= 0:
         return low
-    for _ in range(60):  # to a part in 10^18 of the range: the bound is as tight as floats allow
+    for _ in range(60):  # to a part in 10^18 of the range: as tight as floats allow
         mid = 0.5 * (low + high)
         low, high = (mid, high) if shortfall(mid) > 0 else (low, mid)
-    return high
+    return low  # shortfall(low) > 0: no plan has a bottleneck of low or less
 
 
-def _consumer_chains(prob: Problem) -> list[tuple[int, list[list[float]]]]:
-    """Per tensor read by a chain of two or more consumers: (producer, hull work of c_a..c_b for a <= b).
+def _cheapest_links(prob: Problem) -> tuple[np.ndarray, np.ndarray]:
+    """[a, j]: the least per-byte and per-tensor price of j copies sent from stage a to j distinct
+    later stages, one end (inf where fewer than j stages follow a).
+
+    The j cheapest of ``bytes × per_byte + per_tensor`` cost at least the j smallest per-byte
+    prices times the bytes plus the j smallest per-tensor prices (exact when the slower link is
+    also the later one, as across the nodes of a cluster), so one table serves every tensor.
+    """
+    p = prob.p
+    later = np.triu(np.ones((p, p), dtype=bool), 1)
+    tables = []
+    for price in (prob.directions / np.where(later, prob.bw, 1.0), prob.directions * prob.lat):
+        table = np.full((p, p), np.inf)
+        table[:, 0] = 0.0
+        table[:, 1:] = np.cumsum(np.sort(np.where(later, price, np.inf), axis=1)[:, :p - 1], axis=1)
+        tables.append(table)
+    return tables[0], tables[1]
+
+
+class _ConsumerChains:
+    """Per tensor read by a chain of two or more consumers, the fewest stages the chain spans at a cap.
 
     The chain is greedy in program order (each consumer kept when reachable from the last kept):
     any chain of consumers gives a valid bound. Reachability as bitsets of ancestors and
-    descendants, one pass each; a hull is ``descendants(c_a) & ancestors(c_b)`` with both ends.
+    descendants, one pass each; a hull is ``descendants(c_a) & ancestors(c_b)`` with both ends,
+    its work computed when first asked for, at most ``_BROADCAST_HULLS`` of them over all
+    tensors (a count, so the bound is the same on any machine); past that a hull is taken to
+    fit, which can only lower the count of stages, so the bound stays valid.
     """
-    n = prob.n
-    candidates = [u for u in range(n) if prob.out_bytes[u] > 0 and len(prob.succ[u]) > 1]
-    if not candidates:
-        return []
-    ancestors, descendants = [0] * n, [0] * n
-    for v in range(n):  # positions are a topological order
-        for u in prob.pred[v]:
-            ancestors[v] |= ancestors[u] | (1 << u)
-    for v in range(n - 1, -1, -1):
-        for w in prob.succ[v]:
-            descendants[v] |= descendants[w] | (1 << w)
-    work = prob.least_work
-    nbytes = (n + 7) // 8
 
-    def mass(mask: int) -> float:
-        bits = np.unpackbits(np.frombuffer(mask.to_bytes(nbytes, "little"), dtype=np.uint8), bitorder="little")
-        return float(work @ bits[:n])
+    def __init__(self, prob: Problem):
+        n = prob.n
+        self.tensors: list[int] = []
+        self.chains: list[list[int]] = []
+        self.hulls: dict[tuple[int, int], float] = {}
+        self.budget = _BROADCAST_HULLS
+        candidates = [u for u in range(n) if prob.out_bytes[u] > 0 and len(prob.succ[u]) > 1]
+        if not candidates:
+            return
+        self.ancestors, self.descendants = [0] * n, [0] * n
+        for v in range(n):  # positions are a topological order
+            for u in prob.pred[v]:
+                self.ancestors[v] |= self.ancestors[u] | (1 << u)
+        for v in range(n - 1, -1, -1):
+            for w in prob.succ[v]:
+                self.descendants[v] |= self.descendants[w] | (1 << w)
+        self.work, self.nbytes = prob.least_work, (n + 7) // 8
+        for u in sorted(candidates, key=lambda u: -prob.out_bytes[u]):  # the largest tensors first
+            chain: list[int] = []
+            for c in sorted(prob.succ[u]):
+                if not chain or (self.ancestors[c] >> chain[-1]) & 1:
+                    chain.append(c)
+            if len(chain) > _BROADCAST_CHAIN:  # an evenly spread sub-chain is a chain too
+                chain = [chain[round(k * (len(chain) - 1) / (_BROADCAST_CHAIN - 1))] for k in range(_BROADCAST_CHAIN)]
+            if len(chain) >= 2:
+                self.tensors.append(u)
+                self.chains.append(chain)
 
-    out = []
-    budget = _BROADCAST_HULLS
-    for u in sorted(candidates, key=lambda u: -prob.out_bytes[u]):  # the largest tensors first
-        chain: list[int] = []
-        for c in sorted(prob.succ[u]):
-            if not chain or (ancestors[c] >> chain[-1]) & 1:
-                chain.append(c)
-        if len(chain) > _BROADCAST_CHAIN:  # an evenly spread sub-chain is a chain too
-            chain = [chain[round(k * (len(chain) - 1) / (_BROADCAST_CHAIN - 1))] for k in range(_BROADCAST_CHAIN)]
-        if len(chain) < 2 or len(chain) ** 2 > budget:
-            continue
-        budget -= len(chain) ** 2
-        hulls = [[mass((descendants[ca] & ancestors[cb]) | (1 << ca) | (1 << cb)) for cb in chain] for ca in chain]
-        out.append((u, hulls))
-    return out
+    def upstream(self, u: int) -> float:
+        """The work of ``u`` and all its ancestors."""
+        return self._mass(self.ancestors[u] | (1 << u))
+
+    def groups(self, k: int, cap: float) -> int:
+        """The fewest intervals of chain ``k`` whose hulls each weigh at most ``cap`` (greedy)."""
+        chain = self.chains[k]
+        groups, start = 1, 0
+        for b in range(1, len(chain)):
+            if self._hull(chain[start], chain[b]) > cap:  # c_start..c_b cannot share a stage
+                groups, start = groups + 1, b
+        return groups
+
+    def _hull(self, ca: int, cb: int) -> float:
+        key = (ca, cb)
+        mass = self.hulls.get(key)
+        if mass is None:
+            if self.budget <= 0:
+                return 0.0  # not weighed: taken to fit
+            self.budget -= 1
+            mass = self.hulls[key] = self._mass((self.descendants[ca] & self.ancestors[cb]) | (1 << ca) | (1 << cb))
+        return mass
+
+    def _mass(self, mask: int) -> float:
+        bits = np.unpackbits(np.frombuffer(mask.to_bytes(self.nbytes, "little"), dtype=np.uint8), bitorder="little")
+        return float(self.work @ bits[:len(self.work)])
 
 
-#: Consumers kept per chain, and hulls weighed over all tensors: a count, so the bound costs the
-#: same on any machine (about 0.2 s at 9,000 ops).
-_BROADCAST_CHAIN = 16
-_BROADCAST_HULLS = 4_000
+#: Consumers kept per chain (evenly spread), and hulls weighed over all tensors: counts, so the
+#: bound costs the same on any machine.
+_BROADCAST_CHAIN = 128
+_BROADCAST_HULLS = 20_000
 
 
 def memory_lower_bound(prob: Problem) -> tuple[float, float]:

@@ -36,7 +36,7 @@ import numpy as np
 
 from partitioner.cost import Problem
 from partitioner.recompute import CHOICES
-from partitioner.solve.baselines import BASELINES, baseline_assign, cuts_to_assign
+from partitioner.solve.baselines import BASELINES, baseline_assign, cuts_to_assign, minmax_cuts
 from partitioner.bounds import trivial_lower_bound
 
 __all__ = ["DPResult", "dp_solve", "DP_SEARCH_WORK", "link_prices", "least_memory", "LEAST_MEMORY_CELLS"]
@@ -424,6 +424,57 @@ def _best_seed(prob: Problem, allowed: np.ndarray, assign: list[int], value: flo
     return assign, value
 
 
+def _node_aligned_seed(prob: Problem, allowed: np.ndarray, incumbent: list[int]) -> tuple[list[int], float] | None:
+    """The cheapest plan found that sends a broadcast tensor from the first device of a node, or None.
+
+    A tensor read on many stages (an encoder output read by every decoder layer, a position
+    bias read by every attention) is sent once per reading stage by the stage that makes it;
+    from the first device of a node most of those copies stay on the node's fast links,
+    from its last device they all cross the network. The lower DP prices one copy per
+    tensor on the link out of its stage and cannot see this, and the branch and bound
+    seldom revisits the cuts that decide it. So for each of the ``NODE_SEED_SENDERS`` tensors
+    whose copies cost most in the ``incumbent`` plan and each node boundary ``k``, the maker
+    ``u`` gets stage ``k`` to itself, the ops before it are cut into ``k`` stages and those
+    after it into the rest, both balanced by work (Pinar & Aykanat's min-max cuts), and
+    the candidate is priced exactly, within ``NODE_SEED_WORK`` (n per candidate): deterministic.
+    """
+    n, p = prob.n, prob.p
+    consecutive = np.array([prob.bw[k - 1, k] for k in range(1, p)])
+    if p < 3 or consecutive.min() >= consecutive.max():
+        return None  # one kind of link: no node boundary to align to
+    boundaries = [k for k in range(1, p - 1) if consecutive[k - 1] < consecutive.max()]
+    spent = {}
+    for u, readers in enumerate(prob.succ):
+        src, stages = incumbent[u], {incumbent[v] for v in readers} - {incumbent[u]}
+        if prob.out_bytes[u] > 0 and len(stages) > 1:
+            spent[u] = sum(prob.transfer_seconds(src, t, float(prob.out_bytes[u])) for t in stages)
+    senders = sorted(spent, key=lambda u: (-spent[u], u))[:NODE_SEED_SENDERS]
+    work = prob.work.astype(float)
+    best: tuple[list[int], float] | None = None
+    left = NODE_SEED_WORK
+    for u in senders:
+        for k in boundaries:
+            if not (k <= u and p - k - 1 <= n - u - 1 and allowed[u] and allowed[u + 1]):
+                continue
+            if left < n:
+                return best
+            left -= n
+            before = minmax_cuts(work[:u], k, allowed[:u + 1]) if k > 1 else []
+            after = minmax_cuts(work[u + 1:], p - k - 1, allowed[u + 1:]) if p - k - 1 > 1 else []
+            if len(before) != k - 1 or len(after) != max(0, p - k - 2):
+                continue
+            assign = cuts_to_assign([*before, u, u + 1, *(u + 1 + c for c in after)], n)
+            times, mem = prob.stage_costs(assign)
+            if prob.fits(mem) and (best is None or max(times) < best[1] * (1 - _REL)):
+                best = (assign, max(times))
+    return best
+
+
+#: Senders tried by :func:`_node_aligned_seed`, and ops priced (n per candidate) over all of them.
+NODE_SEED_SENDERS = 4
+NODE_SEED_WORK = 200_000
+
+
 #: Work units (branch-and-bound nodes plus ops scanned per node, n per leaf priced in full) dp
 #: may spend closing its order gap: a count, not seconds, so the same input gets the same plan
 #: and proof on any machine (about 1.2 s at most on one core of this 2-core machine).
@@ -448,6 +499,9 @@ def dp_solve(prob: Problem, allowed: np.ndarray, *, work: int = DP_SEARCH_WORK,
         return DPResult(assign, exact, value, True, 0, False)
     # The lower model undercounts tensors sent to several stages: search the cuts exactly.
     assign, exact = _best_seed(prob, allowed, assign, exact)
+    aligned = _node_aligned_seed(prob, allowed, assign)
+    if aligned is not None and aligned[1] < exact * (1 - _REL):
+        assign, exact = aligned
     budget = _Budget(work, time.perf_counter() + wall_limit)
     completion = _completion_bounds(prob, allowed, exact) if math.isfinite(exact) else None
     assign, exact, finished = _branch_and_bound(prob, allowed, assign, exact, value, budget, completion)
@@ -458,7 +512,8 @@ def dp_solve(prob: Problem, allowed: np.ndarray, *, work: int = DP_SEARCH_WORK,
         # Shift the cuts of the search's plan and of every seed: the search's plan is seldom the
         # best start (on T5-small at 16 stages the uniform cuts shift to 0.54 ms, the search's to 0.91).
         # The search's plan gets a third of the work, the other starts share the rest.
-        starts = {tuple(a): v for a, v in [(assign, exact), *_seeds(prob, allowed, lower)]}
+        starts = {tuple(a): v for a, v in [(assign, exact), *_seeds(prob, allowed, lower),
+                                            *([aligned] if aligned is not None else [])]}
         for k, (start, start_value) in enumerate(starts.items()):
             share = SHIFT_WORK // 3 if k == 0 or len(starts) == 1 else 2 * SHIFT_WORK // (3 * (len(starts) - 1))
             shifting = _Budget(share, budget.deadline)
