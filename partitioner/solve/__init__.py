@@ -189,7 +189,7 @@ def _run_ideals(search: _Search, blocks: Blocks) -> None:
     """The DP over all ideals: a bound valid for every assignment, and often the optimum."""
     if blocks.groups:
         return  # its ideals would have to respect the blocks; CP-SAT handles colocation
-    res = ideal_dp(search.prob)
+    res = ideal_dp(search.prob, upper=search.value)
     if res is None:
         search.notes.append(f"ideal dp: skipped (more than {MAX_IDEALS:,} ideals or too many segment pairs)")
         return

@@ -31,8 +31,8 @@ __all__ = ["IdealResult", "ideal_dp", "MAX_IDEALS", "MAX_PAIRS"]
 
 #: Ideals enumerated at most; wider graphs are left to CP-SAT.
 MAX_IDEALS = 20_000
-#: (sub-ideal, ideal) segment pairs visited at most, over all band widenings (~10 us each).
-MAX_PAIRS = 400_000
+#: (sub-ideal, ideal) segment pairs visited at most, over all band widenings (~3-5 us each here).
+MAX_PAIRS = 1_500_000
 #: Skip without generating when even this many times MAX_PAIRS ideal pairs lie within the
 #: band (an over-count: it ignores that J must be a subset of I), e.g. wide graphs on 3 or 4 stages.
 _HOPELESS = 30
@@ -63,6 +63,7 @@ class _Lattice:
             self._values.update({f"kept:{c}": prob.rec.kept[c], f"remade:{c}": prob.rec.remade[c],
                                  f"seconds:{c}": prob.rec.seconds[c]})
         self.sums: dict[str, list[float]] = {key: [] for key in self._values}
+        self._down: list[list[tuple[int, float, int]]] | None = None
 
     def enumerate(self, cap: int) -> bool:
         """Breadth-first from ∅, adding one available op at a time; False past ``cap`` ideals."""
@@ -84,6 +85,15 @@ class _Lattice:
                     nxt.append((grown, [a for a in available if a != v] + opened))
             frontier = nxt
         return True
+
+    def down(self) -> list[list[tuple[int, float, int]]]:
+        """Per ideal, (v, work of v, index of the ideal without v) for each of its maximal ops v:
+        the edges a search from an ideal down to its sub-ideals walks (built once)."""
+        if self._down is None:
+            work = [float(w) for w in self.prob.work]
+            self._down = [[(v, work[v], self.index[mask & ~(1 << v)]) for v in _bits(self.maximal[k])]
+                          for k, mask in enumerate(self.masks)]
+        return self._down
 
     def _add(self, mask: int, v: int, parent: int | None) -> None:
         """Record ideal ``mask`` = ideal ``parent`` plus op ``v``, with its sums."""
@@ -139,7 +149,9 @@ class _Pairs:
 
     def __init__(self, lattice: _Lattice, band: float, budget: int):
         self.lattice, self.band, self.left = lattice, band, budget
-        self.cols: dict[str, list] = {k: [] for k in self.KEYS}
+        self.out_bytes = [float(b) for b in lattice.prob.out_bytes]
+        self.need: dict[int, int] = {}
+        self.rows: list[tuple[int, int, float, int, float, int]] = []  # one per pair, in KEYS order
         self.complete = True
         for i in range(1, len(lattice.masks)):
             room = _room_below(lattice, band, i)
@@ -158,101 +170,117 @@ class _Pairs:
         ideal = lat.masks[i]
         outside = ((1 << prob.n) - 1) & ~ideal
         sent = [float(prob.out_bytes[v]) for v in _bits(ideal) if prob.out_bytes[v] > 0 and lat.succ[v] & outside]
-        for key, value in zip(self.KEYS, (0, i, 0.0, 0, sum(sent), len(sent))):
-            self.cols[key].append(value)
+        self.rows.append((0, i, 0.0, 0, sum(sent), len(sent)))
 
     def _down_from(self, i: int, room: int) -> bool:
         """Depth-first from ideal I: remove one maximal op v of J at a time (J stays an ideal),
         keeping the received set and the sent tensors incrementally; record the pairs whose J
         fits in ``room`` stages. False once over budget (every J visited counts)."""
         lat, prob = self.lattice, self.lattice.prob
-        sums = lat.sums["work"]
-        work, ob = prob.work, prob.out_bytes
-        ideal = lat.masks[i]
-        outside = ((1 << prob.n) - 1) & ~ideal
-        add = [self.cols[k].append for k in self.KEYS]
-        # (J, its maximal ops, received set, rb, rc, sb, sc, work of I \ J)
-        stack = [(ideal, lat.maximal[i], 0, 0.0, 0, 0.0, 0, 0.0)]
-        seen = {ideal}
+        sums, down, band = lat.sums["work"], lat.down(), self.band
+        ob, pred = self.out_bytes, lat.pred
+        outside = ((1 << prob.n) - 1) & ~lat.masks[i]
+        add = self.rows.append
+        # Stages the ideals below may need (the same for every I: computed once, on first use).
+        need = self.need
+        # (J's index, received set, rb, rc, sb, sc, work of I \ J)
+        stack = [(i, 0, 0.0, 0, 0.0, 0, 0.0)]
+        seen = {i}
         while stack:
-            sub, tops, recv, rb, rc, sb, sc, done = stack.pop()
-            for v in _bits(tops):
-                seg_work = done + float(work[v])
-                smaller = sub & ~(1 << v)
-                if seg_work > self.band or smaller in seen:
+            sub, recv, rb, rc, sb, sc, done = stack.pop()
+            for v, seg, below in down[sub]:
+                seg_work = done + seg
+                if seg_work > band or below in seen:
                     continue
-                seen.add(smaller)
-                b = float(ob[v])
+                seen.add(below)
+                b = ob[v]
                 nrb, nrc = (rb - b, rc - 1) if recv >> v & 1 and b > 0 else (rb, rc)  # v moves inside
-                for u in _bits(lat.pred[v] & ~recv):
+                fresh = pred[v] & ~recv
+                while fresh:  # v's producers not yet received become received
+                    low = fresh & -fresh
+                    u = low.bit_length() - 1
+                    fresh ^= low
                     if ob[u] > 0:
-                        nrb, nrc = nrb + float(ob[u]), nrc + 1
+                        nrb, nrc = nrb + ob[u], nrc + 1
                 nsb, nsc = (sb + b, sc + 1) if b > 0 and lat.succ[v] & outside else (sb, sc)
-                below = lat.index[smaller]
-                if _stages_for(sums[below], self.band, below == 0) <= room:
-                    for append, value in zip(add, (below, i, nrb, nrc, nsb, nsc)):
-                        append(value)
+                stages = need.get(below)
+                if stages is None:
+                    stages = need[below] = _stages_for(sums[below], band, below == 0)
+                if stages <= room:
+                    add((below, i, nrb, nrc, nsb, nsc))
                 self.left -= 1
                 if self.left < 0:
                     return False
-                freed = 0
-                for u in _bits(lat.pred[v]):
-                    if not lat.succ[u] & smaller:
-                        freed |= 1 << u
-                stack.append((smaller, (tops & ~(1 << v)) | freed, (recv & ~(1 << v)) | lat.pred[v],
-                              nrb, nrc, nsb, nsc, seg_work))
+                stack.append((below, (recv & ~(1 << v)) | pred[v], nrb, nrc, nsb, nsc, seg_work))
         return True
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {k: np.asarray(v) for k, v in self.cols.items()}
+        cols = np.array(self.rows, dtype=float).reshape(-1, len(self.KEYS)).T
+        return {k: cols[c].astype(np.int64) if k in ("j", "i") else cols[c] for c, k in enumerate(self.KEYS)}
 
 
 def _chain_dp(prob: Problem, lattice: _Lattice, pairs: dict[str, np.ndarray]) -> tuple[float, list[int] | None]:
     """min over chains of ideals of the max segment lower cost; the chain as a stage per position."""
     p, k_ideals = prob.p, len(lattice.masks)
-    j, i = pairs["j"], pairs["i"]
-    if not len(j):
+    if not len(pairs["j"]):
         return math.inf, None
+    order = np.lexsort((pairs["j"], pairs["i"]))  # group pairs by their ideal I (ties: smallest J first)
+    pairs = {key: values[order] for key, values in pairs.items()}
+    j, i = pairs["j"], pairs["i"]
     sums = {key: np.asarray(values) for key, values in lattice.sums.items()}
+
     def seg(key: str) -> np.ndarray:
         return sums[key][i] - sums[key][j]
 
     comp, fixed, step = seg("work"), seg("fixed"), seg("step")
+    union = {c for opts in prob.choices for c in opts}  # each choice's segment sums, once for every stage
+    kept_of = {c: seg(f"kept:{c}") + (pairs["rb"] if prob.rec.received[c] else 0.0) for c in union}
+    remade_of, seconds_of = {c: seg(f"remade:{c}") for c in union}, {c: seg(f"seconds:{c}") for c in union}
     in_b, in_l, out_b, out_l = link_prices(prob)
-    order = np.lexsort((j, i))  # group pairs by their ideal I
-    i_sorted = i[order]
-    starts = np.flatnonzero(np.r_[True, i_sorted[1:] != i_sorted[:-1]])
-    group = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, len(order)]))
-    positions = np.arange(len(order))
-    best = np.full((p, k_ideals), math.inf)
-    arg = np.full((p, k_ideals), -1, dtype=np.int64)
-    for s in range(p):
-        base = (comp / prob.speed[s] + in_b[s] * pairs["rb"] + in_l[s] * pairs["rc"]
-                + out_b[s] * pairs["sb"] + out_l[s] * pairs["sc"])
-        # The fastest recomputation choice whose memory fits: what the segment keeps (with the
-        # tensors it receives, exact; what it sends is left out, so memory is a relaxation).
+    costs: dict[tuple, np.ndarray] = {}
+    # Memory binds nowhere when every segment fits the smallest limit at the most microbatches
+    # in flight: then stages priced alike (one node's devices) share one cost array.
+    tightest = min((x for x in prob.mem_limit if x is not None), default=math.inf)
+    binds = math.isfinite(tightest) and any(
+        float(np.max(np.maximum(fixed + max(prob.in_flight) * kept_of[c] + max(prob.recomputing) * remade_of[c],
+                                step))) > tightest for c in union)
+
+    def stage_cost(s: int) -> np.ndarray:
+        """Each pair's lower cost on stage s (memory-infeasible pairs at inf)."""
         lim = math.inf if prob.mem_limit[s] is None else prob.mem_limit[s] * (1 + 1e-12)
-        cost = np.full_like(base, math.inf)
-        for c in reversed(prob.choices[s]):
-            kept = seg(f"kept:{c}") + (pairs["rb"] if prob.rec.received[c] else 0.0)
-            mem = fixed + prob.in_flight[s] * kept + prob.recomputing[s] * seg(f"remade:{c}")
-            cost = np.where((mem <= lim) & (step <= lim), base + seg(f"seconds:{c}") / prob.speed[s], cost)
-        cand = np.where(j == 0, cost, math.inf) if s == 0 else np.maximum(best[s - 1][j], cost)
-        cand_sorted = cand[order]
-        mins = np.minimum.reduceat(cand_sorted, starts)
-        first = np.minimum.reduceat(np.where(cand_sorted == mins[group], positions, len(order)), starts)
-        targets = i_sorted[starts]
-        best[s, targets] = mins
-        arg[s, targets] = order[first]
+        key = (prob.speed[s], in_b[s], in_l[s], out_b[s], out_l[s], tuple(prob.choices[s]),
+               *((lim, prob.in_flight[s], prob.recomputing[s]) if binds else ()))
+        if key not in costs:
+            base = (comp / prob.speed[s] + in_b[s] * pairs["rb"] + in_l[s] * pairs["rc"]
+                    + out_b[s] * pairs["sb"] + out_l[s] * pairs["sc"])
+            # The fastest recomputation choice whose memory fits: what the segment keeps (with the
+            # tensors it receives, exact; what it sends is left out, so memory is a relaxation).
+            cost = np.full_like(base, math.inf)
+            for c in reversed(prob.choices[s]):
+                mem = fixed + prob.in_flight[s] * kept_of[c] + prob.recomputing[s] * remade_of[c]
+                cost = np.where((mem <= lim) & (step <= lim), base + seconds_of[c] / prob.speed[s], cost)
+            costs[key] = cost
+        return costs[key] if s else np.where(j == 0, costs[key], math.inf)
+
+    starts = np.flatnonzero(np.r_[True, i[1:] != i[:-1]])
+    ends = np.r_[starts[1:], len(i)]
+    targets = i[starts]
+    best = np.full((p, k_ideals), math.inf)
+    for s in range(p):
+        cand = stage_cost(s) if s == 0 else np.maximum(best[s - 1][j], stage_cost(s))
+        best[s, targets] = np.minimum.reduceat(cand, starts)
     top = lattice.index[(1 << prob.n) - 1]
     value = float(best[p - 1, top])
     if not math.isfinite(value):
         return value, None
+    group_of = dict(zip(targets.tolist(), range(len(targets))))
     assign = [0] * prob.n
     ideal = top
-    for s in range(p - 1, -1, -1):
-        pair = int(arg[s, ideal])
-        below = int(j[pair])
+    for s in range(p - 1, -1, -1):  # back along the chain: the first pair of I that attains its best
+        g = group_of[ideal]
+        lo, hi = int(starts[g]), int(ends[g])
+        cand = stage_cost(s)[lo:hi] if s == 0 else np.maximum(best[s - 1][j[lo:hi]], stage_cost(s)[lo:hi])
+        below = int(j[lo + int(np.flatnonzero(cand == best[s, ideal])[0])])
         for v in _bits(lattice.masks[ideal] & ~lattice.masks[below]):
             assign[v] = s
         ideal = below
@@ -269,14 +297,20 @@ def _pairs_within(lattice: _Lattice, band: float) -> int:
     return int((np.searchsorted(ranked, tops, side="left") - np.searchsorted(ranked, tops - band, side="left")).sum())
 
 
-def ideal_dp(prob: Problem, *, max_ideals: int = MAX_IDEALS, max_pairs: int = MAX_PAIRS) -> IdealResult | None:
+def ideal_dp(prob: Problem, *, upper: float = math.inf, max_ideals: int = MAX_IDEALS,
+             max_pairs: int = MAX_PAIRS) -> IdealResult | None:
     """The ideal DP's bound and plan; None when the DAG has more than ``max_ideals`` ideals,
-    the pairs exceed ``max_pairs`` or nothing fits memory."""
+    the pairs exceed ``max_pairs`` or nothing fits memory.
+
+    ``upper``, the bottleneck of a plan already found, narrows the first band: the lower
+    model's optimum is at most the true one, so every segment of its chain has compute below
+    ``upper`` and one pass within that band finds it.
+    """
     lattice = _Lattice(prob)
     if not lattice.enumerate(max_ideals):
         return None
     fastest = float(prob.speed.max())
-    limit = max(trivial_lower_bound(prob), 1e-300) * 1.25
+    limit = min(max(trivial_lower_bound(prob), 1e-300) * 1.25, upper)
     total = float(prob.work.sum()) / float(prob.speed.min())
     used = 0
     while True:
