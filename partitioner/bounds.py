@@ -193,19 +193,23 @@ class _ConsumerChains:
     """Per tensor read by a chain of two or more consumers, the fewest stages the chain spans at a cap.
 
     The chain is greedy in program order (each consumer kept when reachable from the last kept):
-    any chain of consumers gives a valid bound. Reachability as bitsets of ancestors and
-    descendants, one pass each; a hull is ``descendants(c_a) & ancestors(c_b)`` with both ends,
-    its work computed when first asked for, at most ``_BROADCAST_HULLS`` of them over all
-    tensors (a count, so the bound is the same on any machine); past that a hull is taken to
-    fit, which can only lower the count of stages, so the bound stays valid.
+    any chain of consumers gives a valid bound. A hull is ``descendants(c_a) & ancestors(c_b)``
+    with both ends. On a short chain (up to ``_EXACT_CHAIN`` consumers) every hull is weighed.
+    On a longer one only the consecutive hulls ``c_i..c_{i+1}``: a hull ``c_a..c_b`` holds them
+    all and they meet only at their shared ends (an op in two of them would close a cycle), so
+    its work is at least their sum less the shared ends, a lower estimate read off prefix
+    sums; it can only lower the count of stages, so the bound stays valid, and it is exact
+    where every path from one consumer to a later one runs through those between (a residual
+    stream). At most ``_BROADCAST_HULLS`` hulls are weighed, largest tensors first: a count,
+    so the bound is the same on any machine.
     """
 
     def __init__(self, prob: Problem):
         n = prob.n
         self.tensors: list[int] = []
-        self.chains: list[list[int]] = []
-        self.hulls: dict[tuple[int, int], float] = {}
-        self.budget = _BROADCAST_HULLS
+        self.starts: list[np.ndarray] = []  # per chain, X[a]: the estimate of c_0..c_a less c_a's own work
+        self.ends: list[np.ndarray] = []  # per chain, Y[b] = X[b] + work(c_b); est(a, b) = Y[b] - X[a]
+        self.exact: list[list[list[float]] | None] = []  # per short chain, every hull's work
         candidates = [u for u in range(n) if prob.out_bytes[u] > 0 and len(prob.succ[u]) > 1]
         if not candidates:
             return
@@ -217,6 +221,7 @@ class _ConsumerChains:
             for w in prob.succ[v]:
                 self.descendants[v] |= self.descendants[w] | (1 << w)
         self.work, self.nbytes = prob.least_work, (n + 7) // 8
+        budget = _BROADCAST_HULLS
         for u in sorted(candidates, key=lambda u: -prob.out_bytes[u]):  # the largest tensors first
             chain: list[int] = []
             for c in sorted(prob.succ[u]):
@@ -224,42 +229,60 @@ class _ConsumerChains:
                     chain.append(c)
             if len(chain) > _BROADCAST_CHAIN:  # an evenly spread sub-chain is a chain too
                 chain = [chain[round(k * (len(chain) - 1) / (_BROADCAST_CHAIN - 1))] for k in range(_BROADCAST_CHAIN)]
-            if len(chain) >= 2:
-                self.tensors.append(u)
-                self.chains.append(chain)
+            m = len(chain)
+            weighed = m * (m - 1) // 2 if m <= _EXACT_CHAIN else m - 1
+            if m < 2 or weighed > budget:
+                continue
+            budget -= weighed
+            self.tensors.append(u)
+            if m <= _EXACT_CHAIN:
+                self.exact.append([[self._hull(a, b) if j > i else 0.0 for j, b in enumerate(chain)]
+                                   for i, a in enumerate(chain)])
+                self.starts.append(np.empty(0))
+                self.ends.append(np.empty(0))
+                continue
+            own = np.array([float(self.work[c]) for c in chain])
+            hulls = np.array([self._hull(a, b) for a, b in zip(chain, chain[1:])])
+            starts = np.concatenate([[0.0], np.cumsum(hulls - own[1:])])
+            self.exact.append(None)
+            self.starts.append(starts)
+            self.ends.append(np.maximum.accumulate(starts + own))
 
     def upstream(self, u: int) -> float:
         """The work of ``u`` and all its ancestors."""
         return self._mass(self.ancestors[u] | (1 << u))
 
     def groups(self, k: int, cap: float) -> int:
-        """The fewest intervals of chain ``k`` whose hulls each weigh at most ``cap`` (greedy)."""
-        chain = self.chains[k]
-        groups, start = 1, 0
-        for b in range(1, len(chain)):
-            if self._hull(chain[start], chain[b]) > cap:  # c_start..c_b cannot share a stage
-                groups, start = groups + 1, b
-        return groups
+        """The fewest intervals of chain ``k`` whose hulls each weigh at most ``cap`` (greedy, on the
+        lower estimates; the 1e-9 slack absorbs the prefix sums' rounding)."""
+        exact = self.exact[k]
+        if exact is not None:
+            groups, start = 1, 0
+            for b in range(1, len(exact)):
+                if exact[start][b] > cap:  # c_start..c_b cannot share a stage: a new one starts at b
+                    groups, start = groups + 1, b
+            return groups
+        starts, ends = self.starts[k], self.ends[k]
+        m, groups, a = len(ends), 1, 0
+        while True:
+            b = max(a + 1, int(np.searchsorted(ends, starts[a] + cap * (1 + 1e-9), side="right")))
+            if b >= m:
+                return groups
+            groups, a = groups + 1, b  # c_a..c_b cannot share a stage: a new one starts at b
 
-    def _hull(self, ca: int, cb: int) -> float:
-        key = (ca, cb)
-        mass = self.hulls.get(key)
-        if mass is None:
-            if self.budget <= 0:
-                return 0.0  # not weighed: taken to fit
-            self.budget -= 1
-            mass = self.hulls[key] = self._mass((self.descendants[ca] & self.ancestors[cb]) | (1 << ca) | (1 << cb))
-        return mass
+    def _hull(self, a: int, b: int) -> float:
+        return self._mass((self.descendants[a] & self.ancestors[b]) | (1 << a) | (1 << b))
 
     def _mass(self, mask: int) -> float:
         bits = np.unpackbits(np.frombuffer(mask.to_bytes(self.nbytes, "little"), dtype=np.uint8), bitorder="little")
         return float(self.work @ bits[:len(self.work)])
 
 
-#: Consumers kept per chain (evenly spread), and hulls weighed over all tensors: counts, so the
-#: bound costs the same on any machine.
+#: Consumers kept per chain (evenly spread), the longest chain whose every hull is weighed, and
+#: hulls weighed over all tensors: counts, so the bound costs the same on any machine.
 _BROADCAST_CHAIN = 128
-_BROADCAST_HULLS = 20_000
+_EXACT_CHAIN = 8
+_BROADCAST_HULLS = 12_000
 
 
 def memory_lower_bound(prob: Problem) -> tuple[float, float]:

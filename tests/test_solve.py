@@ -467,3 +467,24 @@ def test_dp_sends_a_broadcast_tensor_from_the_first_device_of_a_node():
     assert maker % 8 == 0
     readers = {t.dst_stage for t in part.transfers if t.node == "enc_norm"}
     assert sum(r // 8 == maker // 8 for r in readers) == 7
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(problems(), st.floats(0.0, 1.0))
+def test_broadcast_chain_estimate_never_counts_more_stages_than_the_hulls(case, share):
+    # Long chains are counted on a lower estimate of each hull's work (the consecutive hulls,
+    # less their shared ends): it may split a chain later than the exact hulls, never earlier,
+    # or the bound could pass the optimum.
+    from partitioner import bounds
+
+    g, p, opts = case
+    prob = Problem(g, p, **opts)
+    cap = share * float(prob.least_work.sum())
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bounds, "_EXACT_CHAIN", 10**6)
+        exact = bounds._ConsumerChains(prob)
+        mp.setattr(bounds, "_EXACT_CHAIN", 1)
+        estimated = bounds._ConsumerChains(prob)
+    assert exact.tensors == estimated.tensors
+    for k in range(len(exact.tensors)):
+        assert estimated.groups(k, cap) <= exact.groups(k, cap)

@@ -439,10 +439,14 @@ def _node_aligned_seed(prob: Problem, allowed: np.ndarray, incumbent: list[int])
     the candidate is priced exactly, within ``NODE_SEED_WORK`` (n per candidate): deterministic.
     """
     n, p = prob.n, prob.p
-    consecutive = np.array([prob.bw[k - 1, k] for k in range(1, p)])
-    if p < 3 or consecutive.min() >= consecutive.max():
+    if p < 3:
+        return None
+    bandwidth = np.array([prob.bw[k - 1, k] for k in range(1, p)])
+    latency = np.array([prob.lat[k - 1, k] for k in range(1, p)])
+    slower = (bandwidth < bandwidth.max()) | (latency > latency.min())  # a link out of a node
+    boundaries = [k for k in range(1, p - 1) if slower[k - 1]]
+    if not boundaries:
         return None  # one kind of link: no node boundary to align to
-    boundaries = [k for k in range(1, p - 1) if consecutive[k - 1] < consecutive.max()]
     spent = {}
     for u, readers in enumerate(prob.succ):
         src, stages = incumbent[u], {incumbent[v] for v in readers} - {incumbent[u]}

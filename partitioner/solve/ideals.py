@@ -260,22 +260,29 @@ def _chain_dp(prob: Problem, lattice: _Lattice, pairs: dict[str, np.ndarray]) ->
         float(np.max(np.maximum(fixed + max(prob.in_flight) * kept_of[c] + max(prob.recomputing) * remade_of[c],
                                 step))) > tightest for c in union)
 
-    def stage_cost(s: int) -> np.ndarray:
-        """Each pair's lower cost on stage s (memory-infeasible pairs at inf)."""
+    def priced(s: int, part: slice) -> np.ndarray:
+        """The lower cost on stage s of the pairs in ``part`` (memory-infeasible pairs at inf)."""
         lim = math.inf if prob.mem_limit[s] is None else prob.mem_limit[s] * (1 + 1e-12)
-        key = (prob.speed[s], in_b[s], in_l[s], out_b[s], out_l[s], tuple(prob.choices[s]),
-               *((lim, prob.in_flight[s], prob.recomputing[s]) if binds else ()))
+        base = (comp[part] / prob.speed[s] + in_b[s] * pairs["rb"][part] + in_l[s] * pairs["rc"][part]
+                + out_b[s] * pairs["sb"][part] + out_l[s] * pairs["sc"][part])
+        # The fastest recomputation choice whose memory fits: what the segment keeps (with the
+        # tensors it receives, exact; what it sends is left out, so memory is a relaxation).
+        cost = np.full_like(base, math.inf)
+        for c in reversed(prob.choices[s]):
+            mem = fixed[part] + prob.in_flight[s] * kept_of[c][part] + prob.recomputing[s] * remade_of[c][part]
+            cost = np.where((mem <= lim) & (step[part] <= lim), base + seconds_of[c][part] / prob.speed[s], cost)
+        return np.where(j[part] == 0, cost, math.inf) if s == 0 else cost
+
+    def stage_cost(s: int, part: slice = slice(None)) -> np.ndarray:
+        """``priced``, shared by the stages priced alike when memory binds nowhere (one array per
+        kind of stage; where it binds, the stages differ in microbatches in flight and each
+        array is used once: not kept)."""
+        if binds or s == 0:
+            return priced(s, part)
+        key = (prob.speed[s], in_b[s], in_l[s], out_b[s], out_l[s], tuple(prob.choices[s]))
         if key not in costs:
-            base = (comp / prob.speed[s] + in_b[s] * pairs["rb"] + in_l[s] * pairs["rc"]
-                    + out_b[s] * pairs["sb"] + out_l[s] * pairs["sc"])
-            # The fastest recomputation choice whose memory fits: what the segment keeps (with the
-            # tensors it receives, exact; what it sends is left out, so memory is a relaxation).
-            cost = np.full_like(base, math.inf)
-            for c in reversed(prob.choices[s]):
-                mem = fixed + prob.in_flight[s] * kept_of[c] + prob.recomputing[s] * remade_of[c]
-                cost = np.where((mem <= lim) & (step <= lim), base + seconds_of[c] / prob.speed[s], cost)
-            costs[key] = cost
-        return costs[key] if s else np.where(j == 0, costs[key], math.inf)
+            costs[key] = priced(s, slice(None))
+        return costs[key][part]
 
     starts = np.flatnonzero(np.r_[True, i[1:] != i[:-1]])
     ends = np.r_[starts[1:], len(i)]
@@ -294,7 +301,8 @@ def _chain_dp(prob: Problem, lattice: _Lattice, pairs: dict[str, np.ndarray]) ->
     for s in range(p - 1, -1, -1):  # back along the chain: the first pair of I that attains its best
         g = group_of[ideal]
         lo, hi = int(starts[g]), int(ends[g])
-        cand = stage_cost(s)[lo:hi] if s == 0 else np.maximum(best[s - 1][j[lo:hi]], stage_cost(s)[lo:hi])
+        cost = stage_cost(s, slice(lo, hi))
+        cand = cost if s == 0 else np.maximum(best[s - 1][j[lo:hi]], cost)
         below = int(j[lo + int(np.flatnonzero(cand == best[s, ideal])[0])])
         for v in _bits(lattice.masks[ideal] & ~lattice.masks[below]):
             assign[v] = s
@@ -325,7 +333,7 @@ def ideal_dp(prob: Problem, *, upper: float = math.inf, max_ideals: int = MAX_ID
     if not lattice.enumerate(max_ideals):
         return None
     fastest = float(prob.speed.max())
-    limit = min(max(trivial_lower_bound(prob), 1e-300) * 1.25, upper)
+    limit = max(min(max(trivial_lower_bound(prob), 1e-300) * 1.25, upper), 1e-300)  # a band of 0 divides by 0
     total = float(prob.work.sum()) / float(prob.speed.min())
     used = 0
     while True:
