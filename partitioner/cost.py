@@ -363,6 +363,8 @@ class Problem:
         self.keeps_received = bool(saved)
         # The storage a sent output lives in (an op's own, or the one it views).
         self.root = [self.pos.get(g.nodes[v].get("view_of") or v, i) for i, v in enumerate(self.order)]
+        self._roots = np.array(self.root, dtype=np.int64)
+        self._edges: tuple[np.ndarray, np.ndarray] | None = None
         # What each recomputation choice keeps, re-creates and runs again, per op.
         self.rec = op_recompute(self.fwd, attr("flops"), self.act_bytes,
                                 attr("saved_output_bytes") if saved else self.out_bytes,
@@ -475,24 +477,20 @@ class Problem:
         per = {c: (np.bincount(a, weights=self.rec.kept[c], minlength=p),
                    np.bincount(a, weights=self.rec.remade[c], minlength=p),
                    np.bincount(a, weights=self.rec.seconds[c], minlength=p)) for c in used}
-        t = [float(comp[s]) / speed[s] for s in range(p)]
-        recv = [0.0] * p
-        k = self.directions
-        ob = self.out_bytes
-        roots: set[int] = set()
-        for u, succ in enumerate(self.succ):
-            b = ob[u]
-            if b <= 0 or not succ:
-                continue
-            src = assign[u]
-            for dst in {assign[v] for v in succ}:
-                if dst != src:
-                    c = k * (b / self.bw[src, dst] + self.lat[src, dst])
-                    t[src] += c
-                    t[dst] += c
-                    roots.add(u)
-                    recv[dst] += b
-        sent = self.kept_for_sending(assign, roots, used)
+        # One transfer per (producer, consuming stage) pair, paid by both ends: the pairs of
+        # the edges that leave their producer's stage, deduplicated (numpy: this runs for
+        # every plan a search prices).
+        eu, ev = self._sending_edges()
+        src, dst = a[eu], a[ev]
+        crossing = dst != src
+        pairs = np.unique(eu[crossing] * p + dst[crossing])
+        senders, to = pairs // p, pairs % p
+        frm = a[senders]
+        nbytes = self.out_bytes[senders]
+        cost = self.directions * (nbytes / self.bw[frm, to] + self.lat[frm, to])
+        t = comp / speed + np.bincount(frm, weights=cost, minlength=p) + np.bincount(to, weights=cost, minlength=p)
+        recv = np.bincount(to, weights=nbytes, minlength=p)
+        sent = self.kept_for_sending(a, np.unique(senders), used)
         out = []
         for s in range(p):
             pick = None
@@ -536,6 +534,13 @@ class Problem:
                     holding.setdefault(name, set()).add(s)
         return twice
 
+    def _sending_edges(self) -> tuple[np.ndarray, np.ndarray]:
+        """(producers, consumers) of every edge whose producer outputs bytes, as arrays (built once)."""
+        if self._edges is None:
+            pairs = [(u, v) for u, succ in enumerate(self.succ) if self.out_bytes[u] > 0 for v in succ]
+            self._edges = (np.array([u for u, _ in pairs], dtype=np.int64), np.array([v for _, v in pairs], dtype=np.int64))
+        return self._edges
+
     def kept_for_sending(self, assign: Sequence[int], sent: Iterable[int],
                          choices: Iterable[str] = ("none",)) -> dict[str, list[float]]:
         """Per choice and stage, the bytes a stage keeps because it sends them (the backward's roots) beyond
@@ -544,15 +549,12 @@ class Problem:
         Each storage once: several sent views of one tensor keep one storage, and a view of
         a tensor received from an earlier stage keeps nothing more (the received copy is counted).
         """
-        out = {c: [0.0] * self.p for c in choices}
-        views: dict[int, list[int]] = {}  # the sent ops of each storage (one pass: this runs per plan priced)
-        for u in sent:
-            views.setdefault(self.root[u], []).append(u)
-        for r, us in views.items():
-            if any(assign[r] == assign[u] for u in us):
-                for c, per_stage in out.items():
-                    per_stage[assign[r]] += float(self.rec.sent[c][r])
-        return out
+        a = np.asarray(assign, dtype=np.int64)
+        views = np.fromiter(sent, dtype=np.int64)
+        roots = self._roots[views]
+        kept = np.unique(roots[a[roots] == a[views]])  # storages sent by a view on their own stage
+        return {c: np.bincount(a[kept], weights=np.asarray(self.rec.sent[c], dtype=float)[kept],
+                               minlength=self.p).tolist() for c in choices}
 
     def bottleneck(self, assign: Sequence[int]) -> float:
         return max(self.stage_costs(assign)[0])

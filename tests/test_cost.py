@@ -4,6 +4,8 @@ import json
 
 import networkx as nx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from partitioner.cluster import Cluster
 from partitioner.cost import Partition, evaluate, module_range
@@ -142,3 +144,63 @@ def test_the_solver_covers_the_cut_tensors_under_a_memory_limit() -> None:
     part = solve(g, 2, microbatches=1, memory_limit=limit, method="dp")
     assert part.memory_ok and all(s.memory <= limit for s in part.stages)
     assert part.stage_of["b"] == 0  # the cut that sends b's 10 bytes, not a's 1000
+
+
+def _reference_comm(prob, assign):
+    """The cost model's transfers, priced one producer at a time (stage_report's loop before it was
+    vectorised): per stage, the time the transfers add and the bytes it receives, and the storages
+    each stage keeps for sending."""
+    k = prob.directions
+    t, recv, roots = [0.0] * prob.p, [0.0] * prob.p, set()
+    for u, succ in enumerate(prob.succ):
+        b = prob.out_bytes[u]
+        if b <= 0 or not succ:
+            continue
+        src = assign[u]
+        for dst in {assign[v] for v in succ}:
+            if dst != src:
+                c = k * (b / prob.bw[src, dst] + prob.lat[src, dst])
+                t[src] += c
+                t[dst] += c
+                roots.add(u)
+                recv[dst] += b
+    kept = [0.0] * prob.p
+    views = {}
+    for u in roots:
+        views.setdefault(prob.root[u], []).append(u)
+    for r, us in views.items():
+        if any(assign[r] == assign[u] for u in us):
+            kept[assign[r]] += float(prob.rec.sent["full"][r])
+    return t, recv, kept
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(st.integers(5, 12), st.integers(2, 5), st.randoms(use_true_random=False))
+def test_vectorised_pricing_matches_the_transfer_loop(n, p, rng):
+    # stage_report prices the transfers with numpy; the loop it replaced is the reference,
+    # on random DAGs with views of other ops' storage, over heterogeneous links ("full"
+    # recomputation: every sent storage counts, so the storages kept are compared too).
+    from partitioner.cost import Problem
+
+    g = nx.DiGraph()
+    for i in range(n):
+        g.add_node(f"v{i}", fwd=rng.random() * 1e-3, out_bytes=rng.choice([0, 1e3, 1e6, 4e6]), index=i)
+        for j in range(i):
+            if rng.random() < 0.35:
+                g.add_edge(f"v{j}", f"v{i}")
+        preds = list(g.predecessors(f"v{i}"))
+        if preds and rng.random() < 0.3:
+            g.nodes[f"v{i}"]["view_of"] = rng.choice(preds)
+    cluster = Cluster.heterogeneous([rng.choice([0.5, 1.0, 2.0]) for _ in range(p)],
+                                    bandwidths=[rng.choice([1e9, 1e10, 1e11]) for _ in range(p - 1)],
+                                    latencies=[rng.choice([0.0, 1e-5]) for _ in range(p - 1)])
+    prob = Problem(g, p, cluster=cluster, microbatches=2, training=rng.random() < 0.5)
+    assign = sorted(rng.randrange(p) for _ in range(n))  # monotone in the program order: valid
+    t, recv, kept = _reference_comm(prob, assign)
+    report = prob.stage_report(assign, ["none"] * p)
+    compute = [sum(prob.work[i] for i in range(n) if assign[i] == s) / prob.speed[s] for s in range(p)]
+    sent = prob.kept_for_sending(assign, {u for u in range(n) if prob.out_bytes[u] > 0
+                                          and any(assign[v] != assign[u] for v in prob.succ[u])}, ("full",))["full"]
+    for s, term in enumerate(report):
+        assert term.time == pytest.approx(compute[s] + t[s], rel=1e-12, abs=1e-18)
+        assert sent[s] == pytest.approx(kept[s], rel=1e-12, abs=1e-9)
