@@ -529,8 +529,9 @@ def dp_solve(prob: Problem, allowed: np.ndarray, *, work: int = DP_SEARCH_WORK,
 
 
 #: Ops priced (n per candidate) by cut shifting after an unfinished branch and bound, over all its
-#: starts: about 1,400 candidates on a 550-op graph, 75 on 10,000 ops (at most 1.6 s here).
-SHIFT_WORK = 750_000
+#: starts: about 5,500 candidates on a 550-op graph, 300 on 10,000 ops (at most about 1.6 s here
+#: since pricing is vectorised; it was 750,000 before).
+SHIFT_WORK = 3_000_000
 _SHIFTS = (1, 2, 4, 8, 16, 32, 64, -1, -2, -4, -8, -16, -32, -64)
 
 
