@@ -481,8 +481,9 @@ NODE_SEED_WORK = 200_000
 
 #: Work units (branch-and-bound nodes plus ops scanned per node, n per leaf priced in full) dp
 #: may spend closing its order gap: a count, not seconds, so the same input gets the same plan
-#: and proof on any machine (about 1.2 s at most on one core of this 2-core machine).
-DP_SEARCH_WORK = 2_000_000
+#: and proof on any machine (about 2 s at most on one core of this 2-core machine; 2,000,000
+#: before pricing was vectorised).
+DP_SEARCH_WORK = 5_000_000
 
 
 def dp_solve(prob: Problem, allowed: np.ndarray, *, work: int = DP_SEARCH_WORK,
