@@ -410,19 +410,25 @@ def test_broadcast_bound_is_below_the_optimum(case):
     assert broadcast_lower_bound(broadcast_problem(case)) <= best.bottleneck * (1 + 1e-9)
 
 
+def _broadcast_chain(nbytes: float) -> nx.DiGraph:
+    """v0's ``nbytes`` output read by a chain of eight ops v1 -> ... -> v8."""
+    g = nx.DiGraph()
+    g.add_node("v0", fwd=1e-3, out_bytes=nbytes, index=0)
+    for i in range(1, 9):
+        g.add_node(f"v{i}", fwd=10e-3, out_bytes=1e3, index=i)
+        g.add_edge("v0", f"v{i}")
+        if i > 1:
+            g.add_edge(f"v{i - 1}", f"v{i}")
+    return g
+
+
 def test_broadcast_bound_counts_the_copies_of_a_tensor_every_layer_reads():
     # Eight ops on a chain read a 1 GB tensor from v0, on 4 stages: near any bottleneck a plan
     # can have they span several stages, so the tensor is sent several times, each copy paid
     # at both ends; the communication bound counts the least transfer once per stage.
     from partitioner.bounds import broadcast_lower_bound, named_lower_bounds
 
-    g = nx.DiGraph()
-    g.add_node("v0", fwd=1e-3, out_bytes=5e7, index=0)
-    for i in range(1, 9):
-        g.add_node(f"v{i}", fwd=10e-3, out_bytes=1e3, index=i)
-        g.add_edge("v0", f"v{i}")
-        if i > 1:
-            g.add_edge(f"v{i - 1}", f"v{i}")
+    g = _broadcast_chain(1e9)
     cluster = Cluster.uniform(4, bandwidth=1e11, latency=0.0)
     prob = Problem(g, 4, cluster=cluster)
     bounds = named_lower_bounds(prob)
@@ -433,14 +439,7 @@ def test_broadcast_bound_counts_the_copies_of_a_tensor_every_layer_reads():
 
 def _broadcast_on_four_stages(bandwidths):
     """v0's 50 MB output read by a chain of eight ops, on four stages with the given links."""
-    g = nx.DiGraph()
-    g.add_node("v0", fwd=1e-3, out_bytes=5e7, index=0)
-    for i in range(1, 9):
-        g.add_node(f"v{i}", fwd=10e-3, out_bytes=1e3, index=i)
-        g.add_edge("v0", f"v{i}")
-        if i > 1:
-            g.add_edge(f"v{i - 1}", f"v{i}")
-    return g, Cluster.heterogeneous([1.0] * 4, bandwidths=bandwidths, latencies=[0.0] * 3)
+    return _broadcast_chain(5e7), Cluster.heterogeneous([1.0] * 4, bandwidths=bandwidths, latencies=[0.0] * 3)
 
 
 def test_broadcast_bound_prices_the_copies_that_must_cross_a_node():
