@@ -207,6 +207,7 @@ class _ConsumerChains:
     def __init__(self, prob: Problem):
         n = prob.n
         self.tensors: list[int] = []
+        self.chains: list[list[int]] = []  # per tensor, its chain of consumers in program order
         self.starts: list[np.ndarray] = []  # per chain, X[a]: the estimate of c_0..c_a less c_a's own work
         self.ends: list[np.ndarray] = []  # per chain, Y[b] = X[b] + work(c_b); est(a, b) = Y[b] - X[a]
         self.exact: list[list[list[float]] | None] = []  # per short chain, every hull's work
@@ -235,6 +236,7 @@ class _ConsumerChains:
                 continue
             budget -= weighed
             self.tensors.append(u)
+            self.chains.append(chain)
             if m <= _EXACT_CHAIN:
                 self.exact.append([[self._hull(a, b) if j > i else 0.0 for j, b in enumerate(chain)]
                                    for i, a in enumerate(chain)])
@@ -252,18 +254,20 @@ class _ConsumerChains:
         """The work of ``u`` and all its ancestors."""
         return self._mass(self.ancestors[u] | (1 << u))
 
-    def groups(self, k: int, cap: float) -> int:
-        """The fewest intervals of chain ``k`` whose hulls each weigh at most ``cap`` (greedy, on the
-        lower estimates; the 1e-9 slack absorbs the prefix sums' rounding)."""
+    def groups(self, k: int, cap: float, first: int = 0) -> int:
+        """The fewest intervals of chain ``k`` from its consumer ``first`` on whose hulls each weigh at
+        most ``cap`` (greedy, on the lower estimates; the 1e-9 slack absorbs the prefix sums' rounding)."""
+        if first >= len(self.chains[k]):
+            return 0
         exact = self.exact[k]
         if exact is not None:
-            groups, start = 1, 0
-            for b in range(1, len(exact)):
+            groups, start = 1, first
+            for b in range(first + 1, len(exact)):
                 if exact[start][b] > cap:  # c_start..c_b cannot share a stage: a new one starts at b
                     groups, start = groups + 1, b
             return groups
         starts, ends = self.starts[k], self.ends[k]
-        m, groups, a = len(ends), 1, 0
+        m, groups, a = len(ends), 1, first
         while True:
             b = max(a + 1, int(np.searchsorted(ends, starts[a] + cap * (1 + 1e-9), side="right")))
             if b >= m:

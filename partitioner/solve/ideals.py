@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from partitioner.bounds import trivial_lower_bound
+from partitioner.bounds import _cheapest_links, _ConsumerChains, trivial_lower_bound
 from partitioner.cost import Problem
 from partitioner.solve.dp import link_prices
 
@@ -35,6 +35,10 @@ MAX_IDEALS = 20_000
 MAX_PAIRS = 1_500_000
 #: Give up once the searches so far, extrapolated to all, would visit this many times MAX_PAIRS pairs.
 _PACE = 3
+#: Budget DPs the bisection on the watched tensor's copies runs at most, and the relative width
+#: of the interval it stops at (counts, not seconds: the same bound on any machine).
+_MAKER_PASSES = 40
+_MAKER_PRECISION = 1e-3
 #: Skip without generating when even this many times MAX_PAIRS ideal pairs lie within the
 #: band (an over-count: it ignores that J must be a subset of I), e.g. wide graphs on 3 or 4 stages.
 _HOPELESS = 30
@@ -48,6 +52,10 @@ class IdealResult:
     assign: list[int]
     value: float
     pairs: int
+    #: The min-max DP's value, before the copies of ``watched`` were counted exactly.
+    min_max: float = math.nan
+    #: The tensor (position) whose copies the bisection counted, if any.
+    watched: int | None = None
 
 
 class _Lattice:
@@ -147,13 +155,23 @@ class _Pairs:
     segment receives from J), ``sb``/``sc`` (of tensors it sends beyond I).
     """
 
-    KEYS = ("j", "i", "rb", "rc", "sb", "sc")
+    KEYS = ("j", "i", "rb", "rc", "sb", "sc", "bc", "rx")
 
-    def __init__(self, lattice: _Lattice, band: float, budget: int):
-        self.lattice, self.band, self.left = lattice, band, budget
+    def __init__(self, lattice: _Lattice, band: float, budget: int, chains: _ConsumerChains):
+        self.lattice, self.band, self.left, self.chains = lattice, band, budget, chains
+        self.chain_of = {u: k for k, u in enumerate(chains.tensors)}
         self.out_bytes = [float(b) for b in lattice.prob.out_bytes]
         self.need: dict[int, int] = {}
-        self.rows: list[tuple[int, int, float, int, float, int]] = []  # one per pair, in KEYS order
+        self.rows: list[tuple[int, int, float, int, float, int, int]] = []  # one per pair, in KEYS order
+        # ``bc`` indexes these: the (tensor, copies) sent by a segment whose tensors are read by a
+        # chain of consumers, priced per stage by the chain DP (0: none).
+        self.broadcasts: dict[tuple[tuple[int, int], ...], int] = {(): 0}
+        # ``rx``: whether the segment receives the tensor whose copies cost most within the band
+        # (the most bytes times stages its readers must span; None when none must span two).
+        spans = [(float(lattice.prob.out_bytes[u]) * (chains.groups(k, band) - 1), -k) for k, u in enumerate(chains.tensors)]
+        top = max(range(len(spans)), key=spans.__getitem__, default=None)
+        self.costliest_tensor = None if top is None or spans[top][0] <= 0 else chains.tensors[top]
+        self.watched = 0 if self.costliest_tensor is None else 1 << self.costliest_tensor
         self.complete = True
         rooms = [_room_below(lattice, band, i) for i in range(len(lattice.masks))]
         deep = sum(room > 0 for room in rooms[1:])
@@ -184,8 +202,11 @@ class _Pairs:
             return
         ideal = lat.masks[i]
         outside = ((1 << prob.n) - 1) & ~ideal
-        sent = [float(prob.out_bytes[v]) for v in _bits(ideal) if prob.out_bytes[v] > 0 and lat.succ[v] & outside]
-        self.rows.append((0, i, 0.0, 0, sum(sent), len(sent)))
+        copies = self._copies(ideal)
+        sent = [v for v in _bits(ideal) if prob.out_bytes[v] > 0 and lat.succ[v] & outside]
+        plain = [float(prob.out_bytes[v]) for v in sent if copies(v) is None]
+        spread = tuple((v, copies(v)) for v in sent if copies(v) is not None)
+        self.rows.append((0, i, 0.0, 0, sum(plain), len(plain), self._broadcast_id(spread), 0))
 
     def _down_from(self, i: int, room: int) -> bool:
         """Depth-first from ideal I: remove one maximal op v of J at a time (J stays an ideal),
@@ -195,14 +216,16 @@ class _Pairs:
         sums, down, band = lat.sums["work"], lat.down(), self.band
         ob, pred = self.out_bytes, lat.pred
         outside = ((1 << prob.n) - 1) & ~lat.masks[i]
+        copies = self._copies(lat.masks[i])
+        watched = self.watched
         add = self.rows.append
         # Stages the ideals below may need (the same for every I: computed once, on first use).
         need = self.need
         # (J's index, received set, rb, rc, sb, sc, work of I \ J)
-        stack = [(i, 0, 0.0, 0, 0.0, 0, 0.0)]
+        stack = [(i, 0, 0.0, 0, 0.0, 0, 0.0, ())]
         seen = {i}
         while stack:
-            sub, recv, rb, rc, sb, sc, done = stack.pop()
+            sub, recv, rb, rc, sb, sc, done, spread = stack.pop()
             for v, seg, below in down[sub]:
                 seg_work = done + seg
                 if seg_work > band or below in seen:
@@ -217,97 +240,234 @@ class _Pairs:
                     fresh ^= low
                     if ob[u] > 0:
                         nrb, nrc = nrb + ob[u], nrc + 1
-                nsb, nsc = (sb + b, sc + 1) if b > 0 and lat.succ[v] & outside else (sb, sc)
+                nsb, nsc, nspread = sb, sc, spread
+                if b > 0 and lat.succ[v] & outside:
+                    sent = copies(v)
+                    if sent is None:
+                        nsb, nsc = sb + b, sc + 1
+                    else:
+                        nspread = spread + ((v, sent),)
                 stages = need.get(below)
                 if stages is None:
                     stages = need[below] = _stages_for(sums[below], band, below == 0)
                 if stages <= room:
-                    add((below, i, nrb, nrc, nsb, nsc))
+                    add((below, i, nrb, nrc, nsb, nsc, self._broadcast_id(nspread) if nspread else 0,
+                         1 if ((recv & ~(1 << v)) | pred[v]) & watched else 0))
                 self.left -= 1
                 if self.left < 0:
                     return False
-                stack.append((below, (recv & ~(1 << v)) | pred[v], nrb, nrc, nsb, nsc, seg_work))
+                stack.append((below, (recv & ~(1 << v)) | pred[v], nrb, nrc, nsb, nsc, seg_work, nspread))
         return True
+
+    def _copies(self, ideal: int):
+        """v -> for a tensor read by a chain of consumers, the fewest copies of it sent beyond
+        ``ideal``: the stages its consumers outside the ideal span within the band (at least 1);
+        None for any other tensor (one copy)."""
+        cache: dict[int, int] = {}
+
+        def copies(v: int) -> int | None:
+            k = self.chain_of.get(v)
+            if k is None:
+                return None
+            if v not in cache:
+                chain = self.chains.chains[k]
+                first = sum(1 for c in chain if ideal >> c & 1)  # the chain's consumers inside: a prefix
+                cache[v] = max(1, self.chains.groups(k, self.band, first))
+            return cache[v]
+        return copies
+
+    def _broadcast_id(self, spread: tuple[tuple[int, int], ...]) -> int:
+        return self.broadcasts.setdefault(tuple(sorted(spread)), len(self.broadcasts))
 
     def arrays(self) -> dict[str, np.ndarray]:
         cols = np.array(self.rows, dtype=float).reshape(-1, len(self.KEYS)).T
-        return {k: cols[c].astype(np.int64) if k in ("j", "i") else cols[c] for c, k in enumerate(self.KEYS)}
+        return {k: cols[c].astype(np.int64) if k in ("j", "i", "bc", "rx") else cols[c] for c, k in enumerate(self.KEYS)}
 
 
-def _chain_dp(prob: Problem, lattice: _Lattice, pairs: dict[str, np.ndarray]) -> tuple[float, list[int] | None]:
-    """min over chains of ideals of the max segment lower cost; the chain as a stage per position."""
-    p, k_ideals = prob.p, len(lattice.masks)
-    if not len(pairs["j"]):
-        return math.inf, None
-    order = np.lexsort((pairs["j"], pairs["i"]))  # group pairs by their ideal I (ties: smallest J first)
-    pairs = {key: values[order] for key, values in pairs.items()}
-    j, i = pairs["j"], pairs["i"]
-    sums = {key: np.asarray(values) for key, values in lattice.sums.items()}
+class _ChainDP:
+    """The searches over chains of ideals on one band's pairs: each pair's lower cost on each stage
+    (shared by the stages priced alike), the min-max DP and the maker's copy-budget DP."""
 
-    def seg(key: str) -> np.ndarray:
-        return sums[key][i] - sums[key][j]
+    def __init__(self, prob: Problem, lattice: _Lattice, pairs: _Pairs):
+        self.prob, self.lattice = prob, lattice
+        cols = pairs.arrays()
+        order = np.lexsort((cols["j"], cols["i"]))  # group pairs by their ideal I (ties: smallest J first)
+        cols = {key: values[order] for key, values in cols.items()}
+        self.cols, self.j, self.i = cols, cols["j"], cols["i"]
+        self.starts = np.flatnonzero(np.r_[True, self.i[1:] != self.i[:-1]]) if len(self.i) else np.empty(0, int)
+        self.ends = np.r_[self.starts[1:], len(self.i)]
+        self.targets = self.i[self.starts]
+        self.group_of = dict(zip(self.targets.tolist(), range(len(self.targets))))
+        self.top = lattice.index[(1 << prob.n) - 1]
+        sums = {key: np.asarray(values) for key, values in lattice.sums.items()}
+        self.seg = {key: values[self.i] - values[self.j] for key, values in sums.items()}
+        union = {c for opts in prob.choices for c in opts}
+        self.kept_of = {c: self.seg[f"kept:{c}"] + (cols["rb"] if prob.rec.received[c] else 0.0) for c in union}
+        self.links = link_prices(prob)
+        self.per_byte, self.per_tensor = _cheapest_links(prob)
+        self.broadcasts = list(pairs.broadcasts)
+        self.watched: int | None = pairs.costliest_tensor
+        self._kinds: dict[tuple, np.ndarray] = {}
+        self._spread: dict[tuple[int, int], np.ndarray] = {}
+        # Memory binds nowhere when every segment fits the smallest limit at the most microbatches
+        # in flight: then stages priced alike (one node's devices) share one cost array.
+        tightest = min((x for x in prob.mem_limit if x is not None), default=math.inf)
+        fixed, step = self.seg["fixed"], self.seg["step"]
+        self.binds = math.isfinite(tightest) and any(
+            float(np.max(np.maximum(fixed + max(prob.in_flight) * self.kept_of[c]
+                                    + max(prob.recomputing) * self.seg[f"remade:{c}"], step), initial=0.0)) > tightest
+            for c in union)
 
-    comp, fixed, step = seg("work"), seg("fixed"), seg("step")
-    union = {c for opts in prob.choices for c in opts}  # each choice's segment sums, once for every stage
-    kept_of = {c: seg(f"kept:{c}") + (pairs["rb"] if prob.rec.received[c] else 0.0) for c in union}
-    remade_of, seconds_of = {c: seg(f"remade:{c}") for c in union}, {c: seg(f"seconds:{c}") for c in union}
-    in_b, in_l, out_b, out_l = link_prices(prob)
-    costs: dict[tuple, np.ndarray] = {}
-    # Memory binds nowhere when every segment fits the smallest limit at the most microbatches
-    # in flight: then stages priced alike (one node's devices) share one cost array.
-    tightest = min((x for x in prob.mem_limit if x is not None), default=math.inf)
-    binds = math.isfinite(tightest) and any(
-        float(np.max(np.maximum(fixed + max(prob.in_flight) * kept_of[c] + max(prob.recomputing) * remade_of[c],
-                                step))) > tightest for c in union)
-
-    def priced(s: int, part: slice) -> np.ndarray:
-        """The lower cost on stage s of the pairs in ``part`` (memory-infeasible pairs at inf)."""
+    def _priced(self, s: int, part: slice) -> np.ndarray:
+        """The lower cost on stage s of the pairs in ``part`` but the multi-copy sends
+        (memory-infeasible pairs at inf)."""
+        prob, cols, seg = self.prob, self.cols, self.seg
+        in_b, in_l, out_b, out_l = self.links
         lim = math.inf if prob.mem_limit[s] is None else prob.mem_limit[s] * (1 + 1e-12)
-        base = (comp[part] / prob.speed[s] + in_b[s] * pairs["rb"][part] + in_l[s] * pairs["rc"][part]
-                + out_b[s] * pairs["sb"][part] + out_l[s] * pairs["sc"][part])
+        base = (seg["work"][part] / prob.speed[s] + in_b[s] * cols["rb"][part] + in_l[s] * cols["rc"][part]
+                + out_b[s] * cols["sb"][part] + out_l[s] * cols["sc"][part])
         # The fastest recomputation choice whose memory fits: what the segment keeps (with the
         # tensors it receives, exact; what it sends is left out, so memory is a relaxation).
         cost = np.full_like(base, math.inf)
         for c in reversed(prob.choices[s]):
-            mem = fixed[part] + prob.in_flight[s] * kept_of[c][part] + prob.recomputing[s] * remade_of[c][part]
-            cost = np.where((mem <= lim) & (step[part] <= lim), base + seconds_of[c][part] / prob.speed[s], cost)
-        return np.where(j[part] == 0, cost, math.inf) if s == 0 else cost
+            mem = seg["fixed"][part] + prob.in_flight[s] * self.kept_of[c][part] + prob.recomputing[s] * seg[f"remade:{c}"][part]
+            cost = np.where((mem <= lim) & (seg["step"][part] <= lim),
+                            base + seg[f"seconds:{c}"][part] / prob.speed[s], cost)
+        return np.where(self.j[part] == 0, cost, math.inf) if s == 0 else cost
 
-    def stage_cost(s: int, part: slice = slice(None)) -> np.ndarray:
-        """``priced``, shared by the stages priced alike when memory binds nowhere (one array per
-        kind of stage; where it binds, the stages differ in microbatches in flight and each
-        array is used once: not kept)."""
-        if binds or s == 0:
-            return priced(s, part)
-        key = (prob.speed[s], in_b[s], in_l[s], out_b[s], out_l[s], tuple(prob.choices[s]))
-        if key not in costs:
-            costs[key] = priced(s, slice(None))
-        return costs[key][part]
+    def _spread_cost(self, s: int, without: int) -> np.ndarray:
+        """Per set of multi-copy sends (``bc``), what stage s pays at least to send them but tensor
+        ``without``: each tensor's g copies on the g cheapest links out of s, and at least one copy
+        on the link s -> s+1 (see link_prices); inf where fewer than g stages follow s."""
+        key = (s, without)
+        if key not in self._spread:
+            out_b, out_l = self.links[2], self.links[3]
+            nbytes = self.prob.out_bytes
 
-    starts = np.flatnonzero(np.r_[True, i[1:] != i[:-1]])
-    ends = np.r_[starts[1:], len(i)]
-    targets = i[starts]
-    best = np.full((p, k_ideals), math.inf)
-    for s in range(p):
-        cand = stage_cost(s) if s == 0 else np.maximum(best[s - 1][j], stage_cost(s))
-        best[s, targets] = np.minimum.reduceat(cand, starts)
-    top = lattice.index[(1 << prob.n) - 1]
-    value = float(best[p - 1, top])
-    if not math.isfinite(value):
-        return value, None
-    group_of = dict(zip(targets.tolist(), range(len(targets))))
-    assign = [0] * prob.n
-    ideal = top
-    for s in range(p - 1, -1, -1):  # back along the chain: the first pair of I that attains its best
-        g = group_of[ideal]
-        lo, hi = int(starts[g]), int(ends[g])
-        cost = stage_cost(s, slice(lo, hi))
-        cand = cost if s == 0 else np.maximum(best[s - 1][j[lo:hi]], cost)
-        below = int(j[lo + int(np.flatnonzero(cand == best[s, ideal])[0])])
-        for v in _bits(lattice.masks[ideal] & ~lattice.masks[below]):
-            assign[v] = s
-        ideal = below
-    return value, assign
+            def one(u: int, g: int) -> float:
+                if g >= self.prob.p:
+                    return math.inf
+                return max(nbytes[u] * out_b[s] + out_l[s], nbytes[u] * self.per_byte[s, g] + self.per_tensor[s, g])
+            self._spread[key] = np.array([sum(one(u, g) for u, g in spread if u != without)
+                                          for spread in self.broadcasts])
+        return self._spread[key]
+
+    def cost(self, s: int, part: slice = slice(None), without: int = -1) -> np.ndarray:
+        """Each pair's lower cost on stage s (the copies of ``without`` left to the caller)."""
+        prob = self.prob
+        if self.binds or s == 0:
+            base = self._priced(s, part)  # where memory binds the stages differ in microbatches in flight
+        else:
+            key = (prob.speed[s], *(float(x[s]) for x in self.links), tuple(prob.choices[s]))
+            if key not in self._kinds:
+                self._kinds[key] = self._priced(s, slice(None))
+            base = self._kinds[key][part]
+        if len(self.broadcasts) > 1:
+            base = base + self._spread_cost(s, without)[self.cols["bc"][part]]
+        return base
+
+    def _trace(self, last: np.ndarray, step) -> list[int]:
+        """The plan of the chain ending at V: back from stage p-1, at each ideal the first pair whose
+        ``step(s, part)`` reproduces the stored ``last[s, I]``."""
+        assign, ideal = [0] * self.prob.n, self.top
+        for s in range(self.prob.p - 1, -1, -1):
+            g = self.group_of[ideal]
+            lo, hi = int(self.starts[g]), int(self.ends[g])
+            below = int(self.j[lo + int(np.flatnonzero(step(s, slice(lo, hi)) == last[s, ideal])[0])])
+            for v in _bits(self.lattice.masks[ideal] & ~self.lattice.masks[below]):
+                assign[v] = s
+            ideal = below
+        return assign
+
+    def least_bottleneck(self) -> tuple[float, list[int] | None]:
+        """min over chains of ideals of the max segment lower cost; the chain as a stage per position."""
+        p, j = self.prob.p, self.j
+        if not len(j):
+            return math.inf, None
+        best = np.full((p, len(self.lattice.masks)), math.inf)
+
+        def step(s: int, part: slice) -> np.ndarray:
+            cost = self.cost(s, part)
+            return cost if s == 0 else np.maximum(best[s - 1][j[part]], cost)
+        for s in range(p):
+            best[s, self.targets] = np.minimum.reduceat(step(s, slice(None)), self.starts)
+        value = float(best[p - 1, self.top])
+        return (value, self._trace(best, step)) if math.isfinite(value) else (value, None)
+
+    def feasible(self, bound: float, senders: range) -> list[int] | None:
+        """A chain whose every segment costs <= ``bound`` with the maker of the watched tensor u
+        on one of ``senders`` and paying for each copy of u, or None when there is none.
+
+        Every valid plan whose maker of u is on ``senders`` and whose bottleneck is <= ``bound``
+        is such a chain: its stage holding u computes it and sends one copy to each later stage
+        reading it, each on a link from a stage of ``senders`` (priced at its cheapest), and the
+        stage receiving a copy pays for the same link. Per (stage, ideal) the DP keeps the most
+        that the maker has left for copies (inf before u is made), so the copies of u are
+        counted exactly, where the min-max DP counts the fewest its readers' span allows.
+        """
+        prob, p, j, u = self.prob, self.prob.p, self.j, self.watched
+        if not len(j):
+            return None
+        holds = np.array([m >> u & 1 for m in self.lattice.masks], dtype=bool)
+        makes, reads = holds[self.i] & ~holds[j], self.cols["rx"] == 1
+        in_b, in_l = self.links[0], self.links[1]
+        nbytes = float(prob.out_bytes[u])
+        left = np.full((p, len(self.lattice.masks)), -math.inf)
+
+        def step(s: int, part: slice) -> np.ndarray:
+            cost = self.cost(s, part, without=u)
+            if s not in senders:
+                cost = np.where(makes[part], math.inf, cost)
+            links = [prob.directions * (nbytes / prob.bw[a, s] + prob.lat[a, s]) for a in senders if a < s]
+            copy = min(links, default=math.inf)  # one end of one copy of u into s
+            # The receiving end: above the link s-1 -> s already priced unless s-1 is a sender.
+            cost = np.where(reads[part], cost + max(0.0, copy - (nbytes * in_b[s] + in_l[s])), cost)
+            prev = np.where(j[part] == 0, math.inf, -math.inf) if s == 0 else left[s - 1][j[part]]
+            with np.errstate(invalid="ignore"):  # inf - inf before u is made: no copy to pay then
+                kept = np.where(makes[part], np.where(prev > -math.inf, bound - cost, -math.inf),
+                                np.where(reads[part], prev - copy, prev))
+            kept[~((kept >= 0) & (cost <= bound))] = -math.inf
+            return kept
+        for s in range(p):
+            left[s, self.targets] = np.maximum.reduceat(step(s, slice(None)), self.starts)
+        return self._trace(left, step) if left[p - 1, self.top] >= 0 else None
+
+
+def _nodes(prob: Problem) -> list[range]:
+    """The stages in runs joined by the fastest links (a cluster's nodes; one run on uniform links)."""
+    p = prob.p
+    bandwidth = np.array([prob.bw[k - 1, k] for k in range(1, p)])
+    latency = np.array([prob.lat[k - 1, k] for k in range(1, p)])
+    slower = (bandwidth < bandwidth.max()) | (latency > latency.min()) if p > 1 else np.zeros(0, bool)
+    starts = [0] + [k for k in range(1, p) if slower[k - 1]]
+    return [range(a, b) for a, b in zip(starts, starts[1:] + [p])]
+
+
+def _raise_by_copies(dp: _ChainDP, low: float, high: float) -> tuple[float, list[list[int]]]:
+    """Bisection on B in (low, high]: the largest B shown infeasible for every node that may hold the
+    watched tensor's maker (a lower bound on every valid plan), and the chains found feasible
+    (plans). At most _MAKER_PASSES budget DPs, to a relative _MAKER_PRECISION: counts."""
+    nodes = _nodes(dp.prob)
+    floor = {node: low for node in nodes}  # per node, a B at which it is infeasible
+    plans, passes = [], 0
+    while high - low > _MAKER_PRECISION * high:
+        mid, found = 0.5 * (low + high), None
+        for node in nodes:
+            if mid <= floor[node]:
+                continue
+            if passes == _MAKER_PASSES:
+                return low, plans
+            passes += 1
+            found = dp.feasible(mid, node)
+            if found is not None:
+                break
+            floor[node] = mid
+        if found is None:
+            low = mid
+        else:
+            high = mid
+            plans.append(found)
+    return low, plans
 
 
 def _pairs_within(lattice: _Lattice, band: float) -> int:
@@ -333,6 +493,7 @@ def ideal_dp(prob: Problem, *, upper: float = math.inf, max_ideals: int = MAX_ID
     if not lattice.enumerate(max_ideals):
         return None
     fastest = float(prob.speed.max())
+    chains = _ConsumerChains(prob)
     limit = max(min(max(trivial_lower_bound(prob), 1e-300) * 1.25, upper), 1e-300)  # a band of 0 divides by 0
     total = float(prob.work.sum()) / float(prob.speed.min())
     used = 0
@@ -343,14 +504,21 @@ def ideal_dp(prob: Problem, *, upper: float = math.inf, max_ideals: int = MAX_ID
         chain = len(lattice.masks) == prob.n + 1
         if _pairs_within(lattice, band) > ((max_pairs - used) if chain else _HOPELESS * max_pairs):
             return None  # the search below would run out of pairs: do not start it
-        pairs = _Pairs(lattice, band, max_pairs - used)
+        pairs = _Pairs(lattice, band, max_pairs - used, chains)
         used = max_pairs - pairs.left
         if not pairs.complete:
             return None
-        value, assign = _chain_dp(prob, lattice, pairs.arrays())
+        dp = _ChainDP(prob, lattice, pairs)
+        value, assign = dp.least_bottleneck()
         if (assign is not None and value <= limit) or limit > total:
             break  # segments outside the band cost more than the optimum found (or there are none)
         limit = value if assign is not None else limit * 4
     if assign is None:
         return None
-    return IdealResult(value, assign, prob.bottleneck(assign), used)
+    bound, plans = value, [assign]
+    if dp.watched is not None and value < min(upper, limit):
+        # Every B up to the band has all its segment pairs: infeasible there is proven.
+        bound, found = _raise_by_copies(dp, value, min(upper, limit))
+        plans += found
+    best = min(plans, key=prob.bottleneck)
+    return IdealResult(bound, best, prob.bottleneck(best), used, value, dp.watched)
