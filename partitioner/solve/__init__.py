@@ -193,8 +193,12 @@ def _run_ideals(search: _Search, blocks: Blocks) -> None:
     if res is None:
         search.notes.append(f"ideal dp: skipped (more than {MAX_IDEALS:,} ideals or too many segment pairs)")
         return
+    counted = ""
+    if res.watched is not None and res.lower_bound > res.min_max:
+        counted = (f"; {res.min_max:.6g} s before each copy of {search.prob.order[res.watched]}'s output "
+                   f"was counted")
     search.notes.append(f"ideal dp: lower bound {res.lower_bound:.6g} s over every valid assignment "
-                        f"({res.pairs:,} segment pairs); its plan {res.value:.6g} s")
+                        f"({res.pairs:,} segment pairs{counted}); its plan {res.value:.6g} s")
     search.bound("ideal dp", res.lower_bound)
     search.offer(res.assign, res.value, "ideals")
 
