@@ -538,3 +538,12 @@ def test_ideal_dp_counts_every_copy_of_a_broadcast_tensor():
     res = ideal_dp(prob)
     assert res.min_max < 0.8 * best
     assert best * (1 - 2e-3) <= res.lower_bound <= best * (1 + 1e-9)
+
+
+def test_dp_leaves_the_broadcast_maker_room_for_its_copies():
+    # The 9,003-op encoder-decoder on 64 H100s: balanced cuts of compute give the encoder output's
+    # maker as much work as any stage, and its 34 copies on top make it the bottleneck; dp's starts
+    # shifted to 69.36 ms (5.2% above the bound). Weighting the maker by its copies leaves it room.
+    g = synthetic.generate("encdec", 10_000)
+    part = solve(g, 64, cluster=Cluster.load("h100-sxm", devices=64), microbatches=256, method="dp")
+    assert part.bottleneck <= part.lower_bound * 1.015

@@ -447,16 +447,10 @@ def _node_aligned_seed(prob: Problem, allowed: np.ndarray, incumbent: list[int])
     boundaries = [k for k in range(1, p - 1) if slower[k - 1]]
     if not boundaries:
         return None  # one kind of link: no node boundary to align to
-    spent = {}
-    for u, readers in enumerate(prob.succ):
-        src, stages = incumbent[u], {incumbent[v] for v in readers} - {incumbent[u]}
-        if prob.out_bytes[u] > 0 and len(stages) > 1:
-            spent[u] = sum(prob.transfer_seconds(src, t, float(prob.out_bytes[u])) for t in stages)
-    senders = sorted(spent, key=lambda u: (-spent[u], u))[:NODE_SEED_SENDERS]
     work = prob.work.astype(float)
     best: tuple[list[int], float] | None = None
     left = NODE_SEED_WORK
-    for u in senders:
+    for u in _costliest_senders(prob, incumbent):
         for k in boundaries:
             if not (k <= u and p - k - 1 <= n - u - 1 and allowed[u] and allowed[u + 1]):
                 continue
@@ -474,9 +468,58 @@ def _node_aligned_seed(prob: Problem, allowed: np.ndarray, incumbent: list[int])
     return best
 
 
-#: Senders tried by :func:`_node_aligned_seed`, and ops priced (n per candidate) over all of them.
+def _costliest_senders(prob: Problem, incumbent: list[int]) -> list[int]:
+    """The ``NODE_SEED_SENDERS`` tensors sent to two or more stages whose copies cost most in ``incumbent``."""
+    spent = {}
+    for u, readers in enumerate(prob.succ):
+        src, stages = incumbent[u], {incumbent[v] for v in readers} - {incumbent[u]}
+        if prob.out_bytes[u] > 0 and len(stages) > 1:
+            spent[u] = sum(prob.transfer_seconds(src, t, float(prob.out_bytes[u])) for t in stages)
+    return sorted(spent, key=lambda u: (-spent[u], u))[:NODE_SEED_SENDERS]
+
+
+def _copy_weighted_seed(prob: Problem, allowed: np.ndarray, incumbent: list[int]) -> tuple[list[int], float] | None:
+    """The cheapest plan found by min-max cuts of work with a broadcast tensor's maker made heavier
+    by what its copies may cost, or None.
+
+    The maker's stage pays for every copy, which balanced cuts of compute cannot see: they give
+    it as much compute as any other stage, and it becomes the bottleneck (the 9,003-op
+    encoder-decoder on 64 stages: 75.4 ms). Weighting the maker by the copies it would send
+    from the first stage to every other (C, an over-estimate: how many stages read it depends
+    on the cuts) times ``COPY_SEED_SCALES`` leaves its stage room for them (66.8 ms at 1 to 1.25
+    C, where dp's other starts shift to 69.4 ms). For each of the ``NODE_SEED_SENDERS`` tensors
+    whose copies cost most in the ``incumbent`` plan; priced exactly, within ``NODE_SEED_WORK``
+    ops priced (n per candidate): deterministic.
+    """
+    n, p = prob.n, prob.p
+    if p < 2:
+        return None
+    best: tuple[list[int], float] | None = None
+    left = NODE_SEED_WORK
+    for u in _costliest_senders(prob, incumbent):
+        copies = sum(prob.transfer_seconds(0, t, float(prob.out_bytes[u])) for t in range(1, p))
+        for scale in COPY_SEED_SCALES:
+            if left < n:
+                return best
+            left -= n
+            work = prob.work.astype(float)
+            work[u] += scale * copies * float(prob.speed.max())
+            cuts = minmax_cuts(work, p, allowed)
+            if len(cuts) != p - 1:
+                continue
+            assign = cuts_to_assign(cuts, n)
+            times, mem = prob.stage_costs(assign)
+            if prob.fits(mem) and (best is None or max(times) < best[1] * (1 - _REL)):
+                best = (assign, max(times))
+    return best
+
+
+#: Senders tried by :func:`_node_aligned_seed` and :func:`_copy_weighted_seed`, and ops priced (n per
+#: candidate) over all of them, by each.
 NODE_SEED_SENDERS = 4
 NODE_SEED_WORK = 200_000
+#: Multiples of the copies' estimate the maker is weighted by in :func:`_copy_weighted_seed`.
+COPY_SEED_SCALES = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
 
 
 #: Work units (branch-and-bound nodes plus ops scanned per node, n per leaf priced in full) dp
@@ -504,9 +547,11 @@ def dp_solve(prob: Problem, allowed: np.ndarray, *, work: int = DP_SEARCH_WORK,
         return DPResult(assign, exact, value, True, 0, False)
     # The lower model undercounts tensors sent to several stages: search the cuts exactly.
     assign, exact = _best_seed(prob, allowed, assign, exact)
-    aligned = _node_aligned_seed(prob, allowed, assign)
-    if aligned is not None and aligned[1] < exact * (1 - _REL):
-        assign, exact = aligned
+    aligned = [seed for seed in (_node_aligned_seed(prob, allowed, assign), _copy_weighted_seed(prob, allowed, assign))
+               if seed is not None]
+    for seed in aligned:
+        if seed[1] < exact * (1 - _REL):
+            assign, exact = seed
     budget = _Budget(work, time.perf_counter() + wall_limit)
     completion = _completion_bounds(prob, allowed, exact) if math.isfinite(exact) else None
     assign, exact, finished = _branch_and_bound(prob, allowed, assign, exact, value, budget, completion)
@@ -517,8 +562,7 @@ def dp_solve(prob: Problem, allowed: np.ndarray, *, work: int = DP_SEARCH_WORK,
         # Shift the cuts of the search's plan and of every seed: the search's plan is seldom the
         # best start (on T5-small at 16 stages the uniform cuts shift to 0.54 ms, the search's to 0.91).
         # The search's plan gets a third of the work, the other starts share the rest.
-        starts = {tuple(a): v for a, v in [(assign, exact), *_seeds(prob, allowed, lower),
-                                            *([aligned] if aligned is not None else [])]}
+        starts = {tuple(a): v for a, v in [(assign, exact), *_seeds(prob, allowed, lower), *aligned]}
         for k, (start, start_value) in enumerate(starts.items()):
             share = SHIFT_WORK // 3 if k == 0 or len(starts) == 1 else 2 * SHIFT_WORK // (3 * (len(starts) - 1))
             shifting = _Budget(share, budget.deadline)
