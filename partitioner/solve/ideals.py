@@ -510,8 +510,14 @@ def ideal_dp(prob: Problem, *, upper: float = math.inf, max_ideals: int = MAX_ID
             return None
         dp = _ChainDP(prob, lattice, pairs)
         value, assign = dp.least_bottleneck()
-        if (assign is not None and value <= limit) or limit > total:
-            break  # segments outside the band cost more than the optimum found (or there are none)
+        if assign is not None and value <= limit:
+            break  # segments outside the band cost more than the optimum found
+        if assign is None and limit > total:
+            break  # every segment is in the band and no chain fits memory
+        # Widen the band to the value found (or 4x when none): with every segment already in it
+        # (limit > total) the next pass still counts copies at the wider band, fewer or as many,
+        # so its value is at most this one and the loop ends. Stopping here instead would count
+        # copies for stages no larger than a band below the optimum: more than a plan must send.
         limit = value if assign is not None else limit * 4
     if assign is None:
         return None
