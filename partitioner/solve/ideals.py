@@ -8,6 +8,12 @@ tensor priced on the link into the stage, one copy of each tensor leaving the id
 the link out, see :func:`~partitioner.solve.dp.link_prices`) is minimised over chains of
 *all* ideals. Its optimum is therefore a lower bound on the best bottleneck of any valid
 assignment, and its chain is a plan, proven optimal when its exact cost meets the bound.
+
+A tensor read by a chain of consumers (an encoder output read by every decoder layer) is
+sent once per reading stage: a segment sending one pays for the fewest copies its readers'
+span allows within the band, on the cheapest links out of its stage; and a bisection over a
+copy-budget DP (:meth:`_ChainDP.feasible`) counts the copies of the costliest such tensor
+exactly, priced from the node that holds its maker.
 This is the ideal (prefix) formulation of pipeline partitioning used for lower bounds by
 Archer et al., "Practical Performance Guarantees for Pipelined DNN Inference" (2023),
 solved here exactly by dynamic programming where the ideals are few: narrow graphs such
@@ -152,7 +158,9 @@ class _Pairs:
     """Every (sub-ideal J, ideal I) whose segment I \\ J has compute <= a band, with its comm terms.
 
     Columns: ``j``, ``i`` (ideal indices), ``rb``/``rc`` (bytes and count of tensors the
-    segment receives from J), ``sb``/``sc`` (of tensors it sends beyond I).
+    segment receives from J), ``sb``/``sc`` (of tensors it sends beyond I, once each, but
+    those read by a chain of consumers), ``bc`` (an index into ``broadcasts``: those, with
+    their fewest copies) and ``rx`` (1 when the segment receives the watched tensor).
     """
 
     KEYS = ("j", "i", "rb", "rc", "sb", "sc", "bc", "rx")
@@ -162,7 +170,7 @@ class _Pairs:
         self.chain_of = {u: k for k, u in enumerate(chains.tensors)}
         self.out_bytes = [float(b) for b in lattice.prob.out_bytes]
         self.need: dict[int, int] = {}
-        self.rows: list[tuple[int, int, float, int, float, int, int]] = []  # one per pair, in KEYS order
+        self.rows: list[tuple[int, int, float, int, float, int, int, int]] = []  # one per pair, in KEYS order
         # ``bc`` indexes these: the (tensor, copies) sent by a segment whose tensors are read by a
         # chain of consumers, priced per stage by the chain DP (0: none).
         self.broadcasts: dict[tuple[tuple[int, int], ...], int] = {(): 0}
@@ -221,7 +229,7 @@ class _Pairs:
         add = self.rows.append
         # Stages the ideals below may need (the same for every I: computed once, on first use).
         need = self.need
-        # (J's index, received set, rb, rc, sb, sc, work of I \ J)
+        # (J's index, received set, rb, rc, sb, sc, work of I \ J, (chain tensor, copies) it sends)
         stack = [(i, 0, 0.0, 0, 0.0, 0, 0.0, ())]
         seen = {i}
         while stack:
@@ -495,7 +503,9 @@ def ideal_dp(prob: Problem, *, upper: float = math.inf, max_ideals: int = MAX_ID
     fastest = float(prob.speed.max())
     chains = _ConsumerChains(prob)
     limit = max(min(max(trivial_lower_bound(prob), 1e-300) * 1.25, upper), 1e-300)  # a band of 0 divides by 0
-    total = float(prob.work.sum()) / float(prob.speed.min())
+    # Past this every segment is in the band and every consumer chain's hull fits it (the chains
+    # weigh least_work, recomputation included): a wider band changes nothing.
+    total = float(prob.least_work.sum()) / float(prob.speed.min())
     used = 0
     while True:
         band = limit * fastest * (1 + 1e-9)
@@ -526,5 +536,7 @@ def ideal_dp(prob: Problem, *, upper: float = math.inf, max_ideals: int = MAX_ID
         # Every B up to the band has all its segment pairs: infeasible there is proven.
         bound, found = _raise_by_copies(dp, value, min(upper, limit))
         plans += found
-    best = min(plans, key=prob.bottleneck)
+    # The lower model's memory is a relaxation (it leaves out the cut tensors a stage keeps for
+    # sending): prefer the plans that fit, then the fastest.
+    best = min(plans, key=lambda a: (not prob.fits(prob.stage_costs(a)[1]), prob.bottleneck(a)))
     return IdealResult(bound, best, prob.bottleneck(best), used, value, dp.watched)
