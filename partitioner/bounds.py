@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from partitioner.cost import Problem
 
 __all__ = ["trivial_lower_bound", "named_lower_bounds", "comm_lower_bound", "neighbourhood_lower_bound",
-           "broadcast_lower_bound", "memory_lower_bound"]
+           "broadcast_lower_bound", "memory_lower_bound", "cheapest_links", "ConsumerChains"]
 
 
 def named_lower_bounds(prob: Problem) -> dict[str, float]:
@@ -134,12 +134,12 @@ def broadcast_lower_bound(prob: Problem) -> float:
     """
     if prob.p < 2:
         return 0.0
-    chains = _ConsumerChains(prob)
+    chains = ConsumerChains(prob)
     if not chains.tensors:
         return 0.0
     fastest, total_speed, slowest = float(prob.speed.max()), float(prob.speed.sum()), float(prob.speed.min())
     work = float(prob.least_work.sum())
-    per_byte, per_tensor = _cheapest_links(prob)
+    per_byte, per_tensor = cheapest_links(prob)
     upstream = [chains.upstream(u) for u in chains.tensors]
 
     def shortfall(bound: float) -> float:
@@ -170,7 +170,7 @@ def broadcast_lower_bound(prob: Problem) -> float:
     return low  # shortfall(low) > 0: no plan has a bottleneck of low or less
 
 
-def _cheapest_links(prob: Problem) -> tuple[np.ndarray, np.ndarray]:
+def cheapest_links(prob: Problem) -> tuple[np.ndarray, np.ndarray]:
     """[a, j]: the least per-byte and per-tensor price of j copies sent from stage a to j distinct
     later stages, one end (inf where fewer than j stages follow a).
 
@@ -189,7 +189,7 @@ def _cheapest_links(prob: Problem) -> tuple[np.ndarray, np.ndarray]:
     return tables[0], tables[1]
 
 
-class _ConsumerChains:
+class ConsumerChains:
     """Per tensor read by a chain of two or more consumers, the fewest stages the chain spans at a cap.
 
     The chain is greedy in program order (each consumer kept when reachable from the last kept):

@@ -481,9 +481,9 @@ def test_broadcast_chain_estimate_never_counts_more_stages_than_the_hulls(case, 
     cap = share * float(prob.least_work.sum())
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(bounds, "_EXACT_CHAIN", 10**6)
-        exact = bounds._ConsumerChains(prob)
+        exact = bounds.ConsumerChains(prob)
         mp.setattr(bounds, "_EXACT_CHAIN", 1)
-        estimated = bounds._ConsumerChains(prob)
+        estimated = bounds.ConsumerChains(prob)
     assert exact.tensors == estimated.tensors
     for k in range(len(exact.tensors)):
         assert estimated.groups(k, cap) <= exact.groups(k, cap)

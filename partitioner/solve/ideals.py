@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from partitioner.bounds import _cheapest_links, _ConsumerChains, trivial_lower_bound
+from partitioner.bounds import cheapest_links, ConsumerChains, trivial_lower_bound
 from partitioner.cost import Problem
 from partitioner.solve.dp import link_prices
 
@@ -165,7 +165,7 @@ class _Pairs:
 
     KEYS = ("j", "i", "rb", "rc", "sb", "sc", "bc", "rx")
 
-    def __init__(self, lattice: _Lattice, band: float, budget: int, chains: _ConsumerChains):
+    def __init__(self, lattice: _Lattice, band: float, budget: int, chains: ConsumerChains):
         self.lattice, self.band, self.left, self.chains = lattice, band, budget, chains
         self.chain_of = {u: k for k, u in enumerate(chains.tensors)}
         self.out_bytes = [float(b) for b in lattice.prob.out_bytes]
@@ -312,7 +312,7 @@ class _ChainDP:
         union = {c for opts in prob.choices for c in opts}
         self.kept_of = {c: self.seg[f"kept:{c}"] + (cols["rb"] if prob.rec.received[c] else 0.0) for c in union}
         self.links = link_prices(prob)
-        self.per_byte, self.per_tensor = _cheapest_links(prob)
+        self.per_byte, self.per_tensor = cheapest_links(prob)
         self.broadcasts = list(pairs.broadcasts)
         self.watched: int | None = pairs.costliest_tensor
         self._kinds: dict[tuple, np.ndarray] = {}
@@ -501,7 +501,7 @@ def ideal_dp(prob: Problem, *, upper: float = math.inf, max_ideals: int = MAX_ID
     if not lattice.enumerate(max_ideals):
         return None
     fastest = float(prob.speed.max())
-    chains = _ConsumerChains(prob)
+    chains = ConsumerChains(prob)
     limit = max(min(max(trivial_lower_bound(prob), 1e-300) * 1.25, upper), 1e-300)  # a band of 0 divides by 0
     # Past this every segment is in the band and every consumer chain's hull fits it (the chains
     # weigh least_work, recomputation included): a wider band changes nothing.
