@@ -567,20 +567,26 @@ def test_ideal_dp_counts_copies_at_a_band_no_lower_than_the_optimum():
     assert res.value == pytest.approx(best)
 
 
+def _graph_of(ops: dict[str, tuple[float, float, int, float]], edges: list[tuple[str, str]]) -> nx.DiGraph:
+    """A graph of ops given as name -> (fwd, bwd, params, out_bytes), in program order."""
+    g = nx.DiGraph()
+    for i, (name, (fwd, bwd, params, out)) in enumerate(ops.items()):
+        g.add_node(name, fwd=fwd, bwd=bwd, params=params, out_bytes=out, index=i)
+    g.add_edges_from(edges)
+    return g
+
+
 def test_ideal_dp_measures_its_band_in_the_work_its_chains_weigh():
     # Found by review: with selective recomputation the consumer chains weigh recomputation too,
     # the band's stopping point did not: the DP stopped widening while every chain still counted
     # more copies than the stages left and returned nothing ("skipped"), where it had proven the
     # optimum before it counted copies.
-    ops = {"e0": (0.017, 0.006, 0, 1e7), "embed": (0.019, 0.005, 1000, 5e8), "d1": (0.017, 0.017, 3000, 5e6),
-           "d2": (0.019, 0.0, 2000, 0.0), "d3": (0.008, 0.016, 0, 1e8), "d4": (0.016, 0.017, 5000, 0.0),
-           "d5": (0.006, 0.0, 4000, 0.0)}
-    g = nx.DiGraph()
-    for i, (name, (fwd, bwd, params, out)) in enumerate(ops.items()):
-        g.add_node(name, fwd=fwd, bwd=bwd, params=params, out_bytes=out, index=i)
-    g.add_edges_from([("e0", d) for d in ("d1", "d2", "d3", "d4", "d5")]
-                     + [("embed", d) for d in ("d1", "d3", "d4", "d5")]
-                     + [("d1", "d2"), ("d2", "d3"), ("d3", "d4"), ("d4", "d5")])
+    g = _graph_of({"e0": (0.017, 0.006, 0, 1e7), "embed": (0.019, 0.005, 1000, 5e8),
+                   "d1": (0.017, 0.017, 3000, 5e6), "d2": (0.019, 0.0, 2000, 0.0), "d3": (0.008, 0.016, 0, 1e8),
+                   "d4": (0.016, 0.017, 5000, 0.0), "d5": (0.006, 0.0, 4000, 0.0)},
+                  [("e0", d) for d in ("d1", "d2", "d3", "d4", "d5")]
+                  + [("embed", d) for d in ("d1", "d3", "d4", "d5")]
+                  + [("d1", "d2"), ("d2", "d3"), ("d3", "d4"), ("d4", "d5")])
     opts = dict(cluster=Cluster.uniform(2, bandwidth=1e11), microbatches=3, schedule="gpipe", training=True,
                 memory_limit=1230030000.0, recompute="selective")
     best = synthetic.brute_force(g, 2, **opts).bottleneck
@@ -592,14 +598,11 @@ def test_ideal_dp_offers_a_plan_that_fits_memory_over_a_faster_one_that_does_not
     # Found by review: the lower model leaves out the tensors a stage keeps for sending, so some
     # chains the copy bisection finds are over the memory limit; the fastest of them was returned
     # (0.057 s, over memory) where a chain that fits (0.062 s, the optimum) had been found.
-    ops = {"v0": (0.015, 0.0, 4000, 1e8), "v1": (0.011, 0.005, 0, 1e8), "v2": (0.001, 0.017, 0, 1e8),
-           "v3": (0.005, 0.002, 4000, 1e9), "v4": (0.02, 0.015, 3000, 0.0), "v5": (0.01, 0.0, 0, 1e8),
-           "v6": (0.015, 0.012, 5000, 1e8)}
-    g = nx.DiGraph()
-    for i, (name, (fwd, bwd, params, out)) in enumerate(ops.items()):
-        g.add_node(name, fwd=fwd, bwd=bwd, params=params, out_bytes=out, index=i)
-    g.add_edges_from([("v0", "v1"), ("v0", "v3"), ("v0", "v4"), ("v0", "v5"), ("v1", "v2"), ("v2", "v3"),
-                      ("v3", "v4"), ("v4", "v5"), ("v5", "v6")])
+    g = _graph_of({"v0": (0.015, 0.0, 4000, 1e8), "v1": (0.011, 0.005, 0, 1e8), "v2": (0.001, 0.017, 0, 1e8),
+                   "v3": (0.005, 0.002, 4000, 1e9), "v4": (0.02, 0.015, 3000, 0.0), "v5": (0.01, 0.0, 0, 1e8),
+                   "v6": (0.015, 0.012, 5000, 1e8)},
+                  [("v0", "v1"), ("v0", "v3"), ("v0", "v4"), ("v0", "v5"), ("v1", "v2"), ("v2", "v3"),
+                   ("v3", "v4"), ("v4", "v5"), ("v5", "v6")])
     opts = dict(microbatches=4, schedule="1f1b", training=True, memory_limit=4800051200.0, recompute="selective")
     prob = Problem(g, 5, **opts)
     res = ideal_dp(prob)

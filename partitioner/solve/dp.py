@@ -75,6 +75,17 @@ def link_prices(prob: Problem) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.n
     return in_b, in_l, out_b, out_l
 
 
+def node_runs(prob: Problem) -> list[range]:
+    """The stages in runs joined by the fastest links (a cluster's nodes; one run on uniform links):
+    a link slower than the fastest, by bandwidth or latency, leaves a node."""
+    p = prob.p
+    bandwidth = np.array([prob.bw[k - 1, k] for k in range(1, p)])
+    latency = np.array([prob.lat[k - 1, k] for k in range(1, p)])
+    slower = (bandwidth < bandwidth.max()) | (latency > latency.min()) if p > 1 else np.zeros(0, bool)
+    starts = [0] + [k for k in range(1, p) if slower[k - 1]]
+    return [range(a, b) for a, b in zip(starts, starts[1:] + [p])]
+
+
 def _prefix(values: np.ndarray) -> np.ndarray:
     return np.concatenate([[0.0], np.cumsum(values)])
 
@@ -441,10 +452,7 @@ def _node_aligned_seed(prob: Problem, allowed: np.ndarray, incumbent: list[int])
     n, p = prob.n, prob.p
     if p < 3:
         return None
-    bandwidth = np.array([prob.bw[k - 1, k] for k in range(1, p)])
-    latency = np.array([prob.lat[k - 1, k] for k in range(1, p)])
-    slower = (bandwidth < bandwidth.max()) | (latency > latency.min())  # a link out of a node
-    boundaries = [k for k in range(1, p - 1) if slower[k - 1]]
+    boundaries = [run.start for run in node_runs(prob)[1:] if run.start < p - 1]
     if not boundaries:
         return None  # one kind of link: no node boundary to align to
     work = prob.work.astype(float)

@@ -31,7 +31,7 @@ import numpy as np
 
 from partitioner.bounds import cheapest_links, ConsumerChains, trivial_lower_bound
 from partitioner.cost import Problem
-from partitioner.solve.dp import link_prices
+from partitioner.solve.dp import link_prices, node_runs
 
 __all__ = ["IdealResult", "ideal_dp", "MAX_IDEALS", "MAX_PAIRS"]
 
@@ -444,16 +444,6 @@ class _ChainDP:
         return self._trace(left, step) if left[p - 1, self.top] >= 0 else None
 
 
-def _nodes(prob: Problem) -> list[range]:
-    """The stages in runs joined by the fastest links (a cluster's nodes; one run on uniform links)."""
-    p = prob.p
-    bandwidth = np.array([prob.bw[k - 1, k] for k in range(1, p)])
-    latency = np.array([prob.lat[k - 1, k] for k in range(1, p)])
-    slower = (bandwidth < bandwidth.max()) | (latency > latency.min()) if p > 1 else np.zeros(0, bool)
-    starts = [0] + [k for k in range(1, p) if slower[k - 1]]
-    return [range(a, b) for a, b in zip(starts, starts[1:] + [p])]
-
-
 def _raise_by_copies(dp: _ChainDP, low: float, high: float) -> tuple[float, list[list[int]]]:
     """Bisection on B in (low, high]: the largest B shown infeasible for every node that may hold the
     watched tensor's maker (a lower bound on every valid plan), and the chains found feasible
@@ -464,7 +454,7 @@ def _raise_by_copies(dp: _ChainDP, low: float, high: float) -> tuple[float, list
     received from many stages back, priced on the link from the previous one), and a larger B
     admits other chains. On the 903-op encoder-decoder at 64 stages the bisection's chains cost
     8.386 ms, the sweep's best 8.176 ms."""
-    nodes = _nodes(dp.prob)
+    nodes = node_runs(dp.prob)
     floor = {node: low for node in nodes}  # per node, a B at which it is infeasible
     plans, passes, top = [], 0, high
     while high - low > _MAKER_PRECISION * high and passes < _MAKER_PASSES:
