@@ -21,6 +21,7 @@ from partitioner.solve.colocate import Blocks, colocation_blocks
 from partitioner.solve.cpsat import cpsat_size, cpsat_solve
 from partitioner.solve.dp import DP_SEARCH_WORK, dp_solve, least_memory
 from partitioner.solve.ideals import MAX_IDEALS, ideal_dp
+from partitioner.solve.moves import tabu_search
 
 __all__ = ["solve", "METHODS", "OBJECTIVES", "AUTO_CPSAT_MAX_NODES", "AUTO_CPSAT_MAX_VARS", "DEFAULT_TIME_LIMIT",
            "DP_SEARCH_WORK", "wall_limit_for"]
@@ -88,8 +89,8 @@ def solve(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None =
 
     ``method``: ``"dp"`` (exact over contiguous cuts of the program order), ``"cpsat"``
     (all valid assignments, proven bound, warm-started from dp), ``"auto"`` (dp, then the
-    DP over all ideals, then cpsat, each only while the plan is unproven and the graph
-    small enough; never worse than dp), or a baseline ``"uniform"``, ``"params"``, ``"blocks"``.
+    DP over all ideals, then a tabu search over single-op moves, then cpsat, each only while
+    the plan is unproven and the graph small enough; never worse than dp), or a baseline ``"uniform"``, ``"params"``, ``"blocks"``.
     ``memory_limit``: bytes per device, or None for the cluster devices' memory.
     ``colocate``: groups of node names that must share a stage (each group's convex closure
     does). ``time_limit``: CP-SAT's budget in deterministic seconds (its measure of work,
@@ -152,8 +153,13 @@ def _optimise(prob: Problem, blocks: Blocks, method: str, budget: float, deadlin
     _run_dp(search, blocks, single, deadline)
     if method == "auto" and not search.proven:
         _run_ideals(search, blocks)
+    if method == "auto" and not search.proven:
+        _run_moves(search, blocks, deadline)
     if _wants_cpsat(search, method):
+        before = search.assign
         _run_cpsat(search, blocks, budget, deadline, workers)
+        if method == "auto" and not search.proven and search.assign is not before:
+            _run_moves(search, blocks, deadline)  # CP-SAT's new plan, unproven: its neighbours too
     if search.assign is None:
         raise _memory_error(prob, _allowed_cuts(prob, blocks), proven=search.infeasible)
     label = search.found_by if method != "auto" else f"auto/{search.found_by}"
@@ -201,6 +207,21 @@ def _run_ideals(search: _Search, blocks: Blocks) -> None:
                         f"({res.pairs:,} segment pairs{counted}); its plan {res.value:.6g} s")
     search.bound("ideal dp", res.lower_bound)
     search.offer(res.assign, res.value, "ideals")
+
+
+def _run_moves(search: _Search, blocks: Blocks, deadline: float) -> None:
+    """Tabu search over single-op moves from the plan found so far (see :mod:`partitioner.solve.moves`)."""
+    if search.assign is None:
+        return
+    res = tabu_search(search.prob, search.assign, frozen={i for ops in _block_positions(blocks) for i in ops},
+                      deadline=deadline)
+    gain = (f"{res.start_value:.6g} s -> {res.value:.6g} s" if res.value < search.value * (1 - 1e-12)
+            else "no better plan")
+    search.notes.append(f"moves: tabu search over single-op moves, {gain} ({res.evaluations:,} plans priced)")
+    if res.wall_stopped:
+        search.notes.append("moves: stopped by the wall-clock safety limit (machine slow or busy); "
+                            "this plan may differ on another machine")
+    search.offer(res.assign, res.value, "moves")
 
 
 def _wants_cpsat(search: _Search, method: str) -> bool:
