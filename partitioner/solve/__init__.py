@@ -151,10 +151,11 @@ def _optimise(prob: Problem, blocks: Blocks, method: str, budget: float, deadlin
         raise _memory_error(prob, _allowed_cuts(prob, blocks), proven=True)
     single = blocks.single_order(prob.succ)
     _run_dp(search, blocks, single, deadline)
+    starts: list[list[int]] = []
     if method == "auto" and not search.proven:
-        _run_ideals(search, blocks)
+        starts = _run_ideals(search, blocks)
     if method == "auto" and not search.proven:
-        _run_moves(search, blocks, deadline)
+        _run_moves(search, blocks, deadline, starts)
     if _wants_cpsat(search, method):
         before = search.assign
         _run_cpsat(search, blocks, budget, deadline, workers)
@@ -191,14 +192,15 @@ def _run_dp(search: _Search, blocks: Blocks, single: bool, deadline: float) -> N
                             "cuts are every valid assignment")
 
 
-def _run_ideals(search: _Search, blocks: Blocks) -> None:
-    """The DP over all ideals: a bound valid for every assignment, and often the optimum."""
+def _run_ideals(search: _Search, blocks: Blocks) -> list[list[int]]:
+    """The DP over all ideals: a bound valid for every assignment, and often the optimum; returns its
+    chain at the least bottleneck with copies counted (if any), a start for the moves."""
     if blocks.groups:
-        return  # its ideals would have to respect the blocks; CP-SAT handles colocation
+        return []  # its ideals would have to respect the blocks; CP-SAT handles colocation
     res = ideal_dp(search.prob, upper=search.value)
     if res is None:
         search.notes.append(f"ideal dp: skipped (more than {MAX_IDEALS:,} ideals or too many segment pairs)")
-        return
+        return []
     counted = ""
     if res.watched is not None and res.lower_bound > res.min_max:
         counted = (f"; {res.min_max:.6g} s before each copy of {search.prob.order[res.watched]}'s output "
@@ -207,21 +209,27 @@ def _run_ideals(search: _Search, blocks: Blocks) -> None:
                         f"({res.pairs:,} segment pairs{counted}); its plan {res.value:.6g} s")
     search.bound("ideal dp", res.lower_bound)
     search.offer(res.assign, res.value, "ideals")
+    fits = res.tightest is not None and search.prob.fits(search.prob.stage_costs(res.tightest)[1])
+    return [res.tightest] if fits else []
 
 
-def _run_moves(search: _Search, blocks: Blocks, deadline: float) -> None:
-    """Tabu search over single-op moves from the plan found so far (see :mod:`partitioner.solve.moves`)."""
-    if search.assign is None:
-        return
-    res = tabu_search(search.prob, search.assign, frozen={i for ops in _block_positions(blocks) for i in ops},
-                      deadline=deadline)
-    gain = (f"{res.start_value:.6g} s -> {res.value:.6g} s" if res.value < search.value * (1 - 1e-12)
-            else "no better plan")
-    search.notes.append(f"moves: tabu search over single-op moves, {gain} ({res.evaluations:,} plans priced)")
-    if res.wall_stopped:
-        search.notes.append("moves: stopped by the wall-clock safety limit (machine slow or busy); "
-                            "this plan may differ on another machine")
-    search.offer(res.assign, res.value, "moves")
+def _run_moves(search: _Search, blocks: Blocks, deadline: float, starts: Sequence[list[int]] = ()) -> None:
+    """Tabu search over single-op moves (see :mod:`partitioner.solve.moves`) from the plan found so far
+    and from each of ``starts`` (valid plans that fit memory), each with its own budget."""
+    frozen = {i for ops in _block_positions(blocks) for i in ops}
+    plans = [search.assign] if search.assign is not None else []
+    plans += [s for s in starts if s not in plans and not search.prob.check(s)]
+    for k, start in enumerate(plans):
+        res = tabu_search(search.prob, start, frozen=frozen, deadline=deadline)
+        which = "the plan so far" if k == 0 and start is search.assign else "the ideal DP's tightest chain"
+        gain = (f"{res.start_value:.6g} s -> {res.value:.6g} s" if res.value < search.value * (1 - 1e-12)
+                else f"{res.start_value:.6g} s -> {res.value:.6g} s, no better plan")
+        search.notes.append(f"moves: tabu search over single-op moves from {which}, {gain} "
+                            f"({res.evaluations:,} plans priced)")
+        if res.wall_stopped:
+            search.notes.append("moves: stopped by the wall-clock safety limit (machine slow or busy); "
+                                "this plan may differ on another machine")
+        search.offer(res.assign, res.value, "moves")
 
 
 def _wants_cpsat(search: _Search, method: str) -> bool:

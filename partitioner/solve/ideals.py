@@ -65,6 +65,10 @@ class IdealResult:
     min_max: float = math.nan
     #: The tensor (position) whose copies the bisection counted, if any.
     watched: int | None = None
+    #: The chain found feasible at the least B with the copies counted: balanced where the bound
+    #: is, though its exact cost is higher where the lower model is loose; a start for the moves
+    #: (:mod:`partitioner.solve.moves`), which repair what the model missed.
+    tightest: list[int] | None = None
 
 
 class _Lattice:
@@ -444,10 +448,10 @@ class _ChainDP:
         return self._trace(left, step) if left[p - 1, self.top] >= 0 else None
 
 
-def _raise_by_copies(dp: _ChainDP, low: float, high: float) -> tuple[float, list[list[int]]]:
+def _raise_by_copies(dp: _ChainDP, low: float, high: float) -> tuple[float, list[tuple[float, list[int]]]]:
     """Bisection on B in (low, high]: the largest B shown infeasible for every node that may hold the
     watched tensor's maker (a lower bound on every valid plan), and the chains found feasible
-    (plans). At most _MAKER_PASSES budget DPs, to a relative _MAKER_PRECISION: counts.
+    (plans), each with the B it was found at. At most _MAKER_PASSES budget DPs, to a relative _MAKER_PRECISION: counts.
 
     Then, for plans only, _PLAN_SWEEP values of B spread evenly over (bound, high], from the top: a chain that
     is feasible in the lower model costs more in exact terms where the model is loose (a tensor
@@ -471,7 +475,7 @@ def _raise_by_copies(dp: _ChainDP, low: float, high: float) -> tuple[float, list
             low = mid
         elif found is not None:
             high = mid
-            plans.append(found)
+            plans.append((mid, found))
     for k in range(_PLAN_SWEEP, 0, -1):  # downwards: a node infeasible at one B is at every lower one
         bound = low + (top - low) * k / _PLAN_SWEEP
         for node in nodes:
@@ -480,7 +484,7 @@ def _raise_by_copies(dp: _ChainDP, low: float, high: float) -> tuple[float, list
                 if found is None:
                     floor[node] = bound
                 else:
-                    plans.append(found)
+                    plans.append((bound, found))
     return low, plans
 
 
@@ -537,12 +541,13 @@ def ideal_dp(prob: Problem, *, upper: float = math.inf, max_ideals: int = MAX_ID
         limit = value if assign is not None else limit * 4
     if assign is None:
         return None
-    bound, plans = value, [assign]
+    bound, plans, tightest = value, [assign], None
     if dp.watched is not None and value < min(upper, limit):
         # Every B up to the band has all its segment pairs: infeasible there is proven.
         bound, found = _raise_by_copies(dp, value, min(upper, limit))
-        plans += found
+        plans += [plan for _, plan in found]
+        tightest = min(found, key=lambda bp: bp[0])[1] if found else None
     # The lower model's memory is a relaxation (it leaves out the cut tensors a stage keeps for
     # sending): prefer the plans that fit, then the fastest.
     best = min(plans, key=lambda a: (not prob.fits(prob.stage_costs(a)[1]), prob.bottleneck(a)))
-    return IdealResult(bound, best, prob.bottleneck(best), used, value, dp.watched)
+    return IdealResult(bound, best, prob.bottleneck(best), used, value, dp.watched, tightest)

@@ -34,9 +34,9 @@ from partitioner.cost import Problem
 __all__ = ["MoveResult", "tabu_search", "MOVE_WORK", "MOVE_EVALUATIONS", "TABU_TENURE"]
 
 #: Candidate evaluations at most ...
-MOVE_EVALUATIONS = 3000
+MOVE_EVALUATIONS = 2000
 #: ... and at most this many ops priced over all of them (each evaluation prices every op):
-#: about 1.5 s at 1,000 ops and 1 s at 10,000 on this 2-core machine.
+#: about 1 s at 1,000 ops and 1 s at 10,000 on this 2-core machine.
 MOVE_WORK = 5_000_000
 #: Steps an op that moved stays where it is (unless moving it finds a new best plan).
 TABU_TENURE = 5
