@@ -298,7 +298,7 @@ def brute_force(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | 
     """The true optimum by exhaustive enumeration (small graphs only: it is exponential).
 
     Enumerates every valid assignment (each op on a stage no earlier than its inputs',
-    every stage non-empty, colocation groups together), or, with ``order``, every
+    every stage holding an op other than the model's output node, colocation groups together), or, with ``order``, every
     placement of contiguous cuts in that order; and for each, every combination of the
     stages' allowed recomputation choices (``recompute``, as in ``solve``), keeping the
     fastest that fits memory. Partial assignments are abandoned once some stage already
@@ -322,11 +322,14 @@ def brute_force(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | 
             if all(m <= lm for m, lm in zip(mem, lim)) and max(t) < best_val:
                 best_val, best, best_choices = max(t), list(assign), list(combo)
 
+    real = [0 if out else 1 for out in prob.is_output]  # a stage of nothing but the output node is empty
     if order is not None:
         for cuts in itertools.combinations(range(1, n), p - 1):
             bounds = [0, *cuts, n]
             assign = [s for s in range(p) for _ in range(bounds[s], bounds[s + 1])]
             if any(len({assign[i] for i in group_of if group_of[i] == g}) > 1 for g in set(group_of.values())):
+                continue
+            if not all(sum(real[bounds[s]:bounds[s + 1]]) for s in range(p)):
                 continue
             offer(assign)
     else:
@@ -355,7 +358,7 @@ def brute_force(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | 
                 load[s] += prob.work[v] / prob.speed[s]
                 for c in mem[s]:
                     mem[s][c] += prob.node_memory(v, s, c)
-                used[s] += 1
+                used[s] += real[v]
                 for u in prob.pred[v]:
                     a = assign[u]
                     if a != s and prob.out_bytes[u] > 0 and (u, s) not in sent:
@@ -375,7 +378,7 @@ def brute_force(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | 
                     sent.discard((u, s))
                     load[a] -= c
                     load[s] -= c
-                used[s] -= 1
+                used[s] -= real[v]
                 for c in mem[s]:
                     mem[s][c] -= prob.node_memory(v, s, c)
                 load[s] -= prob.work[v] / prob.speed[s]

@@ -4,11 +4,13 @@ import networkx as nx
 from hypothesis import strategies as st
 
 from partitioner.cluster import Cluster
+from partitioner.graph import OUTPUT_OP
 
 
 @st.composite
 def problems(draw):
-    """A random DAG of 2-9 ops (plain DiGraph, no index), 2-4 stages, a cluster and options."""
+    """A random DAG of 2-9 ops (plain DiGraph, no index), 2-4 stages, a cluster and options; half the
+    time with the model's output node reading every op that nothing else reads (as traced graphs have)."""
     n = draw(st.integers(2, 9))
     g = nx.DiGraph()
     for i in range(n):
@@ -33,4 +35,8 @@ def problems(draw):
     opts = dict(cluster=cluster, microbatches=draw(st.integers(1, 4)),
                 schedule=draw(st.sampled_from(["1f1b", "gpipe"])), training=draw(st.booleans()),
                 memory_limit=None if frac is None or total_mem == 0 else frac * total_mem)
+    if draw(st.booleans()):
+        sinks = [v for v in g.nodes if g.out_degree(v) == 0]
+        g.add_node(f"v{n}", op=OUTPUT_OP, fwd=0.0, bwd=0.0, params=0, out_bytes=0)
+        g.add_edges_from((v, f"v{n}") for v in sinks)
     return g, p, opts

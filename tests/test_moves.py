@@ -97,3 +97,23 @@ def test_auto_repairs_the_ideal_dps_tightest_chain_with_moves():
     synthetic.assert_valid(g, auto)
     assert auto.bottleneck <= 1.01 * auto.lower_bound
     assert any("tightest chain" in note for note in auto.notes)
+
+
+def test_tabu_search_never_ends_on_a_bottleneck_larger_by_rounding():
+    """Found by review: sorted stage times compared within 1e-12 took (0.056, 0.033) over the start's
+    (0.0559999..., 0.035), a bottleneck one ulp larger than the start's."""
+    g = nx.DiGraph()
+    g.add_node("v0", fwd=0.01, bwd=0.012, params=3000, out_bytes=2_000_000)
+    g.add_node("v1", fwd=0.016, bwd=0.014, params=0, out_bytes=7_000_000)
+    g.add_node("v2", fwd=0.01, bwd=0.021, params=1000, out_bytes=5_000_000)
+    g.add_edges_from([("v0", "v2"), ("v1", "v2")])
+    prob = Problem(g, 2, cluster=Cluster.uniform(2, bandwidth=5e9, latency=1e-4), microbatches=4)
+    res = tabu_search(prob, [0, 0, 1], evaluations=1)
+    assert res.value <= res.start_value
+
+
+def test_tabu_search_honours_its_work_cap():
+    g = synthetic.generate("layered", 300, seed=1)
+    prob = Problem(g, 8, cluster=Cluster.load("h100-sxm", devices=8), microbatches=32)
+    res = tabu_search(prob, _start(prob), work=10 * prob.n, evaluations=1000)
+    assert res.evaluations == 10

@@ -14,6 +14,7 @@ from partitioner import synthetic
 from partitioner.cluster import Cluster
 from partitioner.cost import Problem, evaluate, graph_order
 from partitioner.errors import ColocationError, MemoryLimitError, StageCountError
+from partitioner.graph import OUTPUT_OP
 from partitioner.solve import solve
 from partitioner.solve.baselines import cuts_to_assign
 from partitioner.solve.dp import _Budget, _completion_bounds, _seeds, _shift_cuts, dp_solve
@@ -62,7 +63,7 @@ def test_solvers_match_brute_force(case):
 def colocated_problems(draw):
     """A random DAG with 1-2 colocation groups of ops anywhere (far apart too) and fractional memory."""
     g, p, opts = draw(problems())
-    names = sorted(g.nodes, key=lambda v: int(v[1:]))
+    names = sorted((v for v in g.nodes if g.nodes[v].get("op") != OUTPUT_OP), key=lambda v: int(v[1:]))
     for v in names:  # fractional bytes: the integer model must not round them against a plan
         g.nodes[v]["params"] = draw(st.integers(0, 50)) * 137.3
     groups = [draw(st.lists(st.sampled_from(names), min_size=2, max_size=3, unique=True))
@@ -591,3 +592,23 @@ def test_ideal_dp_sweeps_bottlenecks_above_its_bound_for_plans():
     res = ideal_dp(prob, upper=8.4501e-3)  # dp's plan, as solve() passes it
     assert res.value <= res.lower_bound * 1.03
     assert res.value == pytest.approx(prob.bottleneck(res.assign)) and not prob.check(res.assign)
+
+
+def test_no_method_returns_a_stage_of_only_the_output_node():
+    """Found by review: two independent ops feeding the model's output node on a fast and a 10x slower
+    device. The ideal DP's chain put both ops on the fast device and the output node alone on the slow
+    one (2 ms, "optimal"), which is an empty stage; every valid plan puts a real op there (10 ms)."""
+    g = nx.DiGraph()
+    for name in ("a", "b"):
+        g.add_node(name, fwd=1e-3, bwd=0.0, params=0, out_bytes=0)
+    g.add_node("out", op=OUTPUT_OP, fwd=0.0, bwd=0.0, params=0, out_bytes=0)
+    g.add_edges_from([("a", "out"), ("b", "out")])
+    cluster = Cluster.heterogeneous([1.0, 0.1], bandwidths=[1e10])
+    best = synthetic.brute_force(g, 2, cluster=cluster)
+    assert best.bottleneck == pytest.approx(10e-3)
+    prob = Problem(g, 2, cluster=cluster)
+    for method in ("dp", "cpsat", "auto"):
+        part = solve(g, 2, cluster=cluster, method=method, time_limit=1)
+        assert prob.check(prob.assignment(part.stage_of)) == []
+        assert part.bottleneck == pytest.approx(best.bottleneck, rel=1e-9)
+    assert ideal_dp(prob).value == pytest.approx(best.bottleneck, rel=1e-9)

@@ -56,12 +56,16 @@ class _Search:
     infeasible: bool = False  # CP-SAT proved that no valid assignment fits memory
 
     def offer(self, assign: Sequence[int] | None, value: float, by: str) -> None:
-        """Keep ``assign`` when strictly better (so a later method never makes the plan worse) and within memory.
+        """Keep ``assign`` when strictly better (so a later method never makes the plan worse), valid and within memory.
 
         Memory is checked on the one cost model: a method that prices it op by op (CP-SAT,
         the ideal DP) does not see the cut tensors a stage keeps, so its plan may not fit.
         """
         if assign is None or (self.assign is not None and value >= self.value * (1 - 1e-12)):
+            return
+        invalid = self.prob.check(assign)
+        if invalid:  # a solver's bug, said rather than returned
+            self.notes.append(f"{by}: its plan is not a valid assignment ({'; '.join(invalid)}); not taken")
             return
         if not self.prob.fits(self.prob.stage_costs(assign)[1]):
             self.notes.append(f"{by}: its plan keeps cut tensors over the memory limit; not taken")

@@ -216,6 +216,8 @@ class _Pairs:
         if lat.sums["work"][i] > self.band * (1 + 1e-9):  # the DFS's own sums may round the other way
             return
         ideal = lat.masks[i]
+        if all(prob.is_output[v] for v in _bits(ideal)):
+            return  # a stage of nothing but the output node is empty
         outside = ((1 << prob.n) - 1) & ~ideal
         copies = self._copies(ideal)
         sent = [v for v in _bits(ideal) if prob.out_bytes[v] > 0 and lat.succ[v] & outside]
@@ -236,11 +238,13 @@ class _Pairs:
         add = self.rows.append
         # Stages the ideals below may need (the same for every I: computed once, on first use).
         need = self.need
-        # (J's index, received set, rb, rc, sb, sc, work of I \ J, (chain tensor, copies) it sends)
-        stack = [(i, 0, 0.0, 0, 0.0, 0, 0.0, ())]
+        output = prob.is_output
+        # (J's index, received set, rb, rc, sb, sc, work of I \ J, (chain tensor, copies) it sends,
+        # whether I \ J holds an op other than the model's output node: a stage of nothing else is empty)
+        stack = [(i, 0, 0.0, 0, 0.0, 0, 0.0, (), False)]
         seen = {i}
         while stack:
-            sub, recv, rb, rc, sb, sc, done, spread = stack.pop()
+            sub, recv, rb, rc, sb, sc, done, spread, real = stack.pop()
             for v, seg, below in down[sub]:
                 seg_work = done + seg
                 if seg_work > band or below in seen:
@@ -265,13 +269,14 @@ class _Pairs:
                 stages = need.get(below)
                 if stages is None:
                     stages = need[below] = _stages_for(sums[below], band, below == 0)
-                if stages <= room:
+                nreal = real or not output[v]
+                if stages <= room and nreal:
                     add((below, i, nrb, nrc, nsb, nsc, self._broadcast_id(nspread) if nspread else 0,
                          1 if ((recv & ~(1 << v)) | pred[v]) & watched else 0))
                 self.left -= 1
                 if self.left < 0:
                     return False
-                stack.append((below, (recv & ~(1 << v)) | pred[v], nrb, nrc, nsb, nsc, seg_work, nspread))
+                stack.append((below, (recv & ~(1 << v)) | pred[v], nrb, nrc, nsb, nsc, seg_work, nspread, nreal))
         return True
 
     def _copies(self, ideal: int):

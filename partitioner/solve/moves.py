@@ -138,6 +138,6 @@ def tabu_search(prob: Problem, assign: Sequence[int], *, frozen: Collection[int]
         ops_on[to] += 1
         a[v] = to
         moved_at[v] = step
-        if _smaller(key, best):
+        if _smaller(key, best) and key[0] <= best[0]:  # never a larger bottleneck, not even by rounding
             best, best_assign = key, a.copy()
     return MoveResult(best_assign.tolist(), float(best[0]), float(start), used, wall_stopped)
