@@ -39,7 +39,7 @@ MOVE_EVALUATIONS = 2000
 #: about 1 s at 1,000 ops and 1 s at 10,000 on this 2-core machine.
 MOVE_WORK = 5_000_000
 #: Steps an op that moved stays where it is (unless moving it finds a new best plan).
-TABU_TENURE = 5
+TABU_TENURE = 4
 _REL = 1e-12
 
 
@@ -124,7 +124,7 @@ def tabu_search(prob: Problem, assign: Sequence[int], *, frozen: Collection[int]
             if not prob.fits(mem):
                 continue
             key = sorted(t, reverse=True)
-            if moved_at.get(v, -tenure) > step - tenure and not _smaller(key, best):
+            if step - moved_at.get(v, -tenure) <= tenure and not _smaller(key, best):
                 continue  # tabu, and not a new best
             if pick is None or _smaller(key, pick[0]):
                 pick = (key, v, to, t)
