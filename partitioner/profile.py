@@ -7,7 +7,7 @@ import copy
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
+from partitioner.cuda_timing import GpuTimer
 from partitioner.devices import DeviceSpec, dtype_key
 from partitioner.graph import OpGraph
 from partitioner.trace import TraceError, flatten_inputs, is_inplace, op_nodes, retarget_device, trace
@@ -149,16 +150,25 @@ def time_whole_model(model: nn.Module, example_args: Sequence[Any] | Any = (),
     args = tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,)
     kwargs = dict(example_kwargs or {})
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    # CUDA kernels run asynchronously: without waiting for them the clock reads launch time only.
+    gpus = {t.device for t in [*model.parameters(), *model.buffers(), *pytree.tree_leaves((args, kwargs))]
+            if isinstance(t, torch.Tensor) and t.device.type == "cuda"}
+
+    def now() -> float:
+        for device in gpus:
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
     fwd_times: list[float] = []
     bwd_times: list[float] = []
     try:
         for i in range(warmup + repeats):
-            start = time.perf_counter()
+            start = now()
             out = model(*args, **kwargs)
-            middle = time.perf_counter()
+            middle = now()
             outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
             torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-            end = time.perf_counter()
+            end = now()
             if i >= warmup:
                 fwd_times.append(middle - start)
                 bwd_times.append(end - middle)
@@ -198,7 +208,7 @@ class _OpRunner:
         self.repeats = repeats
         self.warmup = warmup
         self.interpreter = fx.Interpreter(gm)
-        self.cuda = device.type == "cuda"
+        self.gpu_timer = GpuTimer(device) if device.type == "cuda" else None
         self._costs: dict[str, _Costs] = {}  # by _cost_key: the 80 blocks of an LLM are costed once
 
     def run(self, inputs: list[Any], progress: ProgressFn | None) -> OpGraph:
@@ -228,7 +238,7 @@ class _OpRunner:
                 env[node] = self.interpreter.fetch_attr(str(node.target))
                 continue
             if node.op == "output":
-                self._add_output(g, node, owner, index)
+                self._add_output(g, node, owner, index, env)
                 continue
             args, kwargs = self._args(node, env)
             if owner[node] is not node:  # getitem: plumbing that belongs to its producer
@@ -289,7 +299,8 @@ class _OpRunner:
         return OpGraph(g, {"activations": "saved_bytes"})
 
     @staticmethod
-    def _add_output(g: nx.DiGraph, node: fx.Node, owner: Mapping[fx.Node, fx.Node], index: int) -> None:
+    def _add_output(g: nx.DiGraph, node: fx.Node, owner: Mapping[fx.Node, fx.Node], index: int,
+                    env: Mapping[fx.Node, Any]) -> None:
         """The model's output as a node of its own: every value it returns must reach the stage holding it.
 
         It costs nothing and holds nothing; its in-edges make the cost model price moving
@@ -298,9 +309,12 @@ class _OpRunner:
         g.add_node(node.name, fwd=0.0, bwd=0.0, bwd_w=0.0, params=0, shared_bytes=0, buffers=0, out_bytes=0,
                    flops=0, module="", op="output", index=index, param_names=(), buffer_names=(),
                    shared_params=(), shared_from=(), fx_nodes=(node.name,))
-        # the loss keeps what the model returns for its own backward, on the output stage
-        g.nodes[node.name]["returned_bytes"] = sum(g.nodes[owner[p].name]["out_bytes"]
-                                                   for p in {owner[p] for p in node.all_input_nodes if p in owner})
+        # The loss keeps what the model returns for its own backward, on the output stage, in fp32: torch's
+        # losses (log_softmax, cross_entropy, mse_loss) run in fp32 under autocast, and the zoo's and Hugging
+        # Face's language-model losses cast the logits up first. Counted at the returned width, a bf16 GPT's
+        # last stage held one bf16 copy of its logits more than planned (docs/memory.md).
+        g.nodes[node.name]["returned_bytes"] = sum(
+            _tensor_bytes(env[p], at_least=4) for p in {owner[p] for p in node.all_input_nodes if p in owner})
         for producer in node.all_input_nodes:
             if producer in owner:
                 g.add_edge(owner[producer].name, node.name)
@@ -408,7 +422,7 @@ class _OpRunner:
             with torch.set_grad_enabled(self.training):
                 for node, args, kwargs, _ in calls:
                     call_args, call_kwargs = _fresh(args, kwargs, is_inplace(node, self.gm))
-                    elapsed = self._timed(lambda: self._call(node, call_args, call_kwargs))
+                    elapsed = self._timed(lambda: self._call(node, call_args, call_kwargs), (node, "fwd"))
                     if r >= self.warmup:
                         fwd[node].append(elapsed)
             tick(len(calls))
@@ -447,7 +461,7 @@ class _OpRunner:
         for r in range(self.warmup + self.repeats):
             runs = [(node, prepare()) for node, prepare in prepared if prepare is not None]
             for node, run in reversed(runs):
-                elapsed = self._timed(run)
+                elapsed = self._timed(run, (node, "bwd", weights))
                 if r >= self.warmup:
                     samples[node].append(elapsed)
             del runs
@@ -499,16 +513,11 @@ class _OpRunner:
 
         return prepare
 
-    def _timed(self, fn: Callable[[], Any]) -> float:
+    def _timed(self, fn: Callable[[], Any], site: Hashable) -> float:
+        """Seconds ``fn`` takes (its kernels' time on a GPU); ``site`` names the call for the GPU timer."""
         self._before_timing()
-        if self.cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
+        if self.gpu_timer is not None:
+            return self.gpu_timer(fn, site)
         begin = time.perf_counter()
         fn()
         return time.perf_counter() - begin
@@ -752,8 +761,10 @@ def _fresh(args: tuple, kwargs: dict, inplace: bool) -> tuple[tuple, dict]:
     return pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, (args, kwargs))
 
 
-def _tensor_bytes(value: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
+def _tensor_bytes(value: Any, *, at_least: int = 0) -> int:
+    """Bytes of the tensors in ``value``; ``at_least``: floating ones counted at that width or more."""
+    return sum(t.numel() * (max(t.element_size(), at_least) if t.is_floating_point() else t.element_size())
+               for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
 
 
 def _dominant_dtype(out: Any, args: Any) -> str:
