@@ -20,6 +20,7 @@ from partitioner.solve.baselines import BASELINES, baseline_assign
 from partitioner.solve.colocate import Blocks, colocation_blocks
 from partitioner.solve.cpsat import cpsat_size, cpsat_solve
 from partitioner.solve.dp import DP_SEARCH_WORK, dp_solve, least_memory
+from partitioner.solve.groups import group_lower_bound
 from partitioner.solve.ideals import MAX_IDEALS, ideal_dp
 from partitioner.solve.moves import tabu_search
 
@@ -32,6 +33,8 @@ OBJECTIVES = ("bottleneck", "step_time")
 AUTO_CPSAT_MAX_NODES = 2000
 #: ... and this many model variables (ops x stages + transfer variables).
 AUTO_CPSAT_MAX_VARS = 400_000
+#: The grouped-stages bound's deterministic budget, as a share of ``time_limit`` (CP-SAT keeps all of it).
+GROUP_BUDGET_SHARE = 0.5
 #: CP-SAT's deterministic-time budget when ``time_limit`` is not given (about 4-10 wall
 #: seconds on one core of this 2-core machine).
 DEFAULT_TIME_LIMIT = 4.0
@@ -160,6 +163,8 @@ def _optimise(prob: Problem, blocks: Blocks, method: str, budget: float, deadlin
         starts = _run_ideals(search, blocks)
     if method == "auto" and not search.proven:
         _run_moves(search, blocks, deadline, starts)
+    if method == "auto" and not search.proven and prob.n <= AUTO_CPSAT_MAX_NODES:
+        _run_groups(search, budget * GROUP_BUDGET_SHARE, deadline, workers)
     if _wants_cpsat(search, method):
         before = search.assign
         _run_cpsat(search, blocks, budget, deadline, workers)
@@ -234,6 +239,21 @@ def _run_moves(search: _Search, blocks: Blocks, deadline: float, starts: Sequenc
             search.notes.append("moves: stopped by the wall-clock safety limit (machine slow or busy); "
                                 "this plan may differ on another machine")
         search.offer(res.assign, res.value, "moves")
+
+
+def _run_groups(search: _Search, budget: float, deadline: float, workers: int) -> None:
+    """The grouped-stages bound (:mod:`partitioner.solve.groups`), started from the plan so far."""
+    res = group_lower_bound(search.prob, budget=budget, wall_limit=max(0.05, deadline - time.perf_counter()),
+                            hint=search.assign, workers=workers)
+    if res is None:
+        return
+    search.notes.append(f"stage groups: lower bound {res.lower_bound:.6g} s with the stages in {len(res.starts)} "
+                        f"groups from stages {list(res.starts)} ({res.status}, {res.deterministic_seconds:.2f} of "
+                        f"{budget:g} deterministic s)")
+    if res.wall_stopped:
+        search.notes.append("stage groups: stopped by the wall-clock safety limit (machine slow or busy); "
+                            "this bound may differ on another machine")
+    search.bound("stage groups", res.lower_bound)
 
 
 def _wants_cpsat(search: _Search, method: str) -> bool:
