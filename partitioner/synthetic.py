@@ -412,13 +412,16 @@ def _group_ids(prob: Problem, colocate: Iterable[Iterable[Hashable]]) -> dict[in
 
 
 def check_partition(graph: OpGraph | nx.DiGraph, part: Partition, *,
-                    colocate: Iterable[Iterable[Hashable]] = (), memory: bool = True) -> list[str]:
+                    colocate: Iterable[Iterable[Hashable]] = (), memory: bool = True,
+                    ranks: int | None = None) -> list[str]:
     """Everything wrong with ``part`` for ``graph`` (an empty list when it is a valid plan).
 
     Checks that every op has a stage, stages are non-empty, edges never flow backward,
     colocation groups share a stage, memory fits (when ``memory``), the lower bound does
     not exceed the bottleneck, and the reported stage times match a fresh evaluation
-    (under the stages' own recomputation choices).
+    (under the stages' own recomputation choices and the plan's cap on microbatches in
+    flight). ``ranks``: the pipeline ranks of an interleaved plan, which a Partition does
+    not record (its memory depends on them).
     """
     problems = []
     try:
@@ -426,7 +429,8 @@ def check_partition(graph: OpGraph | nx.DiGraph, part: Partition, *,
                          microbatches=part.microbatches, schedule=part.schedule, training=part.training,
                          memory_limit=part.memory_limit, state_factor=part.state_factor,
                          workspace_factor=part.workspace_factor,
-                         stages=part.num_stages, recompute=part.recompute)
+                         stages=part.num_stages, recompute=part.recompute, ranks=ranks,
+                         active_microbatches=part.active_microbatches)
     except ValueError as err:
         return [str(err)]
     for a, b in zip(fresh.stages, part.stages):

@@ -95,3 +95,17 @@ def test_assertions():
     tampered = evaluate(g, {"op0": 0, "op1": 0, "op2": 1, "op3": 1})
     tampered.stages[0].time = 0.0
     assert synthetic.check_partition(g, tampered)
+
+
+def test_check_partition_weighs_memory_under_the_plans_cap_on_microbatches_in_flight():
+    """A GPipe plan that fits only because it holds one microbatch at a time: checked without its
+    ``active_microbatches`` it was reported over the memory limit."""
+    g = synthetic.generate("chain", 12, seed=0)
+    options = dict(microbatches=8, schedule="gpipe", recompute="none")
+    stage_of = {v: (0 if i < 6 else 1) for i, v in enumerate(nx.topological_sort(g.nx))}
+    capped = evaluate(g, stage_of, active_microbatches=1, **options)
+    limit = max(s.memory for s in capped.stages) * 1.001
+    assert not evaluate(g, stage_of, memory_limit=limit, **options).memory_ok  # all 8 in flight do not fit
+    part = evaluate(g, stage_of, memory_limit=limit, active_microbatches=1, **options)
+    assert part.memory_ok
+    assert synthetic.check_partition(g, part) == []

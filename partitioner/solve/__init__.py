@@ -35,6 +35,9 @@ AUTO_CPSAT_MAX_NODES = 2000
 AUTO_CPSAT_MAX_VARS = 400_000
 #: The grouped-stages bound's deterministic budget, as a share of ``time_limit`` (CP-SAT keeps all of it).
 GROUP_BUDGET_SHARE = 0.5
+#: ... on graphs of at most this many ops: on the 1,000-op layered DAG (8 and 64 stages) its model does not
+#: finish in 15 deterministic seconds and proves less than the closed-form bounds (docs/optimizer.md).
+GROUPS_MAX_NODES = 750
 #: CP-SAT's deterministic-time budget when ``time_limit`` is not given (about 4-10 wall
 #: seconds on one core of this 2-core machine).
 DEFAULT_TIME_LIMIT = 4.0
@@ -96,12 +99,14 @@ def solve(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None =
 
     ``method``: ``"dp"`` (exact over contiguous cuts of the program order), ``"cpsat"``
     (all valid assignments, proven bound, warm-started from dp), ``"auto"`` (dp, then the
-    DP over all ideals, then a tabu search over single-op moves, then cpsat, each only while
-    the plan is unproven and the graph small enough; never worse than dp), or a baseline ``"uniform"``, ``"params"``, ``"blocks"``.
+    DP over all ideals, a tabu search over single-op moves, the stage-groups bound, then
+    cpsat, each only while the plan is unproven and the graph small enough; never worse than
+    dp), or a baseline ``"uniform"``, ``"params"``, ``"blocks"``.
     ``memory_limit``: bytes per device, or None for the cluster devices' memory.
     ``colocate``: groups of node names that must share a stage (each group's convex closure
     does). ``time_limit``: CP-SAT's budget in deterministic seconds (its measure of work,
-    about seconds on a quiet core), default :data:`DEFAULT_TIME_LIMIT`; dp's search is
+    about seconds on a quiet core), default :data:`DEFAULT_TIME_LIMIT`, and half again for the
+    stage-groups bound under auto (:data:`GROUP_BUDGET_SHARE`); dp's search is
     bounded by :data:`DP_SEARCH_WORK`. Budgets are counts, so the same input gives the same
     plan and bound on any machine; ``wall_limit`` (seconds, default
     :func:`wall_limit_for`) is only a safety net, and a note says when it struck.
@@ -163,7 +168,7 @@ def _optimise(prob: Problem, blocks: Blocks, method: str, budget: float, deadlin
         starts = _run_ideals(search, blocks)
     if method == "auto" and not search.proven:
         _run_moves(search, blocks, deadline, starts)
-    if method == "auto" and not search.proven and prob.n <= AUTO_CPSAT_MAX_NODES:
+    if method == "auto" and not search.proven and prob.n <= GROUPS_MAX_NODES:
         _run_groups(search, budget * GROUP_BUDGET_SHARE, deadline, workers)
     if _wants_cpsat(search, method):
         before = search.assign
@@ -231,8 +236,8 @@ def _run_moves(search: _Search, blocks: Blocks, deadline: float, starts: Sequenc
     for k, start in enumerate(plans):
         res = tabu_search(search.prob, start, frozen=frozen, deadline=deadline)
         which = "the plan so far" if k == 0 and start is search.assign else "the ideal DP's tightest chain"
-        gain = (f"{res.start_value:.6g} s -> {res.value:.6g} s" if res.value < search.value * (1 - 1e-12)
-                else f"{res.start_value:.6g} s -> {res.value:.6g} s, no better plan")
+        better = res.value < search.value * (1 - 1e-12)
+        gain = f"{res.start_value:.6g} s -> {res.value:.6g} s" + ("" if better else ", no better plan")
         search.notes.append(f"moves: tabu search over single-op moves from {which}, {gain} "
                             f"({res.evaluations:,} plans priced)")
         if res.wall_stopped:
