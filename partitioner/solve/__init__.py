@@ -99,8 +99,8 @@ def solve(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None =
 
     ``method``: ``"dp"`` (exact over contiguous cuts of the program order), ``"cpsat"``
     (all valid assignments, proven bound, warm-started from dp), ``"auto"`` (dp, then the
-    DP over all ideals, a tabu search over single-op moves, the stage-groups bound, then
-    cpsat, each only while the plan is unproven and the graph small enough; never worse than
+    DP over all ideals, a tabu search over single-op moves, cpsat, then the stage-groups
+    bound, each only while the plan is unproven and the graph small enough; never worse than
     dp), or a baseline ``"uniform"``, ``"params"``, ``"blocks"``.
     ``memory_limit``: bytes per device, or None for the cluster devices' memory.
     ``colocate``: groups of node names that must share a stage (each group's convex closure
@@ -168,13 +168,13 @@ def _optimise(prob: Problem, blocks: Blocks, method: str, budget: float, deadlin
         starts = _run_ideals(search, blocks)
     if method == "auto" and not search.proven:
         _run_moves(search, blocks, deadline, starts)
-    if method == "auto" and not search.proven and prob.n <= GROUPS_MAX_NODES:
-        _run_groups(search, budget * GROUP_BUDGET_SHARE, deadline, workers)
     if _wants_cpsat(search, method):
         before = search.assign
         _run_cpsat(search, blocks, budget, deadline, workers)
         if method == "auto" and not search.proven and search.assign is not before:
             _run_moves(search, blocks, deadline)  # CP-SAT's new plan, unproven: its neighbours too
+    if method == "auto" and not search.proven and prob.n <= GROUPS_MAX_NODES:
+        _run_groups(search, budget * GROUP_BUDGET_SHARE, deadline, workers)
     if search.assign is None:
         raise _memory_error(prob, _allowed_cuts(prob, blocks), proven=search.infeasible)
     label = search.found_by if method != "auto" else f"auto/{search.found_by}"
