@@ -16,7 +16,8 @@
    the engine real ranks run. The first step's loss and gradients against the unpartitioned
    model under the same autocast; after two AdamW steps each rank's exact holdings
    (``memory_stats``) against the plan's rank memory, and ``torch.cuda.max_memory_allocated``
-   over steps 2 and 3 against the sum of the plan's rank memory (every rank in one process).
+   from the first optimizer step on (once the reference's gradients are freed) against the sum
+   of the plan's rank memory (every rank in one process).
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def runtime_row(spec: str, device: torch.device, stages: int, microbatches: int)
                     den += float(ref_grads[n].float().norm()) ** 2
             grad_err = (num ** 0.5) / (den ** 0.5)
             del ref_grads
-            if device.type == "cuda":  # the peak of the steps after this one, without the reference's gradients
+            if device.type == "cuda":  # the peak from here on, without the reference's gradients
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
         for opt in opts:
@@ -182,8 +183,8 @@ def markdown(env: dict, calib: dict, h100: dict, rows: list[dict], rt: dict, com
     if rt["cuda_peak"] is not None:
         lines.append(f"- `torch.cuda.max_memory_allocated` over the steps {rt['cuda_peak'] / mib:.0f} MiB against "
                      f"the sum of the plan's rank memory {rt['predicted_total'] / mib:.0f} MiB: ratio "
-                     f"{rt['cuda_peak'] / rt['predicted_total']:.3f} (steps 2 and 3, after the first step "
-                     f"freed the reference's gradients; {rt['cuda_base'] / mib:.0f} MiB allocated before the steps)")
+                     f"{rt['cuda_peak'] / rt['predicted_total']:.3f} (from the first optimizer step on, "
+                     f"the reference's gradients freed; {rt['cuda_base'] / mib:.0f} MiB allocated before the steps)")
     lines += ["", "| rank | predicted | measured (memory_stats) | ratio | activations predicted | measured |",
               "|---:|---:|---:|---:|---:|---:|"]
     for r in rt["ranks"]:

@@ -1,5 +1,6 @@
 """The grouped-stages bound: never above the optimum, above the closed-form bounds where stages pay for many tensors."""
 
+import networkx as nx
 import pytest
 from hypothesis import HealthCheck, given, settings
 
@@ -52,3 +53,18 @@ def test_the_group_bound_counts_what_stages_pay_on_a_layered_dag():
     assert res.status == "OPTIMAL" and res.starts == (0, 2, 4, 6)
     assert res.lower_bound > 1.15 * closed_form
     assert res.lower_bound <= plan.bottleneck
+
+
+def test_the_group_bound_holds_on_slow_devices_far_above_the_total_work():
+    """On devices at 2% speed the least bottleneck is 50x the total work: the model's bottleneck variable
+    was capped at 10x it, CP-SAT answered INFEASIBLE and the bound fell to 0."""
+    g = nx.DiGraph()
+    for i in range(3):
+        g.add_node(f"v{i}", fwd=1e-3, bwd=0.0, params=0, out_bytes=1_000_000)
+        if i:
+            g.add_edge(f"v{i - 1}", f"v{i}")
+    cluster = Cluster.uniform(2, bandwidth=1e9, speed=0.02)
+    res = group_lower_bound(Problem(g, 2, cluster=cluster), budget=2, wall_limit=30)
+    best = synthetic.brute_force(g, 2, cluster=cluster)
+    assert res.status == "OPTIMAL"
+    assert 0.5 * best.bottleneck < res.lower_bound <= best.bottleneck * (1 + 1e-12)

@@ -156,5 +156,5 @@ def test_a_bf16_pipeline_holds_the_activations_the_plan_predicts_on_every_rank()
     pipe.step(*b.example_args, target=b.target)
     predicted = pipe.plan.simulated.peak_activation_bytes_per_rank
     for rank, held in pipe.memory_stats().items():
-        # a few bytes apart: the loss's scalar, which the plan does not count
-        assert held["activations_peak"] == pytest.approx(predicted[rank], rel=1e-3), rank
+        # a few bytes apart at most: the loss's scalar, which the plan does not count
+        assert abs(held["activations_peak"] - predicted[rank]) <= 16, (rank, held["activations_peak"], predicted[rank])

@@ -126,7 +126,9 @@ def solve(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None =
     _check_choices(method, objective)
     t0 = time.perf_counter()
     budget = DEFAULT_TIME_LIMIT if time_limit is None else float(time_limit)
-    deadline = t0 + (wall_limit_for(budget) if wall_limit is None else float(wall_limit))
+    # auto may spend GROUP_BUDGET_SHARE more on the stage-groups bound: its safety net grows with it
+    spent = budget * (1 + GROUP_BUDGET_SHARE) if method == "auto" else budget
+    deadline = t0 + (wall_limit_for(spent) if wall_limit is None else float(wall_limit))
     g, program_order = graph_order(graph)
     blocks = colocation_blocks(g, program_order, colocate)
     prob = Problem(graph, stages, cluster=cluster, microbatches=microbatches, schedule=schedule,

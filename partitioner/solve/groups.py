@@ -19,8 +19,8 @@ for every group at once. The least B over every chain of ideals is a lower bound
 valid plan; CP-SAT's proven bound on it (``BestObjectiveBound``) is one too, solved or not.
 Four groups keep the model to 3 ideals and prove where one group per stage (the full
 problem, less copies) does not: on the random layered DAG of 100 ops at 8 stages the bound
-rises from 0.767 (closed-form) to 0.902 ms in 5 deterministic seconds, where the full model
-stays at 0.753 after 20.
+rises from 0.767 (closed-form) to 0.902 ms in 2.4-6.7 deterministic seconds, where the full
+model stays at 0.753 after 20.
 
 Integers round in the direction that keeps the bound valid: work and prices down, the speed
 sum up, and one unit is taken off the result.
@@ -85,7 +85,7 @@ def group_lower_bound(prob: Problem, *, budget: float, wall_limit: float, hint: 
     # Above any group's need: every group holding all the work and paying for every tensor twice.
     fastest = math.ceil(float(prob.speed.max()) * _SPEED)
     most = _SPEED * total + fastest * 2 * sum(_price(prob, u, slice(0, p), slice(0, p)) for u in sent) + 1
-    bottleneck = m.NewIntVar(0, 10 * total, "bottleneck")
+    bottleneck = m.NewIntVar(0, most, "bottleneck")
     for j in range(g):
         lo, hi = cuts[j], cuts[j + 1]
         pays = []
