@@ -12,6 +12,7 @@ enough for the CPU to queue the op's kernels and the end event behind it; the ev
 bracket the kernels back to back. What this does not see: where dispatching a run of small
 ops takes the CPU longer than their kernels take the GPU, a step runs at the CPU's pace
 (docs/benchmarks.md, "On a GPU").
+
 Each call site's wait grows when its launch takes more than half of it; the profiler's
 warm-up sweeps, whose times it drops, size it for the timed sweeps.
 """

@@ -319,6 +319,21 @@ class _Model:
 _BUILDING = threading.Lock()
 
 
+def proof_solver(*, budget: float, wall_left: float, workers: int, seed: int) -> cp_model.CpSolver:
+    """A CP-SAT solver whose answers are the same on any machine and whose bounds can be trusted."""
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = workers
+    solver.parameters.interleave_search = workers > 1  # parallel yet reproducible
+    solver.parameters.random_seed = seed
+    # OR-Tools 9.15's inclusion presolve can certify a wrong optimum (google/or-tools#5293): on a
+    # 7-op graph over a heterogeneous chain of links it proved 0.0392 s where 0.0385 s exists
+    # (tests/test_solve.py). Off, the same model is solved right; the proof is our promise.
+    solver.parameters.presolve_inclusion_work_limit = 0
+    solver.parameters.max_deterministic_time = max(0.01, budget)
+    solver.parameters.max_time_in_seconds = max(0.05, wall_left)
+    return solver
+
+
 def cpsat_solve(prob: Problem, groups: Sequence[Sequence[int]] = (), *, hint: Sequence[int] | None = None,
                 lower_bound: float = 0.0, budget: float = 10.0, wall_limit: float = 60.0, workers: int = 1,
                 seed: int = 0) -> CPResult:
@@ -334,16 +349,8 @@ def cpsat_solve(prob: Problem, groups: Sequence[Sequence[int]] = (), *, hint: Se
         model.objective(max(upper or 0.0, lower_bound), upper, lower_bound)
         if hint is not None:
             model.hint(hint)
-    solver = cp_model.CpSolver()
-    solver.parameters.num_workers = workers
-    solver.parameters.interleave_search = workers > 1  # parallel yet reproducible
-    solver.parameters.random_seed = seed
-    # OR-Tools 9.15's inclusion presolve can certify a wrong optimum (google/or-tools#5293): on a
-    # 7-op graph over a heterogeneous chain of links it proved 0.0392 s where 0.0385 s exists
-    # (tests/test_solve.py). Off, the same model is solved right; the proof is our promise.
-    solver.parameters.presolve_inclusion_work_limit = 0
-    solver.parameters.max_deterministic_time = max(0.01, budget)
-    solver.parameters.max_time_in_seconds = max(0.05, wall_limit - (time.perf_counter() - t0))
+    solver = proof_solver(budget=budget, wall_left=wall_limit - (time.perf_counter() - t0), workers=workers,
+                          seed=seed)
     status = solver.Solve(model.m)
     return _result(prob, model, solver, status, time.perf_counter() - t0, budget)
 

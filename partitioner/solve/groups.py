@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from partitioner.cost import Problem
+from partitioner.solve.cpsat import proof_solver
 
 __all__ = ["GROUPS", "GroupBound", "group_lower_bound"]
 
@@ -82,39 +83,36 @@ def group_lower_bound(prob: Problem, *, budget: float, wall_limit: float, hint: 
     sent = [u for u in range(prob.n) if prob.out_bytes[u] > 0 and prob.succ[u]]
     work = [math.floor(float(w) * _SCALE) for w in prob.least_work]
     total = sum(work)
-    # Above any group's need: every group holding all the work and paying for every tensor twice.
-    fastest = math.ceil(float(prob.speed.max()) * _SPEED)
-    most = _SPEED * total + fastest * 2 * sum(_price(prob, u, slice(0, p), slice(0, p)) for u in sent) + 1
-    bottleneck = m.NewIntVar(0, most, "bottleneck")
+    groups = []  # (its speed sum, its slowest speed, its work, what it pays), integers
     for j in range(g):
         lo, hi = cuts[j], cuts[j + 1]
         pays = []
         if j < g - 1:  # sends to the later groups
-            pays += [_price(prob, u, slice(lo, hi), slice(hi, p)) * _sends(m, inside, j, u, prob.succ[u])
+            pays += [(_price(prob, u, slice(lo, hi), slice(hi, p)), _sends(m, inside, j, u, prob.succ[u]))
                      for u in sent]
         if j > 0:  # receives from the earlier groups
-            pays += [_price(prob, u, slice(0, lo), slice(lo, hi)) * _receives(m, inside, j, u, prob.succ[u])
+            pays += [(_price(prob, u, slice(0, lo), slice(lo, hi)), _receives(m, inside, j, u, prob.succ[u]))
                      for u in sent]
         held = sum(work[v] * (inside[j + 1][v] - inside[j][v]) for v in range(prob.n))
-        speed_sum = math.ceil(float(prob.speed[lo:hi].sum()) * _SPEED)
-        slowest = math.floor(float(prob.speed[lo:hi].min()) * _SPEED)
-        m.Add(speed_sum * bottleneck >= _SPEED * held + slowest * sum(pays))
+        groups.append((math.ceil(float(prob.speed[lo:hi].sum()) * _SPEED),
+                       math.floor(float(prob.speed[lo:hi].min()) * _SPEED), held, pays))
+    # A domain above any group's need (all the work, every transfer paid): it must not cut off the optimum.
+    most = max((_SPEED * total + slowest * sum(price for price, _ in pays)) // speed_sum + 1
+               for speed_sum, slowest, _, pays in groups)
+    bottleneck = m.NewIntVar(0, most, "bottleneck")
+    for speed_sum, slowest, held, pays in groups:
+        m.Add(speed_sum * bottleneck >= _SPEED * held + slowest * sum(price * lit for price, lit in pays))
     m.Minimize(bottleneck)
     if hint is not None:
         for j in range(1, g):
             for v in range(prob.n):
                 m.AddHint(inside[j][v], int(hint[v] < cuts[j]))
-    solver = cp_model.CpSolver()
-    solver.parameters.num_workers = workers
-    solver.parameters.interleave_search = workers > 1
-    solver.parameters.random_seed = seed
-    solver.parameters.presolve_inclusion_work_limit = 0  # as in cpsat.py: google/or-tools#5293
+    solver = proof_solver(budget=budget, wall_left=wall_limit - (time.perf_counter() - t0), workers=workers,
+                          seed=seed)
     # Only the bound is wanted, and a stronger relaxation proves it: at the default level CP-SAT solved
     # T5-small at 8 stages from one starting plan in 5 deterministic seconds and from two others not in 15;
     # at level 2 from all three in 1.6-7 (docs/optimizer.md).
     solver.parameters.linearization_level = 2
-    solver.parameters.max_deterministic_time = max(0.01, budget)
-    solver.parameters.max_time_in_seconds = max(0.05, wall_limit - (time.perf_counter() - t0))
     status = solver.Solve(m)
     det = float(solver.response_proto.deterministic_time)
     done = status in (cp_model.OPTIMAL, cp_model.INFEASIBLE)
