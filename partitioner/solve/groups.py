@@ -6,8 +6,9 @@ spreads every op over all stages and pays no communication. This relaxation keep
 communication and drops the detail instead. Split the p stages into G groups of
 consecutive stages (stages ``b_{j-1} .. b_j - 1``). In any valid plan the ops of groups 1..j
 form an ideal ``I_j`` (closed under producers), ``I_1 ⊆ … ⊆ I_{G-1}``; group j holds
-``I_j \\ I_{j-1}``. Every tensor made in group j and read by a later group is sent at least
-once by a stage of group j; every tensor read in group j and made in an earlier group is
+``I_j \\ I_{j-1}``. Every tensor made in group j is sent by a stage of group j at least once to
+each later group that reads it (a copy goes to every consuming stage, and the groups' stages
+are distinct); every tensor read in group j and made in an earlier group is
 received at least once by a stage of group j, each transfer priced at least at
 ``directions × (bytes / fastest link + least latency)`` between the groups. As in
 :func:`partitioner.bounds.comm_lower_bound`, a stage's time is compute / speed + what it
@@ -87,13 +88,14 @@ def group_lower_bound(prob: Problem, *, budget: float, wall_limit: float, hint: 
     for j in range(g):
         lo, hi = cuts[j], cuts[j + 1]
         pays = []
-        if j < g - 1:  # sends to the later groups
-            pays += [(_price(prob, u, slice(lo, hi), slice(hi, p)), _sends(m, inside, j, u, prob.succ[u]))
-                     for u in sent]
+        for k in range(j + 1, g):  # sends: one copy to each later group that reads the tensor
+            pays += [(_price(prob, u, slice(lo, hi), slice(cuts[k], cuts[k + 1])),
+                      _sends(m, inside, j, k, u, prob.succ[u])) for u in sent]
         if j > 0:  # receives from the earlier groups
             pays += [(_price(prob, u, slice(0, lo), slice(lo, hi)), _receives(m, inside, j, u, prob.succ[u]))
                      for u in sent]
         held = sum(work[v] * (inside[j + 1][v] - inside[j][v]) for v in range(prob.n))
+        m.Add(sum(inside[j + 1]) - sum(inside[j]) >= hi - lo)  # every stage holds an op
         groups.append((math.ceil(float(prob.speed[lo:hi].sum()) * _SPEED),
                        math.floor(float(prob.speed[lo:hi].min()) * _SPEED), held, pays))
     # A domain above any group's need (all the work, every transfer paid): it must not cut off the optimum.
@@ -128,11 +130,11 @@ def _price(prob: Problem, u: int, frm: slice, to: slice) -> int:
     return math.floor(prob.directions * (float(prob.out_bytes[u]) / bw + lat) * _SCALE)
 
 
-def _sends(m: cp_model.CpModel, inside: list, j: int, u: int, consumers: list[int]) -> cp_model.IntVar:
-    """1 if group j holds u and some consumer is in a later group."""
+def _sends(m: cp_model.CpModel, inside: list, j: int, k: int, u: int, consumers: list[int]) -> cp_model.IntVar:
+    """1 if group j holds u and group k (a later one) holds a consumer."""
     lit = m.NewBoolVar("")
     for c in consumers:
-        m.Add(lit >= inside[j + 1][u] - inside[j][u] - inside[j + 1][c])
+        m.Add(lit >= inside[j + 1][u] - inside[j][u] + inside[k + 1][c] - inside[k][c] - 1)
     return lit
 
 
