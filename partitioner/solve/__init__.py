@@ -20,7 +20,7 @@ from partitioner.solve.baselines import BASELINES, baseline_assign
 from partitioner.solve.colocate import Blocks, colocation_blocks
 from partitioner.solve.cpsat import cpsat_size, cpsat_solve
 from partitioner.solve.dp import DP_SEARCH_WORK, dp_solve, least_memory
-from partitioner.solve.groups import group_lower_bound
+from partitioner.solve.groups import GROUPS, group_lower_bound
 from partitioner.solve.ideals import MAX_IDEALS, ideal_dp
 from partitioner.solve.moves import tabu_search
 
@@ -35,9 +35,12 @@ AUTO_CPSAT_MAX_NODES = 2000
 AUTO_CPSAT_MAX_VARS = 400_000
 #: The grouped-stages bound's deterministic budget, as a share of ``time_limit`` (CP-SAT keeps all of it).
 GROUP_BUDGET_SHARE = 0.5
-#: ... on graphs of at most this many ops: on the 1,000-op layered DAG (8 and 64 stages) its model does not
-#: finish in 15 deterministic seconds and proves less than the closed-form bounds (docs/optimizer.md).
+#: Four groups on graphs of at most this many ops: on the 1,000-op layered DAG at 8 stages four groups
+#: do not finish in 15 deterministic seconds (25 wall seconds) ...
 GROUPS_MAX_NODES = 750
+#: ... two groups (one boundary) up to this many, which finish in about 1 deterministic second at 1,000 ops
+#: and 4 at 2,000; at 10,000 they do not finish in 5 (docs/optimizer.md).
+TWO_GROUPS_MAX_NODES = 2000
 #: CP-SAT's deterministic-time budget when ``time_limit`` is not given (about 4-10 wall
 #: seconds on one core of this 2-core machine).
 DEFAULT_TIME_LIMIT = 4.0
@@ -175,8 +178,9 @@ def _optimise(prob: Problem, blocks: Blocks, method: str, budget: float, deadlin
         _run_cpsat(search, blocks, budget, deadline, workers)
         if method == "auto" and not search.proven and search.assign is not before:
             _run_moves(search, blocks, deadline)  # CP-SAT's new plan, unproven: its neighbours too
-    if method == "auto" and not search.proven and prob.n <= GROUPS_MAX_NODES:
-        _run_groups(search, budget * GROUP_BUDGET_SHARE, deadline, workers)
+    if method == "auto" and not search.proven and prob.n <= TWO_GROUPS_MAX_NODES:
+        groups = GROUPS if prob.n <= GROUPS_MAX_NODES else 2
+        _run_groups(search, groups, budget * GROUP_BUDGET_SHARE, deadline, workers)
     if search.assign is None:
         raise _memory_error(prob, _allowed_cuts(prob, blocks), proven=search.infeasible)
     label = search.found_by if method != "auto" else f"auto/{search.found_by}"
@@ -248,10 +252,10 @@ def _run_moves(search: _Search, blocks: Blocks, deadline: float, starts: Sequenc
         search.offer(res.assign, res.value, "moves")
 
 
-def _run_groups(search: _Search, budget: float, deadline: float, workers: int) -> None:
+def _run_groups(search: _Search, groups: int, budget: float, deadline: float, workers: int) -> None:
     """The grouped-stages bound (:mod:`partitioner.solve.groups`), started from the plan so far."""
-    res = group_lower_bound(search.prob, budget=budget, wall_limit=max(0.05, deadline - time.perf_counter()),
-                            hint=search.assign, workers=workers)
+    res = group_lower_bound(search.prob, groups=groups, budget=budget,
+                            wall_limit=max(0.05, deadline - time.perf_counter()), hint=search.assign, workers=workers)
     if res is None:
         return
     search.notes.append(f"stage groups: lower bound {res.lower_bound:.6g} s with the stages in {len(res.starts)} "

@@ -18,10 +18,11 @@ pays to send and receive, so at bottleneck B::
 
 for every group at once. The least B over every chain of ideals is a lower bound on every
 valid plan; CP-SAT's proven bound on it (``BestObjectiveBound``) is one too, solved or not.
-Four groups keep the model to 3 ideals and prove where one group per stage (the full
-problem, less copies) does not: on the random layered DAG of 100 ops at 8 stages the bound
-rises from 0.767 (closed-form) to 0.902 ms in 2.4-6.7 deterministic seconds, where the full
-model stays at 0.753 after 20.
+Four groups keep the model to 3 ideals and prove where one group per stage (the whole problem
+but for memory) does not: on the random layered DAG of 100 ops at 8 stages the bound rises
+from 0.767 (closed-form) to 0.902 ms in 2.4-6.7 deterministic seconds, where the full model
+stays at 0.753 after 20; on T5-small at 8 stages from 0.339 to 0.380 ms. Over 750 ops ``auto``
+asks for two groups (one boundary), which finish where four do not.
 
 Integers round in the direction that keeps the bound valid: work and prices down, the speed
 sum up, and one unit is taken off the result.
@@ -41,7 +42,7 @@ from partitioner.solve.cpsat import proof_solver
 
 __all__ = ["GROUPS", "GroupBound", "group_lower_bound"]
 
-#: How many groups of consecutive stages (fewer when there are fewer stages).
+#: How many groups of consecutive stages by default (fewer when there are fewer stages).
 GROUPS = 4
 _SCALE = 1e9  # seconds to integer nanoseconds
 _SPEED = 1000  # speeds to integer thousandths
@@ -58,9 +59,10 @@ class GroupBound:
     wall_stopped: bool
 
 
-def group_lower_bound(prob: Problem, *, budget: float, wall_limit: float, hint: Sequence[int] | None = None,
-                      workers: int = 1, seed: int = 0) -> GroupBound | None:
-    """The least bottleneck of the grouped model (see the module docstring), or None under 2 stages.
+def group_lower_bound(prob: Problem, *, budget: float, wall_limit: float, groups: int = GROUPS,
+                      hint: Sequence[int] | None = None, workers: int = 1, seed: int = 0) -> GroupBound | None:
+    """The least bottleneck of the grouped model (see the module docstring) with ``groups`` groups (fewer
+    under that many stages), or None under 2 stages.
 
     ``hint``: a plan (stage of each op), whose groups start the search: a good solution early
     lets CP-SAT prove the least one sooner."""
@@ -68,7 +70,7 @@ def group_lower_bound(prob: Problem, *, budget: float, wall_limit: float, hint: 
     if p < 2:
         return None
     t0 = time.perf_counter()
-    g = min(GROUPS, p)
+    g = min(groups, p)
     cuts = [round(j * p / g) for j in range(g + 1)]  # group j: stages cuts[j] .. cuts[j + 1] - 1
     m = cp_model.CpModel()
     # inside[j][v]: v is in the first j groups (inside[0] empty, inside[g] everything)
@@ -84,7 +86,7 @@ def group_lower_bound(prob: Problem, *, budget: float, wall_limit: float, hint: 
     sent = [u for u in range(prob.n) if prob.out_bytes[u] > 0 and prob.succ[u]]
     work = [math.floor(float(w) * _SCALE) for w in prob.least_work]
     total = sum(work)
-    groups = []  # (its speed sum, its slowest speed, its work, what it pays), integers
+    per_group = []  # (its speed sum, its slowest speed, its work, what it pays), integers
     for j in range(g):
         lo, hi = cuts[j], cuts[j + 1]
         pays = []
@@ -96,13 +98,13 @@ def group_lower_bound(prob: Problem, *, budget: float, wall_limit: float, hint: 
                      for u in sent]
         held = sum(work[v] * (inside[j + 1][v] - inside[j][v]) for v in range(prob.n))
         m.Add(sum(inside[j + 1]) - sum(inside[j]) >= hi - lo)  # every stage holds an op
-        groups.append((math.ceil(float(prob.speed[lo:hi].sum()) * _SPEED),
+        per_group.append((math.ceil(float(prob.speed[lo:hi].sum()) * _SPEED),
                        math.floor(float(prob.speed[lo:hi].min()) * _SPEED), held, pays))
     # A domain above any group's need (all the work, every transfer paid): it must not cut off the optimum.
     most = max((_SPEED * total + slowest * sum(price for price, _ in pays)) // speed_sum + 1
-               for speed_sum, slowest, _, pays in groups)
+               for speed_sum, slowest, _, pays in per_group)
     bottleneck = m.NewIntVar(0, most, "bottleneck")
-    for speed_sum, slowest, held, pays in groups:
+    for speed_sum, slowest, held, pays in per_group:
         m.Add(speed_sum * bottleneck >= _SPEED * held + slowest * sum(price * lit for price, lit in pays))
     m.Minimize(bottleneck)
     if hint is not None:
