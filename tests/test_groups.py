@@ -15,12 +15,14 @@ from partitioner.solve.groups import group_lower_bound
 from _problems import problems
 
 
+@pytest.mark.parametrize("groups", [4, 2], ids=["a group per stage", "two groups"])
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
-@given(problems())
-def test_the_group_bound_is_never_above_the_optimum(case):
+@given(case=problems())
+def test_the_group_bound_is_never_above_the_optimum(groups, case):
+    """On 2-4 stages: four groups are one per stage; two put two stages in a group at 3 and 4."""
     g, p, opts = case
     prob = Problem(g, p, **opts)
-    res = group_lower_bound(prob, budget=5, wall_limit=60)
+    res = group_lower_bound(prob, groups=groups, budget=5, wall_limit=60)
     assert res is not None and res.status == "OPTIMAL"
     try:
         best = synthetic.brute_force(g, p, **opts)
