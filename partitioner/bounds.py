@@ -43,8 +43,8 @@ def named_lower_bounds(prob: Problem) -> dict[str, float]:
 
 
 def trivial_lower_bound(prob: Problem) -> float:
-    """The largest of :func:`named_lower_bounds`."""
-    return max(named_lower_bounds(prob).values())
+    """The largest of :func:`named_lower_bounds` (computed once per problem: ``Problem.named_bounds``)."""
+    return max(prob.named_bounds().values())
 
 
 def comm_lower_bound(prob: Problem) -> float:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 import numpy as np
 
-from partitioner.bounds import memory_lower_bound, named_lower_bounds
+from partitioner.bounds import memory_lower_bound
 from partitioner.cluster import Cluster
 from partitioner.cost import (DEFAULT_STATE_FACTOR, DEFAULT_WORKSPACE_FACTOR, OPTIMAL_RTOL, Partition, Problem,
                               format_bytes, graph_order)
@@ -159,7 +159,7 @@ def _optimise(prob: Problem, blocks: Blocks, method: str, budget: float, deadlin
               workers: int) -> Partition:
     """dp, the ideal DP and CP-SAT, each only while the plan is unproven; the best plan with the best bound."""
     search = _Search(prob)
-    for name, value in named_lower_bounds(prob).items():
+    for name, value in prob.named_bounds().items():
         search.bound(name, value)
     limits = prob.mem_limit
     if limits and all(x is not None for x in limits) and \
