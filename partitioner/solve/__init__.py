@@ -38,9 +38,12 @@ GROUP_BUDGET_SHARE = 0.5
 #: Four groups on graphs of at most this many ops: on the 1,000-op layered DAG at 8 stages four groups
 #: do not finish in 15 deterministic seconds (25 wall seconds) ...
 GROUPS_MAX_NODES = 750
-#: ... two groups (one boundary) up to this many, which finish in about 1 deterministic second at 1,000 ops
-#: and 4 at 2,000; at 10,000 they do not finish in 5 (docs/optimizer.md).
+#: ... two groups (one boundary) up to this many, which need about (ops / 1,000)² deterministic seconds
+#: (0.9-1.1 at 1,000 ops, 3.6-3.8 at 2,000; at 10,000 they do not finish in 5, docs/optimizer.md) ...
 TWO_GROUPS_MAX_NODES = 2000
+#: ... and run only with this many times that in their budget (unfinished, they prove less than the
+#: closed-form bounds: 1,500 ops in 2 deterministic seconds).
+TWO_GROUPS_MARGIN = 2.0
 #: CP-SAT's deterministic-time budget when ``time_limit`` is not given (about 4-10 wall
 #: seconds on one core of this 2-core machine).
 DEFAULT_TIME_LIMIT = 4.0
@@ -178,8 +181,8 @@ def _optimise(prob: Problem, blocks: Blocks, method: str, budget: float, deadlin
         _run_cpsat(search, blocks, budget, deadline, workers)
         if method == "auto" and not search.proven and search.assign is not before:
             _run_moves(search, blocks, deadline)  # CP-SAT's new plan, unproven: its neighbours too
-    if method == "auto" and not search.proven and prob.n <= TWO_GROUPS_MAX_NODES:
-        groups = GROUPS if prob.n <= GROUPS_MAX_NODES else 2
+    groups = _groups_for(prob.n, budget * GROUP_BUDGET_SHARE)
+    if method == "auto" and not search.proven and groups:
         _run_groups(search, groups, budget * GROUP_BUDGET_SHARE, deadline, workers)
     if search.assign is None:
         raise _memory_error(prob, _allowed_cuts(prob, blocks), proven=search.infeasible)
@@ -252,15 +255,27 @@ def _run_moves(search: _Search, blocks: Blocks, deadline: float, starts: Sequenc
         search.offer(res.assign, res.value, "moves")
 
 
+def _groups_for(n: int, budget: float) -> int | None:
+    """How many stage groups ``auto`` asks for on a graph of n ops with that budget (None: not run)."""
+    if n <= GROUPS_MAX_NODES:
+        return GROUPS
+    if n <= TWO_GROUPS_MAX_NODES and budget >= TWO_GROUPS_MARGIN * (n / 1000) ** 2:
+        return 2
+    return None
+
+
 def _run_groups(search: _Search, groups: int, budget: float, deadline: float, workers: int) -> None:
     """The grouped-stages bound (:mod:`partitioner.solve.groups`), started from the plan so far."""
     res = group_lower_bound(search.prob, groups=groups, budget=budget,
                             wall_limit=max(0.05, deadline - time.perf_counter()), hint=search.assign, workers=workers)
     if res is None:
         return
-    search.notes.append(f"stage groups: lower bound {res.lower_bound:.6g} s with the stages in {len(res.starts)} "
-                        f"groups from stages {list(res.starts)} ({res.status}, {res.deterministic_seconds:.2f} of "
-                        f"{budget:g} deterministic s)")
+    done = f"({res.status}, {res.deterministic_seconds:.2f} of {budget:g} deterministic s)"
+    if res.lower_bound > 0:
+        search.notes.append(f"stage groups: lower bound {res.lower_bound:.6g} s with the stages in {len(res.starts)} "
+                            f"groups from stages {list(res.starts)} {done}")
+    else:
+        search.notes.append(f"stage groups: nothing proven with the stages in {len(res.starts)} groups {done}")
     if res.wall_stopped:
         search.notes.append("stage groups: stopped by the wall-clock safety limit (machine slow or busy); "
                             "this bound may differ on another machine")
