@@ -134,7 +134,7 @@ def broadcast_lower_bound(prob: Problem) -> float:
     """
     if prob.p < 2:
         return 0.0
-    chains = ConsumerChains(prob)
+    chains = prob.consumer_chains()
     if not chains.tensors:
         return 0.0
     fastest, total_speed, slowest = float(prob.speed.max()), float(prob.speed.sum()), float(prob.speed.min())

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import networkx as nx
 import numpy as np
 
-from partitioner.bounds import named_lower_bounds
+from partitioner.bounds import ConsumerChains, named_lower_bounds
 from partitioner.cluster import Cluster
 from partitioner.errors import InvalidAssignmentError, PlanningError, StageCountError
 from partitioner.graph import KERNEL_FIELDS, OUTPUT_OP, OpGraph
@@ -410,6 +410,7 @@ class Problem:
         self.step_mem = self.fixed_mem + self.step_workspace
         self._first_reader, self._later_readers = _shared_readers(g, self.order)
         self._named_bounds: dict[str, float] | None = None
+        self._consumer_chains: ConsumerChains | None = None
         if memory_limit is not None:
             if not memory_limit > 0:
                 raise PlanningError(f"memory_limit must be > 0 bytes, got {memory_limit}")
@@ -517,6 +518,13 @@ class Problem:
         if self._named_bounds is None:
             self._named_bounds = named_lower_bounds(self)
         return dict(self._named_bounds)
+
+    def consumer_chains(self) -> ConsumerChains:
+        """The chains of consumers of each tensor read on several stages (:class:`partitioner.bounds.ConsumerChains`),
+        read by the ``broadcast`` bound and the ideal DP: built once (about 0.25 s at 9,000 ops)."""
+        if self._consumer_chains is None:
+            self._consumer_chains = ConsumerChains(self)
+        return self._consumer_chains
 
     def strongest_bound(self) -> tuple[str, float]:
         """(name, value) of the strongest of :meth:`named_bounds`."""

@@ -616,11 +616,14 @@ def test_no_method_returns_a_stage_of_only_the_output_node():
 
 def test_auto_computes_the_closed_form_bounds_once(monkeypatch):
     """dp, the ideal DP, auto and the report each start from the closed-form bounds: computed once per
-    problem (they were computed four times, about 1 s each at 9,000 ops)."""
+    problem (they were computed four times, about 1 s each at 9,000 ops; the chains twice)."""
     import partitioner.bounds as bounds
     calls = []
     real = bounds.broadcast_lower_bound  # the costliest of them, called by named_lower_bounds only
     monkeypatch.setattr(bounds, "broadcast_lower_bound", lambda prob: calls.append(prob) or real(prob))
+    chains = []  # and the consumer chains, read by the broadcast bound and the ideal DP
+    build = bounds.ConsumerChains.__init__
+    monkeypatch.setattr(bounds.ConsumerChains, "__init__", lambda self, prob: chains.append(prob) or build(self, prob))
     g = synthetic.generate("encdec", 93, seed=0)
     part = solve(g, 8, cluster=Cluster.load("h100-sxm", devices=8), microbatches=32, time_limit=2)
-    assert part.bound_by and len(calls) == 1
+    assert part.bound_by == "ideal dp" and len(calls) == 1 and len(chains) == 1
