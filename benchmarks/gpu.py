@@ -36,7 +36,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._markdown import write_section  # noqa: E402
-from benchmarks.profile_accuracy import per_op_gap  # noqa: E402  (Σ |estimate - measured| / Σ measured)
+from benchmarks.profile_accuracy import per_op_gap, whole_model_cells  # noqa: E402
 from partitioner import profile  # noqa: E402
 from partitioner.devices import load_profile  # noqa: E402
 from partitioner.profile import time_whole_model  # noqa: E402
@@ -164,10 +164,7 @@ def markdown(env: dict, calib: dict, h100: dict, rows: list[dict], rt: dict, com
               "| gap one at a time | gap h100-sxm | gap calibrated |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        cells = [f"`{r['model']}`", str(r["ops"])]
-        for key, whole in (("fwd", r["whole_fwd"]), ("bwd", r["whole_bwd"])):
-            cells.append(f"{whole * 1e3:.2f}")
-            cells += [f"{r[n][key] / whole:.2f}" for n in ("measured", "one_at_a_time", "h100-sxm", "calibrated")]
+        cells = whole_model_cells(r, ("measured", "one_at_a_time", "h100-sxm", "calibrated"))
         cells += [f"{r[f'gap_{n}']:.0%}" for n in ("one_at_a_time", "h100-sxm", "calibrated")]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"Runtime, every stage in one process on the device: `{rt['model']}` ({rt['params'] / 1e6:.0f}M "

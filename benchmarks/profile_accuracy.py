@@ -71,15 +71,21 @@ def measure(spec: str, repeats: int) -> dict:
     return row
 
 
+def whole_model_cells(row: dict, names: tuple[str, ...]) -> list[str]:
+    """The model, its op count, and per pass the whole model's ms then each named per-op sum / the whole."""
+    cells = [f"`{row['model']}`", str(row["ops"])]
+    for key, whole in (("fwd", row["whole_fwd"]), ("bwd", row["whole_bwd"])):
+        cells.append(f"{whole * 1e3:.2f}")
+        cells += [f"{row[name][key] / whole:.2f}" for name in names]
+    return cells
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| model | ops | whole fwd ms | fwd: in context | one op at a time | analytic | whole bwd ms | "
              "bwd: in context | one op at a time | analytic | per-op gap |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        cells = [f"`{r['model']}`", str(r["ops"])]
-        for key, whole in (("fwd", r["whole_fwd"]), ("bwd", r["whole_bwd"])):
-            cells.append(f"{whole * 1e3:.2f}")
-            cells += [f"{r[name][key] / whole:.2f}" for name in ("in_context", "one_at_a_time", "analytic")]
+        cells = whole_model_cells(r, ("in_context", "one_at_a_time", "analytic"))
         cells.append(f"{r['per_op_gap']:.1%}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -1,5 +1,7 @@
 """The grouped-stages bound: never above the optimum, above the closed-form bounds where stages pay for many tensors."""
 
+import importlib
+
 import networkx as nx
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -10,9 +12,11 @@ from partitioner.cluster import Cluster
 from partitioner.cost import Problem
 from partitioner.errors import MemoryLimitError
 from partitioner.solve import solve
-from partitioner.solve.groups import group_lower_bound
+from partitioner.solve.groups import GroupBound, group_lower_bound
 
 from _problems import problems
+
+SOLVE_MODULE = importlib.import_module("partitioner.solve")  # the package, not its solve() function
 
 
 @pytest.mark.parametrize("groups", [4, 2], ids=["a group per stage", "two groups"])
@@ -112,14 +116,12 @@ def test_two_groups_raise_the_bound_on_a_thousand_op_layered_dag():
 
 
 def test_auto_takes_two_groups_over_the_four_group_size_limit(monkeypatch):
-    import importlib
-    solve_module = importlib.import_module("partitioner.solve")
     g = synthetic.generate("layered", 100, seed=0)
     cluster = Cluster.load("h100-sxm", devices=8)
-    monkeypatch.setattr(solve_module, "GROUPS_MAX_NODES", 50)
+    monkeypatch.setattr(SOLVE_MODULE, "GROUPS_MAX_NODES", 50)
     part = solve(g, 8, cluster=cluster, microbatches=32, time_limit=2)
     assert any("in 2 groups from stages [0, 4]" in note for note in part.notes), part.notes
-    monkeypatch.setattr(solve_module, "TWO_GROUPS_MAX_NODES", 50)
+    monkeypatch.setattr(SOLVE_MODULE, "TWO_GROUPS_MAX_NODES", 50)
     part = solve(g, 8, cluster=cluster, microbatches=32, time_limit=2)
     assert not any(note.startswith("stage groups") for note in part.notes), part.notes
 
@@ -127,17 +129,13 @@ def test_auto_takes_two_groups_over_the_four_group_size_limit(monkeypatch):
 def test_auto_takes_two_groups_only_with_the_budget_they_need():
     """Unfinished, two groups prove less than the closed-form bounds (1,500 ops in 2 deterministic
     seconds): at the default budget (2 for the groups) auto runs them up to 1,000 ops, with 15 up to 2,000."""
-    import importlib
-    groups_for = importlib.import_module("partitioner.solve")._groups_for
+    groups_for = SOLVE_MODULE._groups_for
     assert [groups_for(n, 2.0) for n in (750, 751, 1000, 1001, 2000)] == [4, 2, 2, None, None]
     assert [groups_for(n, 15.0) for n in (1001, 2000, 2001)] == [2, 2, None]
 
 
 def test_auto_notes_a_group_bound_that_proved_nothing(monkeypatch):
-    import importlib
-    from partitioner.solve.groups import GroupBound
-    solve_module = importlib.import_module("partitioner.solve")
-    monkeypatch.setattr(solve_module, "group_lower_bound",
+    monkeypatch.setattr(SOLVE_MODULE, "group_lower_bound",
                         lambda prob, **kw: GroupBound(0.0, (0, 2, 4, 6), "UNKNOWN", 2.0, False))
     g = synthetic.generate("layered", 100, seed=0)
     part = solve(g, 8, cluster=Cluster.load("h100-sxm", devices=8), microbatches=32, time_limit=2)
