@@ -40,3 +40,23 @@ def problems(draw):
         g.add_node(f"v{n}", op=OUTPUT_OP, fwd=0.0, bwd=0.0, params=0, out_bytes=0)
         g.add_edges_from((v, f"v{n}") for v in sinks)
     return g, p, opts
+
+
+@st.composite
+def colocated_problems(draw):
+    """A random DAG with 1-2 colocation groups of ops anywhere (far apart too) and fractional memory."""
+    g, p, opts = draw(problems())
+    names = sorted((v for v in g.nodes if g.nodes[v].get("op") != OUTPUT_OP), key=lambda v: int(v[1:]))
+    for v in names:  # fractional bytes: the integer model must not round them against a plan
+        g.nodes[v]["params"] = draw(st.integers(0, 50)) * 137.3
+    groups = [draw(st.lists(st.sampled_from(names), min_size=2, max_size=3, unique=True))
+              for _ in range(draw(st.integers(1, 2)))]
+    total = sum(synthetic_memory(g, opts))
+    frac = draw(st.sampled_from([None, 0.45, 0.6, 0.9]))
+    opts["memory_limit"] = None if frac is None or total == 0 else frac * total + draw(st.floats(0, 1))
+    return g, p, opts, groups
+
+
+def synthetic_memory(g, opts):
+    factor = 4.0 if opts["training"] else 1.0
+    return [factor * d["params"] + 4 * d["out_bytes"] for _, d in g.nodes(data=True)]
