@@ -17,6 +17,7 @@ from partitioner.errors import MemoryLimitError, PlanningError
 from partitioner.graph import OpGraph
 from partitioner.refine import refine_step_time, simulated_step_time
 from partitioner.solve.baselines import BASELINES, baseline_assign
+from partitioner.solve.bisect import bisect_bound
 from partitioner.solve.colocate import Blocks, colocation_blocks
 from partitioner.solve.cpsat import cpsat_size, cpsat_solve
 from partitioner.solve.dp import DP_SEARCH_WORK, dp_solve, least_memory
@@ -35,6 +36,8 @@ AUTO_CPSAT_MAX_NODES = 2000
 AUTO_CPSAT_MAX_VARS = 400_000
 #: The grouped-stages bound's deterministic budget, as a share of ``time_limit`` (CP-SAT keeps all of it).
 GROUP_BUDGET_SHARE = 0.5
+#: The bisection's budget, as a share of ``time_limit``, plus what the stage groups left unspent.
+BISECT_BUDGET_SHARE = 0.5
 #: Four groups on graphs of at most this many ops: on the 1,000-op layered DAG at 8 stages four groups
 #: do not finish in 15 deterministic seconds (25 wall seconds) ...
 GROUPS_MAX_NODES = 750
@@ -106,13 +109,14 @@ def solve(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None =
     ``method``: ``"dp"`` (exact over contiguous cuts of the program order), ``"cpsat"``
     (all valid assignments, proven bound, warm-started from dp), ``"auto"`` (dp, then the
     DP over all ideals, a tabu search over single-op moves, cpsat, then the stage-groups
-    bound, each only while the plan is unproven and the graph small enough; never worse than
-    dp), or a baseline ``"uniform"``, ``"params"``, ``"blocks"``.
+    bound and the bisection, each only while the plan is unproven and the graph small enough;
+    never worse than dp), or a baseline ``"uniform"``, ``"params"``, ``"blocks"``.
     ``memory_limit``: bytes per device, or None for the cluster devices' memory.
     ``colocate``: groups of node names that must share a stage (each group's convex closure
     does). ``time_limit``: CP-SAT's budget in deterministic seconds (its measure of work,
-    about seconds on a quiet core), default :data:`DEFAULT_TIME_LIMIT`, and half again for the
-    stage-groups bound under auto (:data:`GROUP_BUDGET_SHARE`); dp's search is
+    about seconds on a quiet core), default :data:`DEFAULT_TIME_LIMIT`; under auto half again for
+    the stage-groups bound (:data:`GROUP_BUDGET_SHARE`) and half again, with what the groups
+    left, for the bisection (:data:`BISECT_BUDGET_SHARE`); dp's search is
     bounded by :data:`DP_SEARCH_WORK`. Budgets are counts, so the same input gives the same
     plan and bound on any machine; ``wall_limit`` (seconds, default
     :func:`wall_limit_for`) is only a safety net, and a note says when it struck.
@@ -132,8 +136,8 @@ def solve(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None =
     _check_choices(method, objective)
     t0 = time.perf_counter()
     budget = DEFAULT_TIME_LIMIT if time_limit is None else float(time_limit)
-    # auto may spend GROUP_BUDGET_SHARE more on the stage-groups bound: its safety net grows with it
-    spent = budget * (1 + GROUP_BUDGET_SHARE) if method == "auto" else budget
+    # auto may spend more on the stage-groups bound and the bisection: its safety net grows with it
+    spent = budget * (1 + GROUP_BUDGET_SHARE + BISECT_BUDGET_SHARE) if method == "auto" else budget
     deadline = t0 + (wall_limit_for(spent) if wall_limit is None else float(wall_limit))
     g, program_order = graph_order(graph)
     blocks = colocation_blocks(g, program_order, colocate)
@@ -182,8 +186,14 @@ def _optimise(prob: Problem, blocks: Blocks, method: str, budget: float, deadlin
         if method == "auto" and not search.proven and search.assign is not before:
             _run_moves(search, blocks, deadline)  # CP-SAT's new plan, unproven: its neighbours too
     groups = _groups_for(prob.n, budget * GROUP_BUDGET_SHARE)
+    bisect_budget = budget * (GROUP_BUDGET_SHARE + BISECT_BUDGET_SHARE)
     if method == "auto" and not search.proven and groups:
-        _run_groups(search, groups, budget * GROUP_BUDGET_SHARE, deadline, workers)
+        bisect_budget -= _run_groups(search, groups, budget * GROUP_BUDGET_SHARE, deadline, workers)
+    if method == "auto" and not search.proven and search.assign is not None and _cpsat_fits(prob):
+        before = search.assign
+        _run_bisection(search, blocks, bisect_budget, deadline, workers)
+        if not search.proven and search.assign is not before:
+            _run_moves(search, blocks, deadline)  # a plan found under a cap: its neighbours too
     if search.assign is None:
         raise _memory_error(prob, _allowed_cuts(prob, blocks), proven=search.infeasible)
     label = search.found_by if method != "auto" else f"auto/{search.found_by}"
@@ -207,8 +217,7 @@ def _run_dp(search: _Search, blocks: Blocks, single: bool, deadline: float) -> N
         search.notes.append(f"dp: search budget ({DP_SEARCH_WORK:,} work units) ran out; the {what}'s "
                             f"best is >= {dp.order_lower_bound:.6g} s")
     if dp.wall_stopped:
-        search.notes.append("dp: stopped by the wall-clock safety limit (machine slow or busy); "
-                            "this plan and bound may differ on another machine")
+        _note_wall_stop(search, "dp", "this plan and bound")
     if single:
         search.bound("dp (single order)", dp.order_lower_bound)
         search.notes.append("the graph has a single topological order (of its colocation blocks), so contiguous "
@@ -250,8 +259,7 @@ def _run_moves(search: _Search, blocks: Blocks, deadline: float, starts: Sequenc
         search.notes.append(f"moves: tabu search over single-op moves from {which}, {gain} "
                             f"({res.evaluations:,} plans priced)")
         if res.wall_stopped:
-            search.notes.append("moves: stopped by the wall-clock safety limit (machine slow or busy); "
-                                "this plan may differ on another machine")
+            _note_wall_stop(search, "moves", "this plan")
         search.offer(res.assign, res.value, "moves")
 
 
@@ -264,12 +272,13 @@ def _groups_for(n: int, budget: float) -> int | None:
     return None
 
 
-def _run_groups(search: _Search, groups: int, budget: float, deadline: float, workers: int) -> None:
-    """The grouped-stages bound (:mod:`partitioner.solve.groups`), started from the plan so far."""
+def _run_groups(search: _Search, groups: int, budget: float, deadline: float, workers: int) -> float:
+    """The grouped-stages bound (:mod:`partitioner.solve.groups`), started from the plan so far; returns
+    the deterministic seconds it spent."""
     res = group_lower_bound(search.prob, groups=groups, budget=budget,
                             wall_limit=max(0.05, deadline - time.perf_counter()), hint=search.assign, workers=workers)
     if res is None:
-        return
+        return 0.0
     done = f"({res.status}, {res.deterministic_seconds:.2f} of {budget:g} deterministic s)"
     if res.lower_bound > 0:
         search.notes.append(f"stage groups: lower bound {res.lower_bound:.6g} s with the stages in {len(res.starts)} "
@@ -277,9 +286,35 @@ def _run_groups(search: _Search, groups: int, budget: float, deadline: float, wo
     else:
         search.notes.append(f"stage groups: nothing proven with the stages in {len(res.starts)} groups {done}")
     if res.wall_stopped:
-        search.notes.append("stage groups: stopped by the wall-clock safety limit (machine slow or busy); "
-                            "this bound may differ on another machine")
+        _note_wall_stop(search, "stage groups", "this bound")
     search.bound("stage groups", res.lower_bound)
+    return res.deterministic_seconds
+
+
+def _run_bisection(search: _Search, blocks: Blocks, budget: float, deadline: float, workers: int) -> None:
+    """Raise the bound by CP-SAT feasibility checks under caps between it and the plan
+    (:mod:`partitioner.solve.bisect`); a plan found under a cap is offered."""
+    lower = max(search.bounds.values(), default=0.0)
+    res = bisect_bound(search.prob, _block_positions(blocks), lower=lower, upper=search.value, budget=budget,
+                       wall_limit=deadline - time.perf_counter(), workers=workers)
+    if res.wall_stopped and not res.checks:
+        _note_wall_stop(search, "bisection", "this bound", before=True)
+    if not res.checks:
+        return
+    status = {"OPTIMAL": "feasible"}  # without an objective, OPTIMAL means a plan under the cap exists
+    checks = ", ".join(f"{c.cap:.6g} s {status.get(c.status, c.status.lower())}" for c in res.checks)
+    spent = sum(c.deterministic_seconds for c in res.checks)
+    what = (f"lower bound {res.lower_bound:.6g} s: no valid plan at or under it" if res.lower_bound > lower
+            else f"nothing proven above {lower:.6g} s")
+    found = f"; a plan of {res.value:.6g} s found under a cap" if res.assign is not None else ""
+    search.notes.append(f"bisection: {what} ({len(res.checks)} checks in {spent:.2f} of {budget:.3g} "
+                        f"deterministic s: {checks}){found}")
+    search.notes.extend(res.notes)
+    if res.wall_stopped:
+        _note_wall_stop(search, "bisection", "this bound")
+    if res.lower_bound > lower:
+        search.bound("bisection", res.lower_bound)
+    search.offer(res.assign, res.value, "bisection")
 
 
 def _wants_cpsat(search: _Search, method: str) -> bool:
@@ -288,11 +323,16 @@ def _wants_cpsat(search: _Search, method: str) -> bool:
         return True
     if method != "auto" or search.proven:
         return False
-    if prob.n <= AUTO_CPSAT_MAX_NODES and cpsat_size(prob) <= AUTO_CPSAT_MAX_VARS:
+    if _cpsat_fits(prob):
         return True
     search.notes.append(f"auto: CP-SAT skipped ({prob.n} ops, ~{cpsat_size(prob)} variables; limits "
                         f"{AUTO_CPSAT_MAX_NODES} ops, {AUTO_CPSAT_MAX_VARS} variables): coarsen the graph")
     return False
+
+
+def _cpsat_fits(prob: Problem) -> bool:
+    """Whether ``auto`` builds CP-SAT's model of the whole problem (its size limits)."""
+    return prob.n <= AUTO_CPSAT_MAX_NODES and cpsat_size(prob) <= AUTO_CPSAT_MAX_VARS
 
 
 def _run_cpsat(search: _Search, blocks: Blocks, budget: float, deadline: float, workers: int) -> None:
@@ -304,12 +344,17 @@ def _run_cpsat(search: _Search, blocks: Blocks, budget: float, deadline: float, 
                         f"{budget:g} deterministic s)")
     search.notes.extend(cp.notes)
     if cp.wall_stopped:
-        search.notes.append("cpsat: stopped by the wall-clock safety limit (machine slow or busy); "
-                            "this plan and bound may differ on another machine")
+        _note_wall_stop(search, "cpsat", "this plan and bound")
     search.infeasible = cp.infeasible
     if cp.status in ("OPTIMAL", "FEASIBLE"):
         search.bound("cpsat", cp.lower_bound)
     search.offer(cp.assign, cp.value, "cpsat")
+
+
+def _note_wall_stop(search: _Search, who: str, what: str, *, before: bool = False) -> None:
+    """Say that the wall-clock safety limit struck ``who`` (``before``: before it started), so ``what`` may differ."""
+    struck = "not run, the wall-clock safety limit had struck" if before else "stopped by the wall-clock safety limit"
+    search.notes.append(f"{who}: {struck} (machine slow or busy); {what} may differ on another machine")
 
 
 def _block_positions(blocks: Blocks) -> list[list[int]]:

@@ -1,0 +1,85 @@
+"""The bisection bound: never above the optimum, its plans valid, and higher than the optimisation's where that stalls."""
+
+import importlib
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from partitioner import synthetic
+from partitioner.cluster import Cluster
+from partitioner.cost import Problem, graph_order
+from partitioner.errors import ColocationError, MemoryLimitError
+from partitioner.solve import solve
+from partitioner.solve.bisect import bisect_bound
+from partitioner.solve.colocate import colocation_blocks
+
+from _problems import colocated_problems
+
+SOLVE_MODULE = importlib.import_module("partitioner.solve")  # the package, not its solve() function
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(case=colocated_problems())
+def test_the_bisection_brackets_the_optimum_with_colocation_and_fractional_memory(case):
+    """From the closed-form bound and the worse of dp's and the uniform cuts' plans, every check finishes on
+    graphs this small: the bound ends at or below the brute-force optimum, the plan at or above it, and the
+    two within a part per million."""
+    g, p, opts, groups = case
+    try:
+        best = synthetic.brute_force(g, p, colocate=groups, **opts)
+        starts = [solve(g, p, colocate=groups, method=m, **opts) for m in ("dp", "uniform")]
+    except (MemoryLimitError, ColocationError):
+        return  # nothing valid to bracket
+    nx_graph, order = graph_order(g)
+    blocks = colocation_blocks(nx_graph, order, groups)
+    prob = Problem(g, p, order=blocks.order, recompute="auto", **opts)  # as solve() and brute_force() build it
+    plans = [prob.assignment(s.stage_of) for s in starts if s.memory_ok]
+    upper = max(prob.bottleneck(a) for a in plans if not prob.check(a))  # a baseline may leave a stage empty
+    lower = max(prob.named_bounds().values())
+    if not 0 < lower < upper:
+        return  # proven already, or nothing to start from
+    positions = SOLVE_MODULE._block_positions(blocks)
+    # to a part per billion, not BISECT_RTOL: a cap wrong by more than that shows
+    res = bisect_bound(prob, positions, lower=lower, upper=upper, budget=20, wall_limit=120, rtol=1e-9)
+    assert all(c.status in ("INFEASIBLE", "FEASIBLE", "OPTIMAL") for c in res.checks), res.checks
+    assert lower <= res.lower_bound <= best.bottleneck * (1 + 1e-9)
+    assert res.value >= best.bottleneck * (1 - 1e-9)
+    if res.assign is not None:
+        assert not prob.check(res.assign) and prob.fits(prob.stage_costs(res.assign)[1])
+        assert res.value == pytest.approx(prob.bottleneck(res.assign), rel=1e-12) and res.value < upper
+        assert all(res.assign[i] == res.assign[grp[0]] for grp in positions for i in grp)
+    # a plan found under a cap may exceed it by the integer rounding (under 1e-6 of it)
+    assert res.value - res.lower_bound <= 1e-6 * res.value
+    # A cap at the optimum itself is never refuted (a cap cut by a part per million would be): from 1e-7
+    # below it to 3e-7 above, the first cap, a quarter of the way up, is the optimum.
+    at = bisect_bound(prob, positions, lower=best.bottleneck * (1 - 1e-7), upper=best.bottleneck * (1 + 3e-7),
+                      budget=20, wall_limit=120, rtol=1e-9)
+    assert at.checks[0].cap == pytest.approx(best.bottleneck, rel=1e-12)
+    assert at.checks[0].status in ("FEASIBLE", "OPTIMAL") and at.lower_bound < best.bottleneck
+
+
+def test_the_bisection_raises_the_bound_where_the_optimisation_stalls(monkeypatch):
+    """A 40-op layered DAG at 4 stages with 1 deterministic second: CP-SAT's optimisation and the stage groups
+    leave the plan unproven (0.603 ms proven for a 0.748 ms plan); a cap between them is proven infeasible."""
+    g = synthetic.generate("layered", 40, seed=0)
+    args = dict(cluster=Cluster.load("h100-sxm", devices=4), microbatches=16, method="auto", time_limit=1)
+    with monkeypatch.context() as patched:
+        patched.setattr(SOLVE_MODULE, "_run_bisection", lambda *a, **k: None)
+        without = solve(g, 4, **args)
+    part = solve(g, 4, **args)
+    assert not without.optimal and without.bound_by != "bisection"
+    assert part.bound_by == "bisection"
+    assert part.lower_bound > 1.1 * without.lower_bound
+    assert part.lower_bound <= part.bottleneck <= without.bottleneck
+    note = next(n for n in part.notes if n.startswith("bisection: lower bound"))
+    assert f"{part.lower_bound:.6g} s infeasible" in note
+
+
+def test_the_bisection_runs_no_check_without_a_gap_a_bound_or_time():
+    g = synthetic.generate("layered", 12, seed=0)
+    prob = Problem(g, 3)
+    assert bisect_bound(prob, lower=1.0, upper=1.0, budget=5, wall_limit=30).checks == []  # proven already
+    assert bisect_bound(prob, lower=1.0, upper=1.0005, budget=5, wall_limit=30).checks == []  # within BISECT_RTOL
+    assert bisect_bound(prob, lower=0.0, upper=1.0, budget=5, wall_limit=30).checks == []  # no bound to start from
+    late = bisect_bound(prob, lower=0.5, upper=1.0, budget=5, wall_limit=0.0)
+    assert late.checks == [] and late.wall_stopped and late.lower_bound == 0.5
