@@ -121,7 +121,7 @@ def bisect_bound(prob: Problem, groups: Sequence[Sequence[int]] = (), *, lower: 
             res.lower_bound, last_proof = cap, det
             step *= 2
         elif status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            assign = [next(s for s in range(prob.p) if solver.BooleanValue(model.x[v][s])) for v in range(prob.n)]
+            assign = model.assignment(solver)
             times, mem = prob.stage_costs(assign)
             if prob.fits(mem) and max(times) < res.value:
                 res.assign, res.value = assign, max(times)

@@ -288,6 +288,10 @@ class _Model:
                 self.m.add(_weighted([*total, (-1, self.bneck)]) <= 0)
         self.m.minimize(self.bneck)
 
+    def assignment(self, solver: cp_model.CpSolver) -> list[int]:
+        """The stage of each op in the solution ``solver`` found for this model."""
+        return [next(s for s in range(self.prob.p) if solver.BooleanValue(self.x[v][s])) for v in range(self.prob.n)]
+
     def hint(self, assign: Sequence[int]) -> None:
         """A full warm start: every x, r, y, recomputation choice and B from ``assign``."""
         prob = self.prob
@@ -365,7 +369,7 @@ def _result(prob: Problem, model: _Model, solver: cp_model.CpSolver, status, sec
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return res
     res.lower_bound = solver.BestObjectiveBound() / model.scale
-    assign = [next(s for s in range(prob.p) if solver.BooleanValue(model.x[v][s])) for v in range(prob.n)]
+    assign = model.assignment(solver)
     times, mem = prob.stage_costs(assign)
     if prob.fits(mem):
         res.assign, res.value = assign, max(times)
