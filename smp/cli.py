@@ -215,7 +215,7 @@ MemoryOpt = Annotated[Optional[str], typer.Option(
 MethodOpt = Annotated[str, typer.Option("--method", help="auto | dp | cpsat | uniform | params | blocks")]
 TimeLimitOpt = Annotated[Optional[float], typer.Option(
     "--time-limit", help="CP-SAT's budget in deterministic seconds (its measure of work: the same plan on any "
-                         "machine) \\[default: 4]")]
+                         "machine; auto spends at most twice it on all its searches) \\[default: 4]")]
 StepBatchOpt = Annotated[Optional[int], typer.Option(
     "--batch-size", "-b", help="the whole batch of one step, split into the microbatches (a file model's sample "
                                "rows are repeated or cut to it) \\[default: microbatches x the spec's sample batch]")]

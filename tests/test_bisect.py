@@ -75,6 +75,33 @@ def test_the_bisection_raises_the_bound_where_the_optimisation_stalls(monkeypatc
     assert f"{part.lower_bound:.6g} s infeasible" in note
 
 
+def test_auto_spends_at_most_twice_time_limit_and_the_bisection_gets_what_is_left(monkeypatch):
+    """CP-SAT's optimisation gets CPSAT_BUDGET_SHARE of time_limit, the stage groups GROUP_BUDGET_SHARE, and the
+    bisection the rest of AUTO_BUDGET_FACTOR x time_limit (what the others left unspent included)."""
+    spent: dict[str, tuple[float, float]] = {}  # name -> (budget given, deterministic seconds spent)
+
+    def spy(name, fn, used):
+        def wrapped(*args, **kwargs):
+            res = fn(*args, **kwargs)
+            spent[name] = (kwargs["budget"], used(res))
+            return res
+        return wrapped
+
+    for name, used in (("cpsat_solve", lambda r: r.deterministic_seconds),
+                       ("group_lower_bound", lambda r: r.deterministic_seconds),
+                       ("bisect_bound", lambda r: sum(c.deterministic_seconds for c in r.checks))):
+        monkeypatch.setattr(SOLVE_MODULE, name, spy(name, getattr(SOLVE_MODULE, name), used))
+    time_limit = 1.0
+    g = synthetic.generate("layered", 40, seed=0)
+    part = solve(g, 4, cluster=Cluster.load("h100-sxm", devices=4), microbatches=16, method="auto",
+                 time_limit=time_limit)
+    assert not part.optimal and set(spent) == {"cpsat_solve", "group_lower_bound", "bisect_bound"}
+    assert spent["cpsat_solve"][0] == SOLVE_MODULE.CPSAT_BUDGET_SHARE * time_limit
+    assert spent["group_lower_bound"][0] == SOLVE_MODULE.GROUP_BUDGET_SHARE * time_limit
+    others = spent["cpsat_solve"][1] + spent["group_lower_bound"][1]
+    assert spent["bisect_bound"][0] == pytest.approx(SOLVE_MODULE.AUTO_BUDGET_FACTOR * time_limit - others)
+
+
 def test_the_bisection_runs_no_check_without_a_gap_a_bound_or_time():
     g = synthetic.generate("layered", 12, seed=0)
     prob = Problem(g, 3)
