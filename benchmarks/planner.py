@@ -1,7 +1,8 @@
 """Planner benchmark: every method on synthetic suites and zoo models; writes its table into docs/benchmarks.md.
 
 Run: ``.venv/bin/python benchmarks/planner.py [--quick] [--no-zoo] [--zoo-only] [--time-limit S]``.
-``--time-limit`` is CP-SAT's deterministic budget per solve (default 30). The raw figures go to
+``--time-limit`` is each solve's ``time_limit`` in deterministic seconds (default 30: ``cpsat`` spends it,
+``auto`` at most twice it over its CP-SAT searches). The raw figures go to
 ``benchmarks/results/planner.json`` and the markdown table replaces the block between the
 ``planner-table`` markers in docs/benchmarks.md and docs/optimizer.md (``--no-write`` prints it only).
 """
@@ -121,7 +122,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1,000-op synthetic graphs only")
     ap.add_argument("--no-zoo", action="store_true", help="skip the zoo models")
     ap.add_argument("--zoo-only", action="store_true", help="only the zoo models")
-    ap.add_argument("--time-limit", type=float, default=30.0, help="CP-SAT deterministic seconds per solve")
+    ap.add_argument("--time-limit", type=float, default=30.0, help="each solve's time_limit, deterministic seconds")
     ap.add_argument("--no-write", action="store_true", help="print the table; leave docs/ and results/ alone")
     args = ap.parse_args()
     t0 = time.perf_counter()

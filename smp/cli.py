@@ -214,8 +214,9 @@ MemoryOpt = Annotated[Optional[str], typer.Option(
                            "or none]")]
 MethodOpt = Annotated[str, typer.Option("--method", help="auto | dp | cpsat | uniform | params | blocks")]
 TimeLimitOpt = Annotated[Optional[float], typer.Option(
-    "--time-limit", help="CP-SAT's budget in deterministic seconds (its measure of work: the same plan on any "
-                         "machine; auto spends at most twice it on all its searches) \\[default: 4]")]
+    "--time-limit", help="the search budget in deterministic seconds (CP-SAT's measure of work: the same plan "
+                         "on any machine); cpsat spends it on CP-SAT, auto at most twice it on its CP-SAT "
+                         "searches (docs/optimizer.md) \\[default: 4]")]
 StepBatchOpt = Annotated[Optional[int], typer.Option(
     "--batch-size", "-b", help="the whole batch of one step, split into the microbatches (a file model's sample "
                                "rows are repeated or cut to it) \\[default: microbatches x the spec's sample batch]")]

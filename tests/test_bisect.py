@@ -1,5 +1,6 @@
 """The bisection bound: never above the optimum, its plans valid, and higher than the optimisation's where that stalls."""
 
+import dataclasses
 import importlib
 
 import pytest
@@ -75,31 +76,45 @@ def test_the_bisection_raises_the_bound_where_the_optimisation_stalls(monkeypatc
     assert f"{part.lower_bound:.6g} s infeasible" in note
 
 
-def test_auto_spends_at_most_twice_time_limit_and_the_bisection_gets_what_is_left(monkeypatch):
-    """CP-SAT's optimisation gets CPSAT_BUDGET_SHARE of time_limit, the stage groups GROUP_BUDGET_SHARE, and the
-    bisection the rest of AUTO_BUDGET_FACTOR x time_limit (what the others left unspent included)."""
-    spent: dict[str, tuple[float, float]] = {}  # name -> (budget given, deterministic seconds spent)
+@pytest.mark.parametrize("min_budget", [None, 0.0], ids=["cpsat-keeps-all-of-a-short-limit", "cpsat-gets-its-share"])
+def test_auto_spends_at_most_twice_time_limit_and_the_bisection_gets_what_is_left(monkeypatch, min_budget):
+    """CP-SAT's optimisation gets cpsat_budget(time_limit), the stage groups GROUP_BUDGET_SHARE of it, and the
+    bisection the rest of AUTO_BUDGET_FACTOR x time_limit after what the other two spent; method="cpsat" gets all."""
+    if min_budget is not None:  # at this test's short limit the floor would give CP-SAT all of it
+        monkeypatch.setattr(SOLVE_MODULE, "CPSAT_MIN_BUDGET", min_budget)
+    given: dict[str, float] = {}
+    used: dict[str, float] = {}
 
-    def spy(name, fn, used):
+    def spy(name, fn, spent, report=lambda res: res):
         def wrapped(*args, **kwargs):
-            res = fn(*args, **kwargs)
-            spent[name] = (kwargs["budget"], used(res))
+            res = report(fn(*args, **kwargs))
+            given[name], used[name] = kwargs["budget"], spent(res)
             return res
         return wrapped
 
-    for name, used in (("cpsat_solve", lambda r: r.deterministic_seconds),
-                       ("group_lower_bound", lambda r: r.deterministic_seconds),
-                       ("bisect_bound", lambda r: sum(c.deterministic_seconds for c in r.checks))):
-        monkeypatch.setattr(SOLVE_MODULE, name, spy(name, getattr(SOLVE_MODULE, name), used))
+    # The groups report a third of what they spent: the bisection's budget must follow the report, not the share.
+    monkeypatch.setattr(SOLVE_MODULE, "group_lower_bound", spy(
+        "groups", SOLVE_MODULE.group_lower_bound, lambda r: r.deterministic_seconds,
+        lambda r: dataclasses.replace(r, deterministic_seconds=r.deterministic_seconds / 3)))
+    monkeypatch.setattr(SOLVE_MODULE, "cpsat_solve", spy("cpsat", SOLVE_MODULE.cpsat_solve,
+                                                         lambda r: r.deterministic_seconds))
+    monkeypatch.setattr(SOLVE_MODULE, "bisect_bound", spy("bisection", SOLVE_MODULE.bisect_bound,
+                                                          lambda r: sum(c.deterministic_seconds for c in r.checks)))
     time_limit = 1.0
     g = synthetic.generate("layered", 40, seed=0)
-    part = solve(g, 4, cluster=Cluster.load("h100-sxm", devices=4), microbatches=16, method="auto",
-                 time_limit=time_limit)
-    assert not part.optimal and set(spent) == {"cpsat_solve", "group_lower_bound", "bisect_bound"}
-    assert spent["cpsat_solve"][0] == SOLVE_MODULE.CPSAT_BUDGET_SHARE * time_limit
-    assert spent["group_lower_bound"][0] == SOLVE_MODULE.GROUP_BUDGET_SHARE * time_limit
-    others = spent["cpsat_solve"][1] + spent["group_lower_bound"][1]
-    assert spent["bisect_bound"][0] == pytest.approx(SOLVE_MODULE.AUTO_BUDGET_FACTOR * time_limit - others)
+    args = dict(cluster=Cluster.load("h100-sxm", devices=4), microbatches=16, time_limit=time_limit)
+    part = solve(g, 4, method="auto", **args)
+    assert not part.optimal and set(given) == {"cpsat", "groups", "bisection"}
+    share = SOLVE_MODULE.CPSAT_BUDGET_SHARE if min_budget is not None else 1.0
+    assert given["cpsat"] == share * time_limit
+    assert given["groups"] == SOLVE_MODULE.GROUP_BUDGET_SHARE * time_limit
+    assert 0 < used["groups"] < given["groups"] * 1.01
+    assert given["bisection"] == pytest.approx(SOLVE_MODULE.AUTO_BUDGET_FACTOR * time_limit - used["cpsat"]
+                                               - used["groups"])
+    assert used["cpsat"] + used["groups"] + used["bisection"] <= SOLVE_MODULE.AUTO_BUDGET_FACTOR * time_limit * 1.01
+    given.clear()
+    solve(g, 4, method="cpsat", **args)
+    assert given == {"cpsat": time_limit}
 
 
 def test_the_bisection_runs_no_check_without_a_gap_a_bound_or_time():

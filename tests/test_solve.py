@@ -152,6 +152,16 @@ def test_memory_error_names_the_least_memory():
     assert err.value.needed > 1000
 
 
+def test_auto_stops_searching_once_cpsat_proves_no_plan_fits(monkeypatch):
+    """Six chained ops on 2 stages under 80 MB: the closed-form memory bound (71 MB) passes, yet every split
+    needs 84 MB on some stage; CP-SAT proves it, and the stage-groups bound must not spend its budget after."""
+    called = []
+    monkeypatch.setattr(importlib.import_module("partitioner.solve"), "group_lower_bound", lambda *a, **k: called.append(k["budget"]))
+    with pytest.raises(MemoryLimitError, match="no valid assignment fits"):
+        solve(synthetic.chain(6, seed=0), 2, memory_limit=80e6, method="auto", time_limit=1)
+    assert called == []
+
+
 def test_stage_and_colocation_errors():
     g = synthetic.chain(3, seed=0)
     with pytest.raises(StageCountError, match="only 3 ops"):

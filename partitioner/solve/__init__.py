@@ -26,7 +26,7 @@ from partitioner.solve.ideals import MAX_IDEALS, ideal_dp
 from partitioner.solve.moves import tabu_search
 
 __all__ = ["solve", "METHODS", "OBJECTIVES", "AUTO_CPSAT_MAX_NODES", "AUTO_CPSAT_MAX_VARS", "DEFAULT_TIME_LIMIT",
-           "DP_SEARCH_WORK", "wall_limit_for"]
+           "DP_SEARCH_WORK", "cpsat_budget", "wall_limit_for"]
 
 METHODS = ("auto", "dp", "cpsat", *BASELINES)
 OBJECTIVES = ("bottleneck", "step_time")
@@ -36,10 +36,13 @@ AUTO_CPSAT_MAX_NODES = 2000
 AUTO_CPSAT_MAX_VARS = 400_000
 #: ``auto``'s whole deterministic budget, as a multiple of ``time_limit`` (``cpsat`` alone spends ``time_limit``) ...
 AUTO_BUDGET_FACTOR = 2.0
-#: ... of which CP-SAT's optimisation gets this share of ``time_limit``: on the planner benchmark's
-#: unproven rows it found its last better plan within 5.5 deterministic seconds of 30, and the rows
-#: it proved took at most 5.8 (docs/optimizer.md, "Bisection") ...
+#: ... of which CP-SAT's optimisation gets this share of ``time_limit``: from 15 to 30 deterministic seconds it
+#: raised no bound where it proved nothing, and shortened T5-small's plans by 1.1% and 0.03%, which the
+#: bisection given that time beats (benchmarks/results/cpsat-budgets.log; docs/optimizer.md, "Bisection") ...
 CPSAT_BUDGET_SHARE = 0.5
+#: ... but at least this many deterministic seconds, or all of ``time_limit`` when less: its proofs in the
+#: planner benchmark took up to 5.8 (GPT-2 base at 16 stages), T5-small's at 4 stages 3.2 ...
+CPSAT_MIN_BUDGET = 6.0
 #: ... the grouped-stages bound this share, and the bisection the rest (what the others left included).
 GROUP_BUDGET_SHARE = 0.5
 #: Four groups on graphs of at most this many ops: on the 1,000-op layered DAG at 8 stages four groups
@@ -51,8 +54,8 @@ TWO_GROUPS_MAX_NODES = 2000
 #: ... and run only with this many times that in their budget (unfinished, they prove less than the
 #: closed-form bounds: 1,500 ops in 2 deterministic seconds).
 TWO_GROUPS_MARGIN = 2.0
-#: CP-SAT's deterministic-time budget when ``time_limit`` is not given (about 4-10 wall
-#: seconds on one core of this 2-core machine).
+#: ``time_limit`` when not given, deterministic seconds (CP-SAT's: about 4-10 wall seconds on one core of
+#: this 2-core machine; under ``auto`` all of it for CP-SAT's optimisation, see :func:`cpsat_budget`).
 DEFAULT_TIME_LIMIT = 4.0
 
 
@@ -96,6 +99,9 @@ class _Search:
 
     @property
     def proven(self) -> bool:
+        """The plan meets its bound, or no plan exists: either way no further search can change the answer."""
+        if self.infeasible:
+            return True
         return self.assign is not None and max(self.bounds.values(), default=0.0) >= self.value * (1 - OPTIMAL_RTOL)
 
 
@@ -117,12 +123,13 @@ def solve(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None =
     never worse than dp), or a baseline ``"uniform"``, ``"params"``, ``"blocks"``.
     ``memory_limit``: bytes per device, or None for the cluster devices' memory.
     ``colocate``: groups of node names that must share a stage (each group's convex closure
-    does). ``time_limit``: CP-SAT's budget in deterministic seconds (its measure of work,
-    about seconds on a quiet core), default :data:`DEFAULT_TIME_LIMIT`; auto spends at most
-    :data:`AUTO_BUDGET_FACTOR` times it: CP-SAT's optimisation :data:`CPSAT_BUDGET_SHARE` of it,
-    the stage-groups bound :data:`GROUP_BUDGET_SHARE`, the bisection the rest; dp's search is
-    bounded by :data:`DP_SEARCH_WORK`. Budgets are counts, so the same input gives the same
-    plan and bound on any machine; ``wall_limit`` (seconds, default
+    does). ``time_limit``: the search budget in deterministic seconds (CP-SAT's measure of work,
+    about seconds on a quiet core), default :data:`DEFAULT_TIME_LIMIT`; ``cpsat`` spends it on
+    CP-SAT, ``auto`` spends at most :data:`AUTO_BUDGET_FACTOR` times it on its CP-SAT searches:
+    the optimisation :func:`cpsat_budget` of it, the stage-groups bound :data:`GROUP_BUDGET_SHARE`,
+    the bisection the rest; dp's search, the ideal DP's and the moves' are bounded by counts
+    (:data:`DP_SEARCH_WORK` and others, docs/optimizer.md). Budgets are counts, so the same input
+    gives the same plan and bound on any machine; ``wall_limit`` (seconds, default
     :func:`wall_limit_for`) is only a safety net, and a note says when it struck.
     ``workers``: CP-SAT threads (deterministic for any count). ``objective="step_time"``
     then picks and refines the plan by simulated step time under ``schedule``
@@ -187,8 +194,7 @@ def _optimise(prob: Problem, blocks: Blocks, method: str, budget: float, deadlin
     left = budget * AUTO_BUDGET_FACTOR  # auto's; the other methods spend ``budget`` on their one search
     if _wants_cpsat(search, method):
         before = search.assign
-        left -= _run_cpsat(search, blocks, budget * CPSAT_BUDGET_SHARE if method == "auto" else budget,
-                           deadline, workers)
+        left -= _run_cpsat(search, blocks, cpsat_budget(budget) if method == "auto" else budget, deadline, workers)
         if method == "auto" and not search.proven and search.assign is not before:
             _run_moves(search, blocks, deadline)  # CP-SAT's new plan, unproven: its neighbours too
     groups = _groups_for(prob.n, budget * GROUP_BUDGET_SHARE)
@@ -206,6 +212,11 @@ def _optimise(prob: Problem, blocks: Blocks, method: str, budget: float, deadlin
     for name, value in search.bounds.items():
         part.with_report(lower_bound=value, bound_by=name)
     return part.with_report(notes=search.notes)
+
+
+def cpsat_budget(time_limit: float) -> float:
+    """CP-SAT's optimisation budget under ``auto`` (deterministic seconds) for a ``time_limit``."""
+    return min(time_limit, max(CPSAT_BUDGET_SHARE * time_limit, CPSAT_MIN_BUDGET))
 
 
 def _run_dp(search: _Search, blocks: Blocks, single: bool, deadline: float) -> None:
