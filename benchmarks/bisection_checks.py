@@ -1,8 +1,9 @@
 """One bisection check (CP-SAT: is there a plan under a cap?) by linearization level: what bisect.py runs at.
 
-Run: ``.venv/bin/python benchmarks/bisection_checks.py [--stages 8] [--caps 0.42 0.44] [--budget 30]``.
-T5-small as the planner benchmark builds it (meta device, analytic H100 profile, bf16), caps in ms;
-prints each check's status and deterministic seconds (the same on any machine) and wall seconds.
+Run: ``.venv/bin/python benchmarks/bisection_checks.py [--graph t5:size=small] [--stages 8] [--caps 0.42 0.44]
+[--levels 0 1 2] [--budget 30]``. The graph as the planner benchmark builds it (a zoo spec on the meta
+device, analytic H100 profile, bf16; or a synthetic ``kind:ops``, seed 0), caps in ms; prints each
+check's status and deterministic seconds (the same on any machine) and wall seconds.
 """
 
 from __future__ import annotations
@@ -15,26 +16,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._graphs import graph_for  # noqa: E402
 from partitioner.cluster import Cluster  # noqa: E402
 from partitioner.cost import Problem  # noqa: E402
-from partitioner.profile import profile  # noqa: E402
 from partitioner.solve.cpsat import _Model, proof_solver  # noqa: E402
-from smp.models import build  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--graph", default="t5:size=small", help="a zoo spec or a synthetic kind:ops")
     ap.add_argument("--stages", type=int, default=8)
     ap.add_argument("--caps", type=float, nargs="+", default=[0.42, 0.44], help="caps in ms")
     ap.add_argument("--levels", type=int, nargs="+", default=[0, 1, 2], help="CP-SAT linearization levels")
     ap.add_argument("--budget", type=float, default=30.0, help="deterministic seconds per check")
     args = ap.parse_args()
-    bundle = build("t5:size=small", meta=True)
-    graph = profile(bundle.model, bundle.example_args, bundle.example_kwargs,
-                    timing="analytic", device_profile="h100-sxm", dtype="bf16")
+    graph = graph_for(args.graph)
     p = args.stages
     prob = Problem(graph, p, cluster=Cluster.load("h100-sxm", devices=p), microbatches=4 * p)
-    print(f"T5-small ({prob.n} ops) at {p} stages; budget {args.budget:g} deterministic s per check\n", flush=True)
+    print(f"{args.graph} ({prob.n} ops) at {p} stages; budget {args.budget:g} deterministic s per check\n", flush=True)
     print("| cap ms | linearization | status | deterministic s | wall s |\n| ---: | ---: | --- | ---: | ---: |", flush=True)
     for cap_ms in args.caps:
         cap = cap_ms * 1e-3

@@ -19,23 +19,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from partitioner import synthetic  # noqa: E402
+from benchmarks._graphs import graph_for  # noqa: E402
 from partitioner.cluster import Cluster  # noqa: E402
-from partitioner.profile import profile  # noqa: E402
-from smp.models import build  # noqa: E402
 
 SOLVE = importlib.import_module("partitioner.solve")  # the package, not its solve() function
 ROWS = ["t5:size=small@8", "t5:size=small@16", "layered:100@8", "layered:1000@8", "gpt:size=base@16"]
-
-
-def graph_for(spec: str):
-    """A synthetic graph (``kind:ops``) or a zoo model profiled as the planner benchmark does."""
-    kind, _, rest = spec.partition(":")
-    if kind in synthetic.SUITES and rest.isdigit():
-        return synthetic.generate(kind, int(rest), seed=0)
-    bundle = build(spec, meta=True)
-    return profile(bundle.model, bundle.example_args, bundle.example_kwargs,
-                   timing="analytic", device_profile="h100-sxm", dtype="bf16")
 
 
 def main() -> None:

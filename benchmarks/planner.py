@@ -19,12 +19,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._graphs import zoo_graph  # noqa: E402
 from partitioner import synthetic  # noqa: E402
 from partitioner.cluster import Cluster  # noqa: E402
 from partitioner.errors import PlanningError  # noqa: E402
-from partitioner.profile import profile  # noqa: E402
 from partitioner.solve import solve  # noqa: E402
-from smp.models import build  # noqa: E402
 
 METHODS = ("uniform", "params", "blocks", "dp", "auto")
 RESULTS = ROOT / "benchmarks" / "results" / "planner.json"
@@ -97,9 +96,7 @@ def synthetic_groups(quick: bool, time_limit: float) -> list[dict]:
 def zoo_groups(time_limit: float) -> list[dict]:
     out = []
     for spec in ZOO:
-        bundle = build(spec, meta=True)
-        graph = profile(bundle.model, bundle.example_args, bundle.example_kwargs,
-                        timing="analytic", device_profile="h100-sxm", dtype="bf16")
+        graph = zoo_graph(spec)
         for stages in (4, 8, 16):
             out.append(run_group(spec, graph, stages, time_limit))
             print(table([out[-1]])[-1], file=sys.stderr, flush=True)
