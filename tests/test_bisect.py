@@ -92,12 +92,14 @@ def test_auto_spends_at_most_twice_time_limit_and_the_bisection_gets_what_is_lef
             return res
         return wrapped
 
-    # The groups report a third of what they spent: the bisection's budget must follow the report, not the share.
+    # CP-SAT and the groups report a third of what they spent: the bisection's budget must follow what they
+    # report spending, not what they were given.
     monkeypatch.setattr(SOLVE_MODULE, "group_lower_bound", spy(
         "groups", SOLVE_MODULE.group_lower_bound, lambda r: r.deterministic_seconds,
         lambda r: dataclasses.replace(r, deterministic_seconds=r.deterministic_seconds / 3)))
-    monkeypatch.setattr(SOLVE_MODULE, "cpsat_solve", spy("cpsat", SOLVE_MODULE.cpsat_solve,
-                                                         lambda r: r.deterministic_seconds))
+    monkeypatch.setattr(SOLVE_MODULE, "cpsat_solve", spy(
+        "cpsat", SOLVE_MODULE.cpsat_solve, lambda r: r.deterministic_seconds,
+        lambda r: dataclasses.replace(r, deterministic_seconds=r.deterministic_seconds / 3)))
     monkeypatch.setattr(SOLVE_MODULE, "bisect_bound", spy("bisection", SOLVE_MODULE.bisect_bound,
                                                           lambda r: sum(c.deterministic_seconds for c in r.checks)))
     time_limit = 1.0
@@ -108,13 +110,19 @@ def test_auto_spends_at_most_twice_time_limit_and_the_bisection_gets_what_is_lef
     share = SOLVE_MODULE.CPSAT_BUDGET_SHARE if min_budget is not None else 1.0
     assert given["cpsat"] == share * time_limit
     assert given["groups"] == SOLVE_MODULE.GROUP_BUDGET_SHARE * time_limit
-    assert 0 < used["groups"] < given["groups"] * 1.01
+    assert 0 < used["groups"] < given["groups"] and 0 < used["cpsat"] < given["cpsat"]
     assert given["bisection"] == pytest.approx(SOLVE_MODULE.AUTO_BUDGET_FACTOR * time_limit - used["cpsat"]
                                                - used["groups"])
     assert used["cpsat"] + used["groups"] + used["bisection"] <= SOLVE_MODULE.AUTO_BUDGET_FACTOR * time_limit * 1.01
     given.clear()
     solve(g, 4, method="cpsat", **args)
     assert given == {"cpsat": time_limit}
+
+
+def test_cpsat_keeps_all_of_a_short_time_limit_at_least_its_floor_and_half_of_a_long_one():
+    floor, share = SOLVE_MODULE.CPSAT_MIN_BUDGET, SOLVE_MODULE.CPSAT_BUDGET_SHARE
+    assert floor == 6.0 and share == 0.5  # the figures below; docs/optimizer.md, "Bisection"
+    assert [SOLVE_MODULE.cpsat_budget(t) for t in (1.0, 4.0, 6.0, 8.0, 12.0, 30.0)] == [1.0, 4.0, 6.0, 6.0, 6.0, 15.0]
 
 
 def test_the_bisection_runs_no_check_without_a_gap_a_bound_or_time():
