@@ -16,6 +16,7 @@ from partitioner.cost import Problem, evaluate, graph_order
 from partitioner.errors import ColocationError, MemoryLimitError, StageCountError
 from partitioner.graph import OUTPUT_OP
 from partitioner.solve import solve
+from partitioner.solve.cpsat import CPResult
 from partitioner.solve.baselines import cuts_to_assign
 from partitioner.solve.dp import _Budget, _completion_bounds, _seeds, _shift_cuts, dp_solve
 from partitioner.solve.ideals import ideal_dp
@@ -158,6 +159,19 @@ def test_auto_stops_searching_once_cpsat_proves_no_plan_fits(monkeypatch):
     called = []
     monkeypatch.setattr(importlib.import_module("partitioner.solve"), "group_lower_bound", lambda *a, **k: called.append(k["budget"]))
     with pytest.raises(MemoryLimitError, match="no valid assignment fits"):
+        solve(synthetic.chain(6, seed=0), 2, memory_limit=80e6, method="auto", time_limit=1)
+    assert called == []
+
+
+def test_auto_spends_nothing_on_the_stage_groups_bound_when_no_plan_was_found(monkeypatch):
+    """The same six ops under 80 MB, CP-SAT's search made to end undecided (UNKNOWN, no plan): a lower bound on
+    the bottleneck cannot change the answer when nothing fits, so the stage groups are not run."""
+    solve_mod = importlib.import_module("partitioner.solve")
+    called = []
+    monkeypatch.setattr(solve_mod, "group_lower_bound", lambda *a, **k: called.append(k["budget"]))
+    monkeypatch.setattr(solve_mod, "cpsat_solve", lambda *a, **k: CPResult(
+        None, float("inf"), 0.0, False, "UNKNOWN", 0.0, k["budget"], False))
+    with pytest.raises(MemoryLimitError, match="no assignment on the program order fits"):
         solve(synthetic.chain(6, seed=0), 2, memory_limit=80e6, method="auto", time_limit=1)
     assert called == []
 

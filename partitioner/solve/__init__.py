@@ -198,7 +198,8 @@ def _optimise(prob: Problem, blocks: Blocks, method: str, budget: float, deadlin
         if method == "auto" and not search.proven and search.assign is not before:
             _run_moves(search, blocks, deadline)  # CP-SAT's new plan, unproven: its neighbours too
     groups = _groups_for(prob.n, budget * GROUP_BUDGET_SHARE)
-    if method == "auto" and not search.proven and groups:
+    # A bound is wanted only beside a plan: with none found, nothing fits and no bound changes the answer
+    if method == "auto" and not search.proven and search.assign is not None and groups:
         left -= _run_groups(search, groups, budget * GROUP_BUDGET_SHARE, deadline, workers)
     if method == "auto" and not search.proven and search.assign is not None and _cpsat_fits(prob):
         before = search.assign
