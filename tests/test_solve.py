@@ -3,12 +3,14 @@
 import importlib
 import itertools
 import math
+import random
 
 import networkx as nx
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from ortools.sat.python import cp_model
 
 from partitioner import synthetic
 from partitioner.cluster import Cluster
@@ -16,8 +18,8 @@ from partitioner.cost import Problem, evaluate, graph_order
 from partitioner.errors import ColocationError, MemoryLimitError, StageCountError
 from partitioner.graph import OUTPUT_OP
 from partitioner.solve import solve
-from partitioner.solve.cpsat import CPResult
 from partitioner.solve.baselines import cuts_to_assign
+from partitioner.solve.cpsat import CPResult, _Model, cpsat_solve, proof_solver
 from partitioner.solve.dp import _Budget, _completion_bounds, _seeds, _shift_cuts, dp_solve
 from partitioner.solve.ideals import ideal_dp
 
@@ -169,11 +171,12 @@ def test_auto_spends_nothing_on_the_stage_groups_bound_when_no_plan_was_found(mo
     solve_mod = importlib.import_module("partitioner.solve")
     called = []
     monkeypatch.setattr(solve_mod, "group_lower_bound", lambda *a, **k: called.append(k["budget"]))
-    monkeypatch.setattr(solve_mod, "cpsat_solve", lambda *a, **k: CPResult(
+    searched = []
+    monkeypatch.setattr(solve_mod, "cpsat_solve", lambda *a, **k: searched.append(k["budget"]) or CPResult(
         None, float("inf"), 0.0, False, "UNKNOWN", 0.0, k["budget"], False))
     with pytest.raises(MemoryLimitError, match="no assignment on the program order fits"):
         solve(synthetic.chain(6, seed=0), 2, memory_limit=80e6, method="auto", time_limit=1)
-    assert called == []
+    assert searched == [1.0] and called == []
 
 
 def test_stage_and_colocation_errors():
@@ -277,6 +280,55 @@ def test_cpsat_matches_brute_force_on_a_heterogeneous_chain_of_links():
     best = synthetic.brute_force(g, 4, colocate=[["v1", "v2"]], **opts)
     part = solve(g, 4, colocate=[["v1", "v2"]], method="cpsat", **opts)
     assert part.bottleneck == pytest.approx(best.bottleneck, rel=1e-6)
+
+
+def _random_links(seed: int) -> tuple[Problem, list[tuple[int, ...]]]:
+    """Six random ops on 4 stages whose link prices step both ways between stages (a farther sender is
+    sometimes cheaper; free links too), with every valid plan."""
+    rng = random.Random(seed)
+    g = nx.DiGraph()
+    for i in range(6):
+        g.add_node(f"v{i}", fwd=rng.randint(1, 9) * 1e-3, bwd=rng.randint(0, 9) * 1e-3,
+                   out_bytes=rng.randint(0, 8) * 1_000_000)
+        for j in range(i):
+            if rng.random() < 0.4:
+                g.add_edge(f"v{j}", f"v{i}")
+    prob = Problem(g, 4, microbatches=2)
+    for a, t in itertools.combinations(range(4), 2):
+        prob.bw[a, t], prob.lat[a, t] = rng.choice([1e8, 1e9, 1e10, math.inf]), rng.choice([0.0, 1e-3])
+    return prob, [a for a in itertools.product(range(4), repeat=prob.n) if not prob.check(list(a))]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_cpsat_prices_links_on_which_a_farther_sender_is_cheaper_exactly(seed):
+    """CP-SAT writes a receiver's price as a step function of the sender's stage; on link matrices where
+    a farther sender is sometimes cheaper (steps up and down) its optimum must still be enumeration's."""
+    prob, plans = _random_links(seed)
+    best = min(max(prob.stage_costs(a)[0]) for a in plans)
+    cp = cpsat_solve(prob, budget=30.0)
+    assert cp.status == "OPTIMAL"
+    assert cp.value == pytest.approx(best, rel=1e-9)
+    assert best * (1 - 1e-6) <= cp.lower_bound <= best * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_every_plan_is_a_complete_hint_that_the_model_holds_with_its_own_bottleneck(seed):
+    """Any valid plan, hinted with every variable fixed to its hinted value, is a solution of the model narrowed
+    to [optimum, plan] (the integer floor and cap cut off no plan), at the hinted bottleneck: the hint is
+    complete and consistent (steps, senders' sums, loads) and the loads are the plan's, rounded down."""
+    prob, plans = _random_links(seed)
+    values = [max(prob.stage_costs(a)[0]) for a in plans]
+    best = min(values)
+    for a, value in list(zip(plans, values))[::max(1, len(plans) // 12)]:
+        model = _Model(prob, [])
+        model.objective(value, value, best)
+        model.hint(list(a))
+        solver = proof_solver(budget=5.0, wall_left=60.0, workers=1, seed=0)
+        solver.parameters.fix_variables_to_their_hinted_value = True
+        assert solver.Solve(model.m) == cp_model.OPTIMAL
+        assert model.assignment(solver) == list(a)
+        hinted = list(model.m.proto.solution_hint.values)[-1]  # the bottleneck, hinted last
+        assert solver.Value(model.bneck) == hinted <= value * model.scale
 
 
 @st.composite
