@@ -119,10 +119,11 @@ def test_auto_spends_at_most_twice_time_limit_and_the_bisection_gets_what_is_lef
     assert given == {"cpsat": time_limit}
 
 
-def test_cpsat_keeps_all_of_a_short_time_limit_at_least_its_floor_and_half_of_a_long_one():
+def test_cpsat_keeps_all_of_a_short_time_limit_at_least_its_floor_and_a_quarter_of_a_long_one():
     floor, share = SOLVE_MODULE.CPSAT_MIN_BUDGET, SOLVE_MODULE.CPSAT_BUDGET_SHARE
-    assert floor == 6.0 and share == 0.5  # the figures below; docs/optimizer.md, "Bisection"
-    assert [SOLVE_MODULE.cpsat_budget(t) for t in (1.0, 4.0, 6.0, 8.0, 12.0, 30.0)] == [1.0, 4.0, 6.0, 6.0, 6.0, 15.0]
+    assert floor == 6.0 and share == 0.25  # the figures below; docs/optimizer.md, "Bisection"
+    assert [SOLVE_MODULE.cpsat_budget(t) for t in (1.0, 4.0, 6.0, 8.0, 24.0, 30.0, 40.0)] == [
+        1.0, 4.0, 6.0, 6.0, 6.0, 7.5, 10.0]
 
 
 def test_the_bisection_runs_no_check_without_a_gap_a_bound_or_time():

@@ -32,16 +32,19 @@ METHODS = ("auto", "dp", "cpsat", *BASELINES)
 OBJECTIVES = ("bottleneck", "step_time")
 #: ``auto`` runs CP-SAT after the DP only on graphs up to this many ops ...
 AUTO_CPSAT_MAX_NODES = 2000
-#: ... and this many model variables (ops x stages + transfer variables).
-AUTO_CPSAT_MAX_VARS = 400_000
+#: ... and this many model variables (:func:`~partitioner.solve.cpsat.cpsat_size`): on clusters of 8-GPU nodes
+#: 2,000 ops at 16 stages and 1,000 at 32 (about 106-115k) are in, 1,000 at 64 out (the 1,000-op layered DAG:
+#: 221k; there 15 deterministic seconds of CP-SAT took 124 wall seconds and found no plan).
+AUTO_CPSAT_MAX_VARS = 150_000
 #: ``auto``'s whole deterministic budget, as a multiple of ``time_limit`` (``cpsat`` alone spends ``time_limit``) ...
 AUTO_BUDGET_FACTOR = 2.0
-#: ... of which CP-SAT's optimisation gets this share of ``time_limit``: from 15 to 30 deterministic seconds it
-#: raised no bound where it proved nothing and shortened T5-small's plans by 1.05% and 0.03%; the bisection
-#: given that time does better on the gap (benchmarks/results/cpsat-budgets.log; docs/optimizer.md, "Bisection") ...
-CPSAT_BUDGET_SHARE = 0.5
+#: ... of which CP-SAT's optimisation gets this share of ``time_limit``: it raises no bound where it proves
+#: nothing, and with the step-priced model the bisection given the time does better on the gap (at 30: a quarter
+#: against half, T5-small x 16 1.081 -> 1.039, the 100-op layered DAG 1.063 -> 1.048; benchmarks/results/
+#: planner-cpsat-half.log against planner.log; docs/optimizer.md, "Bisection") ...
+CPSAT_BUDGET_SHARE = 0.25
 #: ... but at least this many deterministic seconds, or all of ``time_limit`` when less: its proofs in the
-#: planner benchmark took up to 5.8 (GPT-2 base at 16 stages), T5-small's at 4 stages 3.2 ...
+#: planner benchmark take up to 5.49 (GPT-2 base at 16 stages), T5-small's at 4 stages 2.87 ...
 CPSAT_MIN_BUDGET = 6.0
 #: ... the grouped-stages bound this share, and the bisection the rest (what the others left included).
 GROUP_BUDGET_SHARE = 0.5
