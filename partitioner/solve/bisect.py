@@ -3,13 +3,14 @@
 CP-SAT minimising the bottleneck raises its lower bound only through its linear relaxation,
 which spreads each op over every stage and pays no communication: on T5-small at 8 stages its
 bound stays where it starts (0.380 ms) for 30 deterministic seconds, under every search
-setting tried on the per-link model (default, ``linearization_level`` 2, LB tree search, core-based search). The
-same model with the bottleneck *capped* and no objective is a feasibility question, and there
-every stage's time constraint propagates against a constant: without the linear relaxation
-(``linearization_level`` 0) "no plan under 0.44 ms" is proven in 2.9 deterministic seconds
-(7.5 on the per-link model; docs/optimizer.md, "Bisection"). So the bound is raised by bisection between the
-best bound so far and the plan: each check is the CP-SAT model of :mod:`partitioner.solve.cpsat`
-with the bottleneck's domain cut at the cap and no objective;
+setting tried on the per-link model (default, ``linearization_level`` 2, LB tree search,
+core-based search). The same model with the bottleneck *capped* and no objective is a
+feasibility question, and there every stage's time constraint propagates against a constant:
+without the linear relaxation (``linearization_level`` 0) "no plan under 0.44 ms" is proven in
+2.9 deterministic seconds (7.5 on the per-link model; docs/optimizer.md, "Bisection"). So the
+bound is raised by bisection between the best bound so far and the plan: each check is the
+CP-SAT model of :mod:`partitioner.solve.cpsat` with the bottleneck's domain cut at the cap and
+no objective;
 
 - INFEASIBLE proves every valid plan's bottleneck above the cap (the integer loads are rounded
   down, so a plan under the cap in floats is under it in integers: the model would hold it);

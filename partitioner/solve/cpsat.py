@@ -121,8 +121,6 @@ class _Model:
         self.load: list[list[tuple[float, cp_model.IntVar]]] = [[] for _ in range(prob.p)]
         self._compute()
         self.r: dict[tuple[int, int], cp_model.IntVar] = {}
-        # Per step of a link price: (tensor, receiver, stage j, whether the term is [a < j], Boolean)
-        self.steps: list[tuple[int, int, int, bool, cp_model.IntVar]] = []
         # Per (tensor, receiver): the prices from each earlier stage (seconds), r, and its steps' (j, less, w)
         self.transfers: list[tuple[int, int, list[float], cp_model.IntVar, list[_Step]]] = []
         self._communication()
@@ -210,7 +208,6 @@ class _Model:
                         w = m.new_bool_var(f"w{u}_{t}_{j}")
                         # r ∧ (a < j) ⇒ w, i.e. r ∧ ¬z[u][j] ⇒ w; or r ∧ z[u][j] ⇒ w
                         m.add_bool_or([rt.Not(), self.z[u][j] if less else self.z[u][j].Not(), w])
-                        self.steps.append((u, t, j, less, w))
                         steps.append((j, less, w))
                 self.transfers.append((u, t, col, rt, steps))
 
@@ -376,7 +373,8 @@ class _Model:
             hinted += [(self.x[v][s], int(assign[v] == s)) for s in range(prob.p)]
         dst = {(u, t): any(assign[w] == t for w in prob.succ[u]) and assign[u] != t for (u, t) in self.r}
         hinted += [(var, int(dst[key])) for key, var in self.r.items()]
-        steps = [(var, int(dst[u, t] and (assign[u] < j) == less)) for u, t, j, less, var in self.steps]
+        steps = [(w, int(dst[u, t] and (assign[u] < j) == less))
+                 for u, t, _, _, sts in self.transfers for j, less, w in sts]
         hinted += steps
         on = {id(self.x[v][assign[v]]) for v in range(prob.n)}
         on |= {id(var) for key, var in self.r.items() if dst[key]}
