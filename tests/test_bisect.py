@@ -11,7 +11,7 @@ from partitioner.cluster import Cluster
 from partitioner.cost import Problem, graph_order
 from partitioner.errors import ColocationError, MemoryLimitError
 from partitioner.solve import solve
-from partitioner.solve.bisect import bisect_bound
+from partitioner.solve.bisect import FIRST_DROP, FIRST_STEP, TARGET_GAP, bisect_bound
 from partitioner.solve.colocate import colocation_blocks
 
 from _problems import colocated_problems
@@ -134,3 +134,25 @@ def test_the_bisection_runs_no_check_without_a_gap_a_bound_or_time():
     assert bisect_bound(prob, lower=0.0, upper=1.0, budget=5, wall_limit=30).checks == []  # no bound to start from
     late = bisect_bound(prob, lower=0.5, upper=1.0, budget=5, wall_limit=0.0)
     assert late.checks == [] and late.wall_stopped and late.lower_bound == 0.5
+
+
+def test_the_bisection_first_descends_from_a_plan_near_the_optimum_and_proves_it_within_the_target():
+    """From a plan 3% above the brute-force optimum: the first cap, FIRST_DROP under it, finds a plan, and
+    the next, TARGET_GAP under that plan, lies below the optimum and is proven: two checks bring the plan
+    within TARGET_GAP of a proven bound. Without the descent the first cap is a quarter of the way up."""
+    g = synthetic.generate("layered", 12, seed=0)
+    p = 3
+    best = synthetic.brute_force(g, p).bottleneck
+    prob = Problem(g, p, recompute="auto")  # as brute_force() builds it
+    lower, upper = 0.5 * best, 1.03 * best
+    res = bisect_bound(prob, lower=lower, upper=upper, budget=20, wall_limit=120)
+    first, second = res.checks[:2]
+    assert first.cap == pytest.approx(upper / (1 + FIRST_DROP), rel=1e-12)
+    assert first.status in ("FEASIBLE", "OPTIMAL")
+    assert second.cap < first.cap / (1 + TARGET_GAP) * (1 + 1e-6) and second.cap < best
+    assert second.status == "INFEASIBLE"
+    assert best / (1 + TARGET_GAP) <= res.lower_bound <= best <= res.value
+    assert res.value <= res.lower_bound * (1 + TARGET_GAP)
+    climb = bisect_bound(prob, lower=lower, upper=upper, budget=20, wall_limit=120, descend=False)
+    assert climb.checks[0].cap == pytest.approx(lower + FIRST_STEP * (upper - lower), rel=1e-12)
+    assert climb.checks[0].status == "INFEASIBLE"
