@@ -139,20 +139,25 @@ def test_the_bisection_runs_no_check_without_a_gap_a_bound_or_time():
 def test_the_bisection_first_descends_from_a_plan_near_the_optimum_and_proves_it_within_the_target():
     """From a plan 3% above the brute-force optimum: the first cap, FIRST_DROP under it, finds a plan, and
     the next, TARGET_GAP under that plan, lies below the optimum and is proven: two checks bring the plan
-    within TARGET_GAP of a proven bound. Without the descent the first cap is a quarter of the way up."""
+    within TARGET_GAP of a proven bound, and the climb then starts FIRST_STEP of the way from that proof to
+    the plan. Without the descent the first cap is a quarter of the way up from the bound."""
     g = synthetic.generate("layered", 12, seed=0)
     p = 3
     best = synthetic.brute_force(g, p).bottleneck
     prob = Problem(g, p, recompute="auto")  # as brute_force() builds it
     lower, upper = 0.5 * best, 1.03 * best
-    res = bisect_bound(prob, lower=lower, upper=upper, budget=20, wall_limit=120)
-    first, second = res.checks[:2]
+    two = bisect_bound(prob, lower=lower, upper=upper, budget=20, wall_limit=120, rtol=TARGET_GAP)
+    first, second = two.checks
     assert first.cap == pytest.approx(upper / (1 + FIRST_DROP), rel=1e-12)
-    assert first.status in ("FEASIBLE", "OPTIMAL")
-    assert second.cap < first.cap / (1 + TARGET_GAP) * (1 + 1e-6) and second.cap < best
-    assert second.status == "INFEASIBLE"
-    assert best / (1 + TARGET_GAP) <= res.lower_bound <= best <= res.value
-    assert res.value <= res.lower_bound * (1 + TARGET_GAP)
+    assert first.status in ("FEASIBLE", "OPTIMAL") and second.status == "INFEASIBLE"
+    # the second cap is TARGET_GAP under the plan the first found, which is no better than the optimum
+    assert second.cap * (1 + TARGET_GAP) == pytest.approx(two.value, rel=1e-12)
+    assert best <= two.value <= first.cap * (1 + 1e-9)
+    assert two.lower_bound == second.cap and two.value <= two.lower_bound * (1 + TARGET_GAP) * (1 + 1e-12)
+    res = bisect_bound(prob, lower=lower, upper=upper, budget=20, wall_limit=120)
+    assert [(c.cap, c.status) for c in res.checks[:2]] == [(c.cap, c.status) for c in two.checks]
+    assert res.checks[2].cap == pytest.approx(second.cap + FIRST_STEP * (two.value - second.cap), rel=1e-12)
+    assert best / (1 + TARGET_GAP) <= res.lower_bound <= best <= res.value <= two.value
     climb = bisect_bound(prob, lower=lower, upper=upper, budget=20, wall_limit=120, descend=False)
     assert climb.checks[0].cap == pytest.approx(lower + FIRST_STEP * (upper - lower), rel=1e-12)
     assert climb.checks[0].status == "INFEASIBLE"

@@ -21,12 +21,12 @@ no objective;
 The caps first descend from the plan: 2% under it, then 1% under each plan found under a cap, so
 that a plan a few percent above the optimum (where the DP, the tabu search and CP-SAT leave the
 unproven rows of the planner benchmark) is improved and proven within 1% in two checks. The first
-cap proven or unproven ends the descent; from there caps climb from the bound, starting a quarter of
-the way to the plan, by a doubling step while proven (a proof is harder the closer the cap is to the
-optimum). A check gets half the budget left, or 1.5 times what the last decided check took when more
-(the last proof, or the plan found just above the next cap), so an unproven check leaves room for
-easier ones below it. Budgets are deterministic seconds: the same checks, caps and answers on any
-machine.
+cap not found feasible (or whose plan is not taken) ends the descent; from there caps climb from the
+bound, starting a quarter of the way to the lowest cap not proven or plan found, by a doubling step
+while proven (a proof is harder the closer the cap is to the optimum). A check gets half the budget
+left, or 1.5 times what the last proof took when more (while descending, what the search for the plan
+just above the next cap took), so an unproven check leaves room for easier ones below it. Budgets
+are deterministic seconds: the same checks, caps and answers on any machine.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ BISECT_RTOL = 1e-3
 FIRST_STEP = 0.25
 #: A check may spend this share of the budget left ...
 CHECK_SHARE = 0.5
-#: ... or, when more, this many times what the last proof took (a higher cap is a harder proof).
+#: ... or, when more, this many times what the last proof took (a higher cap is a harder proof; while
+#: descending, what the search for the plan just above the cap took).
 PROOF_GROWTH = 1.5
 #: Deterministic seconds below which a check is not worth starting (CP-SAT's presolve alone).
 MIN_CHECK = 0.05
@@ -117,10 +118,11 @@ def bisect_bound(prob: Problem, groups: Sequence[Sequence[int]] = (), *, lower: 
         if descending:
             cap = res.value / (1 + (TARGET_GAP if res.checks else FIRST_DROP))
             if not res.lower_bound < cap < ceiling:  # the plan that close to the bound, or not improved
-                descending, step = False, (ceiling - res.lower_bound) * FIRST_STEP
+                descending, step, last_decided = False, (ceiling - res.lower_bound) * FIRST_STEP, 0.0
         if not descending:
             cap = min((res.lower_bound + ceiling) / 2, res.lower_bound + step)
-        # Half the budget left, or more where the last proof (at a lower cap) took more than that.
+        # Half the budget left, or more where the last proof (at a lower cap; descending, the search for the
+        # plan just above this cap) took more than that.
         allot = min(left, max(left * CHECK_SHARE, PROOF_GROWTH * last_decided))
         if left - allot < MIN_CHECK:
             allot = left
@@ -159,4 +161,5 @@ def bisect_bound(prob: Problem, groups: Sequence[Sequence[int]] = (), *, lower: 
             raise RuntimeError(f"bisection: CP-SAT rejected the model ({solver.StatusName(status)}) at cap {cap:.6g} s")
         if descending and status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             descending, step = False, (ceiling - res.lower_bound) * FIRST_STEP
+            last_decided = det if status == cp_model.INFEASIBLE else 0.0  # a plan's search says nothing of a proof
     return res
