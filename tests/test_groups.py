@@ -119,6 +119,9 @@ def test_auto_takes_two_groups_over_the_four_group_size_limit(monkeypatch):
     g = synthetic.generate("layered", 100, seed=0)
     cluster = Cluster.load("h100-sxm", devices=8)
     monkeypatch.setattr(SOLVE_MODULE, "GROUPS_MAX_NODES", 50)
+    # the searches around the groups are not asked about here: CP-SAT's optimisation before, the bisection after
+    monkeypatch.setattr(SOLVE_MODULE, "_wants_cpsat", lambda *a, **k: False)
+    monkeypatch.setattr(SOLVE_MODULE, "_run_bisection", lambda *a, **k: None)
     part = solve(g, 8, cluster=cluster, microbatches=32, time_limit=2)
     assert any("in 2 groups from stages [0, 4]" in note for note in part.notes), part.notes
     monkeypatch.setattr(SOLVE_MODULE, "TWO_GROUPS_MAX_NODES", 50)
