@@ -117,8 +117,12 @@ def bisect_bound(prob: Problem, groups: Sequence[Sequence[int]] = (), *, lower: 
             break
         if descending:
             cap = res.value / (1 + (TARGET_GAP if res.checks else FIRST_DROP))
-            if not res.lower_bound < cap < ceiling:  # the plan that close to the bound, or not improved
-                descending, step, last_decided = False, (ceiling - res.lower_bound) * FIRST_STEP, 0.0
+            last = res.checks[-1].status if res.checks else "FEASIBLE"
+            # the last cap proven or unproven, the plan that close to the bound, or not improved: climb
+            if last not in ("FEASIBLE", "OPTIMAL") or not res.lower_bound < cap < ceiling:
+                descending, step = False, (ceiling - res.lower_bound) * FIRST_STEP
+                if last != "INFEASIBLE":
+                    last_decided = 0.0  # a plan's search says nothing of a proof
         if not descending:
             cap = min((res.lower_bound + ceiling) / 2, res.lower_bound + step)
         # Half the budget left, or more where the last proof (at a lower cap; descending, the search for the
@@ -159,7 +163,4 @@ def bisect_bound(prob: Problem, groups: Sequence[Sequence[int]] = (), *, lower: 
             ceiling, step = cap, step / 4
         else:  # MODEL_INVALID: a bug in the model, not an answer
             raise RuntimeError(f"bisection: CP-SAT rejected the model ({solver.StatusName(status)}) at cap {cap:.6g} s")
-        if descending and status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            descending, step = False, (ceiling - res.lower_bound) * FIRST_STEP
-            last_decided = det if status == cp_model.INFEASIBLE else 0.0  # a plan's search says nothing of a proof
     return res
