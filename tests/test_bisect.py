@@ -2,6 +2,8 @@
 
 import dataclasses
 import importlib
+import itertools
+import math
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -13,8 +15,9 @@ from partitioner.errors import ColocationError, MemoryLimitError
 from partitioner.solve import solve
 from partitioner.solve.bisect import FIRST_DROP, FIRST_STEP, TARGET_GAP, bisect_bound
 from partitioner.solve.colocate import colocation_blocks
+from partitioner.solve.cpsat import _Model, proof_solver
 
-from _problems import colocated_problems
+from _problems import colocated_problems, problems
 
 SOLVE_MODULE = importlib.import_module("partitioner.solve")  # the package, not its solve() function
 
@@ -161,3 +164,33 @@ def test_the_bisection_first_descends_from_a_plan_near_the_optimum_and_proves_it
     climb = bisect_bound(prob, lower=lower, upper=upper, budget=20, wall_limit=120, descend=False)
     assert climb.checks[0].cap == pytest.approx(lower + FIRST_STEP * (upper - lower), rel=1e-12)
     assert climb.checks[0].status == "INFEASIBLE"
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(case=problems())
+def test_the_cut_sums_hold_every_valid_plan(case):
+    """The bisection's model with the redundant sums over each cut holds every valid plan that fits memory,
+    fixed stage by stage, under a cap at its own bottleneck: the sums only prune what no plan reaches (a
+    term priced above what the stages pay, a speed or a link too slow, refutes a balanced plan here)."""
+    g, p, opts = case
+    prob = Problem(g, p, recompute="auto", **opts)
+    if p ** prob.n > 60_000:
+        return  # too many assignments to enumerate here
+    plans = [list(a) for a in itertools.product(range(p), repeat=prob.n) if not prob.check(list(a))]
+    plans = [a for a in plans if prob.fits(prob.stage_costs(a)[1])]
+    if not plans:
+        return
+    upper = max(prob.bottleneck(a) for a in plans)
+    model = _Model(prob, ())
+    model.objective(upper, upper, 0.0)
+    model.m.clear_objective()
+    model.cut_sums()
+    bneck = model.m.proto.variables[model.bneck.index]
+    plans.sort(key=prob.bottleneck)  # the most balanced first: their sums come nearest s x B
+    for a in plans[:20] + plans[20:: max(1, len(plans) // 20)]:
+        bneck.domain[1] = max(bneck.domain[0], math.floor(prob.bottleneck(a) * model.scale) + 1)
+        model.m.clear_assumptions()
+        model.m.add_assumptions([model.x[v][s] for v, s in enumerate(a)])
+        solver = proof_solver(budget=5, wall_left=60, workers=1, seed=0)
+        solver.parameters.linearization_level = 0
+        assert solver.StatusName(solver.Solve(model.m)) in ("FEASIBLE", "OPTIMAL"), (a, prob.bottleneck(a))

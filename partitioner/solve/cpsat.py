@@ -346,6 +346,47 @@ class _Model:
                 self.m.add(_weighted([*total, (-1, self.bneck)]) <= 0)
         self.m.minimize(self.bneck)
 
+    def cut_sums(self) -> None:
+        """Redundant constraints on B (after :meth:`objective`): the first s stages together, and the last
+        p - s, each within that many bottlenecks, for every cut s.
+
+        An op placed before cut s (``z[v][s]`` false) but on no stage yet weighs on no stage's sum, so
+        CP-SAT's propagation sees it only once its stage is fixed; the sums over the stages before and after
+        each cut weigh it at once: the work of the ops on that side (on the fastest stage there), and a
+        transfer for each tensor that crosses the cut (``cross[u][s]``: made before it, read after), priced
+        at the least any link across it costs one end, in the very integers the stages are charged (the
+        sender's side pays every copy it sends, the receivers' side every copy received: one is counted).
+        Every term is at most what those stages pay, so no plan the model holds is cut off. With equal
+        speeds this is the stage-groups relaxation (:mod:`partitioner.solve.groups`) with two groups at each
+        cut, inside the exact model (the groups weigh work on a group's summed speed, these sums on its
+        fastest stage).
+        """
+        prob, m, z = self.prob, self.m, self.z
+        p, n = prob.p, prob.n
+        # One end's price of a copy from stage a to t per tensor: _communication's float expression, rounded
+        # down once as _int_transfers rounds it (only a < s <= t is read below).
+        units = {u: np.floor(prob.directions * (float(prob.out_bytes[u]) / prob.bw + prob.lat) * self.scale)
+                 for u in _comm_nodes(prob)}
+        for s in range(1, p):
+            crossings = []
+            for u, price_of in units.items():
+                price = int(price_of[:s, s:].min())
+                if price <= 0:
+                    continue
+                cross = m.new_bool_var(f"cross{u}_{s}")
+                for w in prob.succ[u]:
+                    m.add_bool_or([z[w][s].Not(), z[u][s], cross])  # w after the cut and u before it
+                crossings.append((price, cross))
+            for side, width in ((slice(0, s), s), (slice(s, p), p - s)):
+                fastest = float(prob.speed[side].max())
+                work = [(math.floor(float(prob.work[v]) / fastest * self.scale), z[v][s]) for v in range(n)]
+                work = [(coef, lit) for coef, lit in work if coef]
+                if side.start == 0:  # Σ work (1 - z) + crossings <= s B
+                    m.add(_weighted([*crossings, *((-coef, lit) for coef, lit in work), (-width, self.bneck)])
+                          <= -sum(coef for coef, _ in work))
+                else:  # Σ work z + crossings <= (p - s) B
+                    m.add(_weighted([*crossings, *work, (-width, self.bneck)]) <= 0)
+
     def _senders(self) -> None:
         """sa[u,a] >= the scaled sum of u's transfer prices wherever u is on stage a: what u's stage pays."""
         self.send_load: list[list[tuple[int, cp_model.IntVar]]] = [[] for _ in range(self.prob.p)]
@@ -365,7 +406,8 @@ class _Model:
         return [next(s for s in range(self.prob.p) if solver.BooleanValue(self.x[v][s])) for v in range(self.prob.n)]
 
     def hint(self, assign: Sequence[int]) -> None:
-        """A full warm start: every x, r, step, sender's sum, recomputation choice and B from ``assign``."""
+        """A full warm start: every x, r, step, sender's sum, recomputation choice and B from ``assign`` (not
+        :meth:`cut_sums`'s crossings)."""
         prob = self.prob
         # (variable, value) pairs appended to the proto in bulk: add_hint is a Python call per variable
         hinted: list[tuple[cp_model.IntVar, int]] = []
