@@ -363,10 +363,11 @@ class _Model:
         """
         prob, m, z = self.prob, self.m, self.z
         p, n = prob.p, prob.n
-        # One end's price of a copy from stage a to t per tensor: _communication's float expression, rounded
-        # down once as _int_transfers rounds it (only a < s <= t is read below).
-        units = {u: np.floor(prob.directions * (float(prob.out_bytes[u]) / prob.bw + prob.lat) * self.scale)
-                 for u in _comm_nodes(prob)}
+        # One end's price of a copy from stage a to t per tensor, rounded down once as _int_transfers rounds
+        # it (0 where no transfer is priced; only a < s <= t is read below).
+        units: dict[int, np.ndarray] = {}
+        for u, t, col, _, _ in self.transfers:
+            units.setdefault(u, np.zeros((p, p)))[:t, t] = [math.floor(c * self.scale) for c in col]
         for s in range(1, p):
             crossings = []
             for u, price_of in units.items():
