@@ -127,17 +127,17 @@ def solve(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None =
     ``method``: ``"dp"`` (exact over contiguous cuts of the program order), ``"cpsat"``
     (all valid assignments, proven bound, warm-started from dp), ``"auto"`` (dp, then the
     DP over all ideals, a tabu search over single-op moves, cpsat, then the stage-groups
-    bound, the cut-crossings bound and the bisection, each only while the plan is unproven and the graph small enough;
-    never worse than dp), or a baseline ``"uniform"``, ``"params"``, ``"blocks"``.
+    bound, the cut-crossings bound and the bisection, each only while the plan is unproven and
+    the graph small enough; never worse than dp), or a baseline ``"uniform"``, ``"params"``, ``"blocks"``.
     ``memory_limit``: bytes per device, or None for the cluster devices' memory.
     ``colocate``: groups of node names that must share a stage (each group's convex closure
     does). ``time_limit``: the search budget in deterministic seconds (CP-SAT's measure of work,
     about seconds on a quiet core), default :data:`DEFAULT_TIME_LIMIT`; ``cpsat`` spends it on
     CP-SAT, ``auto`` spends at most :data:`AUTO_BUDGET_FACTOR` times it on its CP-SAT searches:
-    the optimisation :func:`cpsat_budget` of it, the stage-groups bound :data:`GROUP_BUDGET_SHARE`,
-    the cut crossings :data:`CROSSINGS_BUDGET_SHARE`, the bisection the rest; dp's search, the ideal DP's and the moves' are bounded by counts
-    (:data:`DP_SEARCH_WORK` and others, docs/optimizer.md). Budgets are counts, so the same input
-    gives the same plan and bound on any machine; ``wall_limit`` (seconds, default
+    the optimisation :func:`cpsat_budget` of it, the stage-groups bound :data:`GROUP_BUDGET_SHARE`, the cut
+    crossings :data:`CROSSINGS_BUDGET_SHARE` at most, the bisection the rest; dp's search, the ideal DP's and
+    the moves' are bounded by counts (:data:`DP_SEARCH_WORK` and others, docs/optimizer.md). Budgets are counts,
+    so the same input gives the same plan and bound on any machine; ``wall_limit`` (seconds, default
     :func:`wall_limit_for`) is only a safety net, and a note says when it struck.
     ``workers``: CP-SAT threads (deterministic for any count). ``objective="step_time"``
     then picks and refines the plan by simulated step time under ``schedule``

@@ -20,11 +20,12 @@ a min-cut with the ideal's work constrained, solved or bounded from below)::
 and where the left side is larger no plan has a bottleneck of B or less. The bound is the highest B
 so proven, by bisection between the bound so far and the plan. It is the sum of what the stages pay,
 so it proves where plans are close to the work bound and every cut carries tensors whatever its
-shape: the 1,000-op random layered DAG at 8 stages (7.748 -> 7.87 ms, every stage's work between
-6.3 and 7.9 ms); where the windows are wide (a plan 40% above the work bound, or 64 stages) an ideal
-in each window crosses nothing countable, and it proves nothing (docs/optimizer.md, "Cut crossings").
-Memory and colocation are left out (a relaxation), and integers round in the direction that keeps
-the bound valid: work and prices down, the windows and the thresholds widened by a unit per op and a part per billion.
+shape: the 1,000-op random layered DAG at 8 stages (7.748 -> 7.878 ms in 2.8 deterministic seconds;
+at 7.87 ms the windows are 1.3 ms wide, a stage's work 7.7); where the windows are wider than a
+stage's work (a plan 40% above the work bound, or 64 stages) an ideal in each window crosses little
+that must be paid, and it proves nothing (docs/optimizer.md, "Cut crossings"). Memory and colocation
+are left out (a relaxation), and integers round in the direction that keeps the bound valid: work and
+prices down, the windows and the thresholds widened by a unit per op and a part per billion.
 """
 
 from __future__ import annotations
@@ -95,12 +96,14 @@ class _Cuts:
         m.add(_weighted([(w, x[v]) for v, w in enumerate(work)] + [(-1, self.weight)]) == 0)
         real = [x[v] for v in range(prob.n) if not prob.is_output[v]]
         self.held = m.new_int_var(0, len(real), "held")  # every stage holds an op other than the output node
-        m.add(sum(real) == self.held)
+        m.add(_weighted([(1, lit) for lit in real] + [(-1, self.held)]) == 0)
 
     def least(self, prices: list[int], lo: int, hi: int, ops: tuple[int, int], budget: float, wall_left: float,
               seed: int) -> tuple[int, float]:
         """The least Σ price x crossing over ideals of work in [lo, hi] holding ``ops`` (min, max) real ops, or
         a bound from below on it (-1: no such ideal); and the deterministic seconds it took."""
+        if lo > hi or ops[0] > ops[1]:
+            return -1, 0.0
         proto = self.m.proto
         for var, (a, b) in ((self.weight, (lo, hi)), (self.held, ops)):
             dom = proto.variables[var.index].domain
@@ -111,6 +114,8 @@ class _Cuts:
         det = float(solver.response_proto.deterministic_time)
         if status == cp_model.INFEASIBLE:
             return -1, det
+        if status == cp_model.MODEL_INVALID:  # a bug in the model, not an answer
+            raise RuntimeError(f"cut crossings: CP-SAT rejected the model (work in [{lo}, {hi}], ops {ops})")
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return 0, det
         return max(0, math.floor(solver.BestObjectiveBound())), det
@@ -189,7 +194,7 @@ class CutCrossings:
         """Whether the work and these ends (integers, at some of the cuts) exceed what the stages hold under
         ``cap``: Σ speed_t T_t >= W + min speed x the ends, and each T_t <= cap."""
         held = self.total * _SCALE + float(self.speed.min()) * sum(ends)
-        return held > cap * self.before[self.prob.p] * _SCALE * (1 + 1e-12)
+        return held > cap * self.before[self.prob.p] * _SCALE * (1 + _FLOAT)
 
 
 def crossing_lower_bound(prob: Problem, *, lower: float, upper: float, budget: float, wall_limit: float,
@@ -219,6 +224,9 @@ def crossing_lower_bound(prob: Problem, *, lower: float, upper: float, budget: f
             res.wall_stopped = True
             break
         proven, det = test.proves(cap, left, wall_left, seed)
+        if time.perf_counter() - t0 > wall_limit:  # a solve cut short: this cap may differ on another machine
+            res.wall_stopped = True
+            break
         left -= det
         res.deterministic_seconds += det
         res.tries.append((cap, proven))
