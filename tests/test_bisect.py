@@ -81,8 +81,9 @@ def test_the_bisection_raises_the_bound_where_the_optimisation_stalls(monkeypatc
 
 @pytest.mark.parametrize("min_budget", [None, 0.0], ids=["cpsat-keeps-all-of-a-short-limit", "cpsat-gets-its-share"])
 def test_auto_spends_at_most_twice_time_limit_and_the_bisection_gets_what_is_left(monkeypatch, min_budget):
-    """CP-SAT's optimisation gets cpsat_budget(time_limit), the stage groups GROUP_BUDGET_SHARE of it, and the
-    bisection the rest of AUTO_BUDGET_FACTOR x time_limit after what the other two spent; method="cpsat" gets all."""
+    """CP-SAT's optimisation gets cpsat_budget(time_limit), the stage groups GROUP_BUDGET_SHARE of it, the cut
+    crossings at most CROSSINGS_BUDGET_SHARE of it, and the bisection the rest of AUTO_BUDGET_FACTOR x time_limit
+    after what the other three spent; method="cpsat" gets all."""
     if min_budget is not None:  # at this test's short limit the floor would give CP-SAT all of it
         monkeypatch.setattr(SOLVE_MODULE, "CPSAT_MIN_BUDGET", min_budget)
     given: dict[str, float] = {}
@@ -103,20 +104,25 @@ def test_auto_spends_at_most_twice_time_limit_and_the_bisection_gets_what_is_lef
     monkeypatch.setattr(SOLVE_MODULE, "cpsat_solve", spy(
         "cpsat", SOLVE_MODULE.cpsat_solve, lambda r: r.deterministic_seconds,
         lambda r: dataclasses.replace(r, deterministic_seconds=r.deterministic_seconds / 3)))
+    monkeypatch.setattr(SOLVE_MODULE, "crossing_lower_bound", spy(
+        "crossings", SOLVE_MODULE.crossing_lower_bound, lambda r: r.deterministic_seconds,
+        lambda r: dataclasses.replace(r, deterministic_seconds=r.deterministic_seconds / 3)))
     monkeypatch.setattr(SOLVE_MODULE, "bisect_bound", spy("bisection", SOLVE_MODULE.bisect_bound,
                                                           lambda r: sum(c.deterministic_seconds for c in r.checks)))
     time_limit = 1.0
     g = synthetic.generate("layered", 40, seed=0)
     args = dict(cluster=Cluster.load("h100-sxm", devices=4), microbatches=16, time_limit=time_limit)
     part = solve(g, 4, method="auto", **args)
-    assert not part.optimal and set(given) == {"cpsat", "groups", "bisection"}
+    assert not part.optimal and set(given) == {"cpsat", "groups", "crossings", "bisection"}
     share = SOLVE_MODULE.CPSAT_BUDGET_SHARE if min_budget is not None else 1.0
     assert given["cpsat"] == share * time_limit
     assert given["groups"] == SOLVE_MODULE.GROUP_BUDGET_SHARE * time_limit
     assert 0 < used["groups"] < given["groups"] and 0 < used["cpsat"] < given["cpsat"]
-    assert given["bisection"] == pytest.approx(SOLVE_MODULE.AUTO_BUDGET_FACTOR * time_limit - used["cpsat"]
-                                               - used["groups"])
-    assert used["cpsat"] + used["groups"] + used["bisection"] <= SOLVE_MODULE.AUTO_BUDGET_FACTOR * time_limit * 1.01
+    left = SOLVE_MODULE.AUTO_BUDGET_FACTOR * time_limit - used["cpsat"] - used["groups"]
+    assert given["crossings"] == pytest.approx(min(left, SOLVE_MODULE.CROSSINGS_BUDGET_SHARE * time_limit))
+    assert 0 < used["crossings"] <= given["crossings"]
+    assert given["bisection"] == pytest.approx(left - used["crossings"])
+    assert sum(used.values()) <= SOLVE_MODULE.AUTO_BUDGET_FACTOR * time_limit * 1.01
     given.clear()
     solve(g, 4, method="cpsat", **args)
     assert given == {"cpsat": time_limit}
