@@ -24,7 +24,7 @@ from partitioner.solve.crossings import crossing_lower_bound
 from partitioner.solve.dp import DP_SEARCH_WORK, dp_solve, least_memory
 from partitioner.solve.groups import GROUPS, group_lower_bound
 from partitioner.solve.ideals import MAX_IDEALS, ideal_dp
-from partitioner.solve.moves import tabu_search
+from partitioner.solve.moves import SECOND_TENURE, TABU_TENURE, tabu_phases
 
 __all__ = ["solve", "METHODS", "OBJECTIVES", "AUTO_CPSAT_MAX_NODES", "AUTO_CPSAT_MAX_VARS", "DEFAULT_TIME_LIMIT",
            "DP_SEARCH_WORK", "cpsat_budget", "wall_limit_for"]
@@ -274,17 +274,17 @@ def _run_ideals(search: _Search, blocks: Blocks) -> list[list[int]]:
 
 def _run_moves(search: _Search, blocks: Blocks, deadline: float, starts: Sequence[list[int]] = ()) -> None:
     """Tabu search over single-op moves (see :mod:`partitioner.solve.moves`) from the plan found so far
-    and from each of ``starts`` (valid plans that fit memory), each with its own budget."""
+    and from each of ``starts`` (valid plans that fit memory), each in two phases with their own budgets."""
     frozen = {i for ops in _block_positions(blocks) for i in ops}
     plans = [search.assign] if search.assign is not None else []
     plans += [s for s in starts if s not in plans and not search.prob.check(s)]
     for k, start in enumerate(plans):
-        res = tabu_search(search.prob, start, frozen=frozen, deadline=deadline)
+        res = tabu_phases(search.prob, start, frozen=frozen, deadline=deadline)
         which = "the plan so far" if k == 0 and start is search.assign else "the ideal DP's tightest chain"
         better = res.value < search.value * (1 - 1e-12)
         gain = f"{res.start_value:.6g} s -> {res.value:.6g} s" + ("" if better else ", no better plan")
         search.notes.append(f"moves: tabu search over single-op moves from {which}, {gain} "
-                            f"({res.evaluations:,} plans priced)")
+                            f"({res.evaluations:,} plans priced, tenure {TABU_TENURE} then {SECOND_TENURE})")
         if res.wall_stopped:
             _note_wall_stop(search, "moves", "this plan")
         search.offer(res.assign, res.value, "moves")
