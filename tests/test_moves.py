@@ -114,9 +114,13 @@ def test_a_second_phase_with_a_longer_tenure_walks_further():
     assert SECOND_TENURE > TABU_TENURE
     assert again.value == first.value  # more of the first phase finds nothing ...
     assert both.value < first.value * (1 - 1e-6)  # ... the longer tenure does
+    assert both.assign == tabu_search(prob, first.assign, tenure=SECOND_TENURE).assign  # from the first's best
     assert both.start_value == first.start_value and both.evaluations == first.evaluations + 2000
     assert not prob.check(both.assign) and prob.fits(prob.stage_costs(both.assign)[1])
     assert prob.bottleneck(both.assign) == both.value
+    frozen = set(range(0, prob.n, 5))  # neither phase moves a frozen op
+    held = tabu_phases(prob, start, frozen=frozen)
+    assert all(held.assign[v] == start[v] for v in frozen) and held.value <= first.start_value
 
 
 def test_tabu_search_never_ends_on_a_bottleneck_larger_by_rounding():

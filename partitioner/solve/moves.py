@@ -16,6 +16,9 @@ Fiduccia–Mattheyses refinement, DAC 1982, restricted to keep every edge pointi
 forward). Plans are compared by their stage times sorted from the largest,
 lexicographically, so a move that relieves one of two equal bottlenecks counts.
 
+:func:`tabu_phases` runs it twice, the second time from the first's best plan with a longer tenure
+(``SECOND_TENURE``): where the first keeps walking back to one plan, the second walks away from it.
+
 The search is bounded by a count of candidate evaluations (``MOVE_WORK`` op-evaluations),
 never by seconds, so it returns the same plan on any machine; a wall-clock deadline is only
 a safety net.
