@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from partitioner.cost import Problem
 
 __all__ = ["trivial_lower_bound", "named_lower_bounds", "comm_lower_bound", "neighbourhood_lower_bound",
-           "broadcast_lower_bound", "memory_lower_bound", "cheapest_links", "ConsumerChains"]
+           "broadcast_lower_bound", "memory_lower_bound", "cheapest_links", "ConsumerChains", "closures", "masked_sum"]
 
 
 def named_lower_bounds(prob: Problem) -> dict[str, float]:
@@ -214,14 +214,8 @@ class ConsumerChains:
         candidates = [u for u in range(n) if prob.out_bytes[u] > 0 and len(prob.succ[u]) > 1]
         if not candidates:
             return
-        self.ancestors, self.descendants = [0] * n, [0] * n
-        for v in range(n):  # positions are a topological order
-            for u in prob.pred[v]:
-                self.ancestors[v] |= self.ancestors[u] | (1 << u)
-        for v in range(n - 1, -1, -1):
-            for w in prob.succ[v]:
-                self.descendants[v] |= self.descendants[w] | (1 << w)
-        self.work, self.nbytes = prob.least_work, (n + 7) // 8
+        self.ancestors, self.descendants = closures(prob)
+        self.work = prob.least_work
         budget = _BROADCAST_HULLS
         for u in sorted(candidates, key=lambda u: -prob.out_bytes[u]):  # the largest tensors first
             chain: list[int] = []
@@ -278,8 +272,27 @@ class ConsumerChains:
         return self._mass((self.descendants[a] & self.ancestors[b]) | (1 << a) | (1 << b))
 
     def _mass(self, mask: int) -> float:
-        bits = np.unpackbits(np.frombuffer(mask.to_bytes(self.nbytes, "little"), dtype=np.uint8), bitorder="little")
-        return float(self.work @ bits[:len(self.work)])
+        return float(masked_sum(self.work, mask))
+
+
+def closures(prob: Problem) -> tuple[list[int], list[int]]:
+    """Per op, its ancestors and its descendants (itself left out), as bitsets over positions."""
+    n = prob.n
+    ancestors, descendants = [0] * n, [0] * n
+    for v in range(n):  # positions are a topological order
+        for u in prob.pred[v]:
+            ancestors[v] |= ancestors[u] | (1 << u)
+    for v in range(n - 1, -1, -1):
+        for w in prob.succ[v]:
+            descendants[v] |= descendants[w] | (1 << w)
+    return ancestors, descendants
+
+
+def masked_sum(values: np.ndarray, mask: int) -> np.generic:
+    """The sum of ``values`` at the positions set in the bitset ``mask`` (in ``values``' dtype)."""
+    nbytes = (len(values) + 7) // 8
+    bits = np.unpackbits(np.frombuffer(mask.to_bytes(nbytes, "little"), dtype=np.uint8), bitorder="little")
+    return values @ bits[:len(values)]
 
 
 #: Consumers kept per chain (evenly spread), the longest chain whose every hull is weighed, and

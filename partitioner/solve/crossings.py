@@ -37,12 +37,13 @@ from dataclasses import dataclass, field
 import numpy as np
 from ortools.sat.python import cp_model
 
+from partitioner.bounds import closures, masked_sum
 from partitioner.cost import Problem
 from partitioner.solve.cpsat import _weighted, proof_solver
+from partitioner.solve.groups import _SCALE, _price
 
 __all__ = ["CrossingBound", "CutCrossings", "crossing_lower_bound", "closure_work"]
 
-_SCALE = 1e9  # seconds to integer nanoseconds
 _FLOAT = 1e-9  # relative slack for float sums (a stage's time and its ops' work, summed in other orders)
 #: Deterministic seconds one cut's least crossing may take (unfinished, its bound from below still counts).
 CUT_BUDGET = 1.0
@@ -61,20 +62,11 @@ class CrossingBound:
     wall_stopped: bool = False
 
 
-def closure_work(prob: Problem, work: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per op, the summed ``work`` of its ancestors and of its descendants, itself included in both."""
-    n = prob.n
-    anc = np.zeros((n, n), dtype=bool)
-    desc = np.zeros((n, n), dtype=bool)
-    for v in range(n):  # positions are a topological order
-        anc[v, v] = True
-        for u in prob.pred[v]:
-            anc[v] |= anc[u]
-    for v in reversed(range(n)):
-        desc[v, v] = True
-        for w in prob.succ[v]:
-            desc[v] |= desc[w]
-    return anc @ work, desc @ work
+def closure_work(prob: Problem, work: np.ndarray) -> tuple[list[int], list[int]]:
+    """Per op, the summed ``work`` (integers) of its ancestors and of its descendants, itself included in both."""
+    ancestors, descendants = closures(prob)
+    return ([int(masked_sum(work, mask | (1 << v))) for v, mask in enumerate(ancestors)],
+            [int(masked_sum(work, mask | (1 << v))) for v, mask in enumerate(descendants)])
 
 
 class _Cuts:
@@ -133,16 +125,11 @@ class CutCrossings:
         work = np.array([math.floor(float(w) * _SCALE) for w in prob.least_work], dtype=np.int64)
         alpha, delta = closure_work(prob, work)
         self.senders = [u for u in range(prob.n) if prob.out_bytes[u] > 0 and prob.succ[u]]
-        self.alpha = alpha.tolist()
-        self.least_delta = [min(int(delta[c]) for c in prob.succ[u]) for u in self.senders]
+        self.alpha = alpha
+        self.least_delta = [min(delta[c] for c in prob.succ[u]) for u in self.senders]
         self.real = int(sum(not out for out in prob.is_output))
         # One end's least price across each cut (at least the least over its links, a < s <= t)
-        self.prices = []
-        for s in range(1, p):
-            bw = float(prob.bw[:s, s:].max())
-            lat = float(prob.lat[:s, s:].min())
-            self.prices.append([math.floor(prob.directions * (float(prob.out_bytes[u]) / bw + lat) * _SCALE)
-                                for u in self.senders])
+        self.prices = [[_price(prob, u, slice(0, s), slice(s, p)) for u in self.senders] for s in range(1, p)]
         self.model = _Cuts(prob, work.tolist(), self.senders) if self.senders else None
 
     def window(self, s: int, cap: float) -> tuple[int, int]:
