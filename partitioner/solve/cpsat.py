@@ -339,12 +339,19 @@ class _Model:
         lo = max(0, min(top, int(math.floor(lower_bound * self.scale)) - terms))
         hi = top if upper is None else max(lo, min(top, int(math.floor(upper * self.scale)) + 1))
         self.bneck = self.m.new_int_var(lo, hi, "bottleneck")
-        for terms_s, rec_var, sends in zip(self.int_load, self.rec_var, self.send_load):
-            total = [(c, lit) for c, lit in terms_s if c] + ([(1, rec_var)] if rec_var is not None else [])
-            total += [(1, var) for _, var in sends]
+        for total in self.stage_loads():
             if total:
                 self.m.add(_weighted([*total, (-1, self.bneck)]) <= 0)
         self.m.minimize(self.bneck)
+
+    def stage_loads(self) -> list[list[tuple[int, cp_model.IntVar]]]:
+        """Per stage, the (coefficient, variable) terms of its integer load (after :meth:`objective`): its
+        compute and receives, its recomputation, and what it sends."""
+        loads = []
+        for terms_s, rec_var, sends in zip(self.int_load, self.rec_var, self.send_load):
+            total = [(c, lit) for c, lit in terms_s if c] + ([(1, rec_var)] if rec_var is not None else [])
+            loads.append(total + [(1, var) for _, var in sends])
+        return loads
 
     def cut_sums(self) -> None:
         """Redundant constraints on B (after :meth:`objective`): the first s stages together, and the last
