@@ -81,9 +81,10 @@ def test_the_bisection_raises_the_bound_where_the_optimisation_stalls(monkeypatc
 
 @pytest.mark.parametrize("min_budget", [None, 0.0], ids=["cpsat-keeps-all-of-a-short-limit", "cpsat-gets-its-share"])
 def test_auto_spends_at_most_twice_time_limit_and_the_bisection_gets_what_is_left(monkeypatch, min_budget):
-    """CP-SAT's optimisation gets cpsat_budget(time_limit), the stage groups GROUP_BUDGET_SHARE of it, the cut
-    crossings at most CROSSINGS_BUDGET_SHARE of it, and the bisection the rest of AUTO_BUDGET_FACTOR x time_limit
-    after what the other three spent; method="cpsat" gets all."""
+    """CP-SAT's optimisation gets cpsat_budget(time_limit), the windows windows_budget(time_limit, what is left), the
+    stage groups GROUP_BUDGET_SHARE of it, the cut crossings at most CROSSINGS_BUDGET_SHARE of it, and the
+    bisection the rest of AUTO_BUDGET_FACTOR x time_limit after what the other four spent; method="cpsat" gets
+    all."""
     if min_budget is not None:  # at this test's short limit the floor would give CP-SAT all of it
         monkeypatch.setattr(SOLVE_MODULE, "CPSAT_MIN_BUDGET", min_budget)
     given: dict[str, float] = {}
@@ -104,6 +105,9 @@ def test_auto_spends_at_most_twice_time_limit_and_the_bisection_gets_what_is_lef
     monkeypatch.setattr(SOLVE_MODULE, "cpsat_solve", spy(
         "cpsat", SOLVE_MODULE.cpsat_solve, lambda r: r.deterministic_seconds,
         lambda r: dataclasses.replace(r, deterministic_seconds=r.deterministic_seconds / 3)))
+    monkeypatch.setattr(SOLVE_MODULE, "window_search", spy(
+        "windows", SOLVE_MODULE.window_search, lambda r: r.deterministic_seconds,
+        lambda r: dataclasses.replace(r, deterministic_seconds=r.deterministic_seconds / 3)))
     monkeypatch.setattr(SOLVE_MODULE, "crossing_lower_bound", spy(
         "crossings", SOLVE_MODULE.crossing_lower_bound, lambda r: r.deterministic_seconds,
         lambda r: dataclasses.replace(r, deterministic_seconds=r.deterministic_seconds / 3)))
@@ -113,12 +117,15 @@ def test_auto_spends_at_most_twice_time_limit_and_the_bisection_gets_what_is_lef
     g = synthetic.generate("layered", 40, seed=0)
     args = dict(cluster=Cluster.load("h100-sxm", devices=4), microbatches=16, time_limit=time_limit)
     part = solve(g, 4, method="auto", **args)
-    assert not part.optimal and set(given) == {"cpsat", "groups", "crossings", "bisection"}
+    assert not part.optimal and set(given) == {"cpsat", "windows", "groups", "crossings", "bisection"}
     share = SOLVE_MODULE.CPSAT_BUDGET_SHARE if min_budget is not None else 1.0
     assert given["cpsat"] == share * time_limit
+    left = SOLVE_MODULE.AUTO_BUDGET_FACTOR * time_limit - used["cpsat"]
+    assert given["windows"] == pytest.approx(SOLVE_MODULE.windows_budget(time_limit, left)) and given["windows"] > 0
     assert given["groups"] == SOLVE_MODULE.GROUP_BUDGET_SHARE * time_limit
     assert 0 < used["groups"] < given["groups"] and 0 < used["cpsat"] < given["cpsat"]
-    left = SOLVE_MODULE.AUTO_BUDGET_FACTOR * time_limit - used["cpsat"] - used["groups"]
+    assert 0 < used["windows"] < given["windows"]
+    left -= used["windows"] + used["groups"]
     assert given["crossings"] == pytest.approx(min(left, SOLVE_MODULE.CROSSINGS_BUDGET_SHARE * time_limit))
     assert 0 < used["crossings"] <= given["crossings"]
     assert given["bisection"] == pytest.approx(left - used["crossings"])
@@ -170,6 +177,27 @@ def test_the_bisection_first_descends_from_a_plan_near_the_optimum_and_proves_it
     climb = bisect_bound(prob, lower=lower, upper=upper, budget=20, wall_limit=120, descend=False)
     assert climb.checks[0].cap == pytest.approx(lower + FIRST_STEP * (upper - lower), rel=1e-12)
     assert climb.checks[0].status == "INFEASIBLE"
+
+
+def test_after_a_proof_under_the_first_drop_the_bisection_tries_the_target_gap_before_climbing():
+    """From a plan under FIRST_DROP above the optimum the first cap is proven; the next is TARGET_GAP under the
+    plan, not a step up from the proof: 1.5% above, that cap is above the optimum and finds a better plan; 0.5%
+    above, it is proven, and the plan is within TARGET_GAP of the bound after two checks."""
+    g = synthetic.generate("layered", 12, seed=0)
+    p = 3
+    best = synthetic.brute_force(g, p).bottleneck
+    prob = Problem(g, p, recompute="auto")  # as brute_force() builds it
+    for above, second_status in ((1.015, ("FEASIBLE", "OPTIMAL")), (1.005, ("INFEASIBLE",))):
+        upper = above * best
+        res = bisect_bound(prob, lower=0.5 * best, upper=upper, budget=20, wall_limit=120)
+        first, second = res.checks[:2]
+        assert first.cap == pytest.approx(upper / (1 + FIRST_DROP), rel=1e-12) and first.status == "INFEASIBLE"
+        assert second.cap == pytest.approx(upper / (1 + TARGET_GAP), rel=1e-12) and second.status in second_status
+        assert best / (1 + TARGET_GAP) <= res.lower_bound <= best <= res.value <= upper
+        if second.status == "INFEASIBLE":
+            assert res.lower_bound >= second.cap and res.value <= res.lower_bound * (1 + TARGET_GAP) * (1 + 1e-9)
+        else:
+            assert res.value < second.cap * (1 + 1e-9)
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)

@@ -25,9 +25,10 @@ from partitioner.solve.dp import DP_SEARCH_WORK, dp_solve, least_memory
 from partitioner.solve.groups import GROUPS, group_lower_bound
 from partitioner.solve.ideals import MAX_IDEALS, ideal_dp
 from partitioner.solve.moves import SECOND_TENURE, TABU_TENURE, tabu_phases
+from partitioner.solve.windows import window_search
 
 __all__ = ["solve", "METHODS", "OBJECTIVES", "AUTO_CPSAT_MAX_NODES", "AUTO_CPSAT_MAX_VARS", "DEFAULT_TIME_LIMIT",
-           "DP_SEARCH_WORK", "cpsat_budget", "wall_limit_for"]
+           "DP_SEARCH_WORK", "cpsat_budget", "windows_budget", "wall_limit_for"]
 
 METHODS = ("auto", "dp", "cpsat", *BASELINES)
 OBJECTIVES = ("bottleneck", "step_time")
@@ -47,6 +48,11 @@ CPSAT_BUDGET_SHARE = 0.25
 #: ... but at least this many deterministic seconds, or all of ``time_limit`` when less: its proofs in the
 #: planner benchmark take up to 5.49 (GPT-2 base at 16 stages), T5-small's at 4 stages 2.87 ...
 CPSAT_MIN_BUDGET = 6.0
+#: ... the window search (CP-SAT re-placing a few consecutive stages' ops) at most this share, once CP-SAT's
+#: optimisation leaves the plan unproven, and never more than it leaves the bisection (:func:`windows_budget`):
+#: the 100-op layered DAG at 8 stages 1.0773 -> 1.0631 ms in 15 deterministic seconds, the 1,000-op one
+#: 8.127 -> 8.071 ms (docs/optimizer.md, "Windows") ...
+WINDOWS_BUDGET_SHARE = 0.5
 #: ... the grouped-stages bound this share, and the bisection the rest (what the others left included).
 GROUP_BUDGET_SHARE = 0.5
 #: The cut-crossings bound at most this share (it stops early where it proves nothing; the 1,000-op layered DAG
@@ -135,7 +141,8 @@ def solve(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None =
     does). ``time_limit``: the search budget in deterministic seconds (CP-SAT's measure of work,
     about seconds on a quiet core), default :data:`DEFAULT_TIME_LIMIT`; ``cpsat`` spends it on
     CP-SAT, ``auto`` spends at most :data:`AUTO_BUDGET_FACTOR` times it on its CP-SAT searches:
-    the optimisation :func:`cpsat_budget` of it, the stage-groups bound :data:`GROUP_BUDGET_SHARE`, the cut
+    the optimisation :func:`cpsat_budget` of it, the window search :data:`WINDOWS_BUDGET_SHARE` at most, the
+    stage-groups bound :data:`GROUP_BUDGET_SHARE`, the cut
     crossings :data:`CROSSINGS_BUDGET_SHARE` at most, the bisection the rest; dp's search, the ideal DP's and
     the moves' are bounded by counts (:data:`DP_SEARCH_WORK` and others, docs/optimizer.md). Budgets are counts,
     so the same input gives the same plan and bound on any machine; ``wall_limit`` (seconds, default
@@ -206,6 +213,8 @@ def _optimise(prob: Problem, blocks: Blocks, method: str, budget: float, deadlin
         left -= _run_cpsat(search, blocks, cpsat_budget(budget) if method == "auto" else budget, deadline, workers)
         if method == "auto" and not search.proven and search.assign is not before:
             _run_moves(search, blocks, deadline)  # CP-SAT's new plan, unproven: its neighbours too
+    if method == "auto" and not search.proven and search.assign is not None and _cpsat_fits(prob):
+        left -= _run_windows(search, blocks, windows_budget(budget, left), deadline, workers)
     groups = _groups_for(prob.n, budget * GROUP_BUDGET_SHARE)
     # A bound is wanted only beside a plan: with none found, nothing fits and no bound changes the answer
     if method == "auto" and not search.proven and search.assign is not None and groups:
@@ -224,6 +233,13 @@ def _optimise(prob: Problem, blocks: Blocks, method: str, budget: float, deadlin
     for name, value in search.bounds.items():
         part.with_report(lower_bound=value, bound_by=name)
     return part.with_report(notes=search.notes)
+
+
+def windows_budget(time_limit: float, left: float) -> float:
+    """The window search's budget under ``auto`` (deterministic seconds), with ``left`` of auto's budget after
+    CP-SAT's optimisation: :data:`WINDOWS_BUDGET_SHARE` of ``time_limit``, but at most half of what the stage
+    groups' share leaves, so the bisection keeps as much (at ``time_limit`` 4: 1 of the 4 left)."""
+    return max(0.0, min(WINDOWS_BUDGET_SHARE * time_limit, (left - GROUP_BUDGET_SHARE * time_limit) / 2))
 
 
 def cpsat_budget(time_limit: float) -> float:
@@ -289,6 +305,27 @@ def _run_moves(search: _Search, blocks: Blocks, deadline: float, starts: Sequenc
         if res.wall_stopped:
             _note_wall_stop(search, "moves", "this plan")
         search.offer(res.assign, res.value, "moves")
+
+
+def _run_windows(search: _Search, blocks: Blocks, budget: float, deadline: float, workers: int) -> float:
+    """CP-SAT re-placing the ops of windows of consecutive stages (:mod:`partitioner.solve.windows`) from the
+    plan so far; returns the deterministic seconds it spent."""
+    assert search.assign is not None
+    res = window_search(search.prob, search.assign, _block_positions(blocks), budget=budget,
+                        wall_limit=max(0.0, deadline - time.perf_counter()), workers=workers)
+    if not res.tried:
+        if res.wall_stopped:
+            _note_wall_stop(search, "windows", "this plan", before=True)
+        return res.deterministic_seconds
+    better = res.value < search.value * (1 - 1e-12)
+    gain = f"{res.start_value:.6g} s -> {res.value:.6g} s" + ("" if better else ", no better plan")
+    search.notes.append(f"windows: CP-SAT re-placing the ops of up to {res.widest} consecutive stages, {gain} "
+                        f"({res.tried} windows, {res.taken} taken, in {res.deterministic_seconds:.2f} of {budget:.3g} "
+                        f"deterministic s)")
+    if res.wall_stopped:
+        _note_wall_stop(search, "windows", "this plan")
+    search.offer(res.assign, res.value, "windows")
+    return res.deterministic_seconds
 
 
 def _groups_for(n: int, budget: float) -> int | None:

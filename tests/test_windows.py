@@ -1,0 +1,136 @@
+"""The window search: valid, within memory, colocation kept, never worse, never below the optimum, counted."""
+
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from partitioner import synthetic
+from partitioner.cluster import Cluster
+from partitioner.cost import Problem
+from partitioner.errors import MemoryLimitError
+from partitioner.solve import solve
+from partitioner.solve.baselines import baseline_assign
+from partitioner.solve.moves import tabu_phases
+from partitioner.solve import windows_budget
+from partitioner.solve.moves import _smaller
+from partitioner.solve.windows import SLOWEST, _windows, window_search
+
+from _problems import colocated_problems, problems
+
+
+def _start(prob: Problem, groups=()) -> list[int] | None:
+    """The time-balanced cuts, when they are valid, fit memory and keep every group on one stage."""
+    assign = baseline_assign(prob, "blocks", np.ones(prob.n + 1, dtype=bool))
+    ok = not prob.check(assign) and prob.fits(prob.stage_costs(assign)[1])
+    return assign if ok and all(len({assign[i] for i in grp}) == 1 for grp in groups) else None
+
+
+def _sorted(prob: Problem, assign) -> list[float]:
+    return sorted(prob.stage_costs(assign)[0], reverse=True)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(problems().filter(lambda case: case[1] >= 3))
+def test_windows_keep_plans_valid_and_never_pass_the_optimum(case):
+    g, p, opts = case
+    prob = Problem(g, p, **opts)
+    assign = _start(prob)
+    if assign is None:
+        return
+    res = window_search(prob, assign, budget=2.0, wall_limit=600)
+    assert prob.check(res.assign) == [] and prob.fits(prob.stage_costs(res.assign)[1])
+    assert res.value == pytest.approx(prob.bottleneck(res.assign), rel=1e-12)
+    assert res.start_value == pytest.approx(prob.bottleneck(assign), rel=1e-12)
+    new, old = _sorted(prob, res.assign), _sorted(prob, assign)
+    assert new == old if res.taken == 0 else _smaller(new, old)  # each plan taken is lexicographically smaller
+    assert res.tried >= 1 and 2 <= res.widest <= p - 1
+    try:
+        best = synthetic.brute_force(g, p, **opts)
+    except MemoryLimitError:
+        pytest.fail("the search started from a plan that fits, so one exists")
+    assert res.value >= best.bottleneck * (1 - 1e-9)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(colocated_problems().filter(lambda case: case[1] >= 3))
+def test_windows_keep_colocated_ops_together(case):
+    g, p, opts, names = case
+    prob = Problem(g, p, **opts)
+    groups = [[prob.pos[v] for v in grp] for grp in names]
+    assign = _start(prob, groups)
+    if assign is None:
+        return
+    res = window_search(prob, assign, groups, budget=1.0, wall_limit=600)
+    assert res.tried >= 1
+    assert prob.check(res.assign) == [] and prob.fits(prob.stage_costs(res.assign)[1])
+    assert all(len({res.assign[i] for i in grp}) == 1 for grp in groups)
+    assert res.value <= res.start_value
+
+
+def test_windows_go_where_single_moves_stop():
+    """From the tabu search's best plan (where no single move helps), re-placing a few stages' ops at once finds
+    a better plan, counted in deterministic seconds: the same plan twice."""
+    g = synthetic.generate("layered", 60, seed=0)
+    prob = Problem(g, 6, cluster=Cluster.load("h100-sxm", devices=6), microbatches=24)
+    moved = tabu_phases(prob, _start(prob))
+    runs = [window_search(prob, moved.assign, budget=1.5, wall_limit=600) for _ in range(2)]
+    assert runs[0].assign == runs[1].assign and runs[0].tried == runs[1].tried
+    assert runs[0].value < moved.value * (1 - 1e-3) and runs[0].taken >= 1
+    assert runs[0].deterministic_seconds <= 1.5 * 1.05  # one window may overrun its budget a little
+
+
+def test_windows_hold_one_of_the_slowest_stages():
+    times = [1, 5, 2, 9, 3, 4, 8, 7]  # slowest: stages 3, 6, 7
+    for k in range(2, 8):
+        starts = _windows(times, 8, k)
+        assert len(set(starts)) == len(starts)
+        for lo in range(0, 8 - k + 1):
+            holds = any(lo <= s < lo + k for s in (3, 6, 7)[:SLOWEST])
+            assert (lo in starts) == holds
+    assert _windows(times, 8, 2)[:2] == [2, 3]  # the slowest stage's windows first
+
+
+def test_windows_stop_at_the_wall_clock_and_try_nothing_under_three_stages():
+    g = synthetic.generate("layered", 40, seed=0)
+    prob = Problem(g, 4, cluster=Cluster.load("h100-sxm", devices=4), microbatches=16)
+    start = _start(prob)
+    t = time.perf_counter()
+    stopped = window_search(prob, start, budget=5.0, wall_limit=0.0)
+    assert stopped.wall_stopped and stopped.assign == start and stopped.tried == 0
+    assert time.perf_counter() - t < 30
+    two = Problem(g, 2, cluster=Cluster.load("h100-sxm", devices=2), microbatches=8)
+    assert window_search(two, _start(two), budget=5.0, wall_limit=60).tried == 0
+
+
+def test_auto_runs_the_windows_after_cpsat_and_says_so():
+    g = synthetic.generate("layered", 100, seed=0)
+    part = solve(g, 8, cluster=Cluster.load("h100-sxm", devices=8), microbatches=32, time_limit=4)
+    notes = [n.split(":")[0] for n in part.notes]
+    assert "windows" in notes and notes.index("cpsat") < notes.index("windows") < notes.index("stage groups")
+
+
+def test_windows_keep_a_colocated_pair_the_search_would_split():
+    """Two ops of the start's slowest stage, one at each end, colocated: the windows move the stage's ops (the
+    search without the pair splits it) and keep the pair on one stage."""
+    g = synthetic.generate("layered", 60, seed=0)
+    prob = Problem(g, 6, cluster=Cluster.load("h100-sxm", devices=6), microbatches=24)
+    start = _start(prob)
+    slowest = int(np.argmax(prob.stage_costs(start)[0]))
+    ops = [i for i, s in enumerate(start) if s == slowest]
+    pair = [ops[0], ops[-1]]
+    free = window_search(prob, start, budget=1.0, wall_limit=60)
+    assert free.assign[pair[0]] != free.assign[pair[1]]
+    kept = window_search(prob, start, [pair], budget=1.0, wall_limit=60)
+    assert kept.assign[pair[0]] == kept.assign[pair[1]] and kept.taken >= 1
+    assert prob.check(kept.assign) == [] and kept.value < kept.start_value
+
+
+def test_the_windows_leave_the_bisection_at_least_as_much_as_they_take():
+    """At time_limit 30 the windows get their share; at the default 4 (CP-SAT's optimisation took all 4) half of
+    what the stage groups leave, never a negative budget."""
+    assert windows_budget(30, 60 - 7.5) == 15
+    assert windows_budget(4, 8 - 4) == 1 and 8 - 4 - 1 - 2 >= 1
+    assert windows_budget(1, 2 - 1) == 0.25 and windows_budget(4, 1) == 0
