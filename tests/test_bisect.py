@@ -97,20 +97,15 @@ def test_auto_spends_at_most_twice_time_limit_and_the_bisection_gets_what_is_lef
             return res
         return wrapped
 
-    # CP-SAT and the groups report a third of what they spent: the bisection's budget must follow what they
-    # report spending, not what they were given.
-    monkeypatch.setattr(SOLVE_MODULE, "group_lower_bound", spy(
-        "groups", SOLVE_MODULE.group_lower_bound, lambda r: r.deterministic_seconds,
-        lambda r: dataclasses.replace(r, deterministic_seconds=r.deterministic_seconds / 3)))
-    monkeypatch.setattr(SOLVE_MODULE, "cpsat_solve", spy(
-        "cpsat", SOLVE_MODULE.cpsat_solve, lambda r: r.deterministic_seconds,
-        lambda r: dataclasses.replace(r, deterministic_seconds=r.deterministic_seconds / 3)))
-    monkeypatch.setattr(SOLVE_MODULE, "window_search", spy(
-        "windows", SOLVE_MODULE.window_search, lambda r: r.deterministic_seconds,
-        lambda r: dataclasses.replace(r, deterministic_seconds=r.deterministic_seconds / 3)))
-    monkeypatch.setattr(SOLVE_MODULE, "crossing_lower_bound", spy(
-        "crossings", SOLVE_MODULE.crossing_lower_bound, lambda r: r.deterministic_seconds,
-        lambda r: dataclasses.replace(r, deterministic_seconds=r.deterministic_seconds / 3)))
+    # CP-SAT, the windows, the groups and the crossings report a third of what they spent: the budgets after
+    # them must follow what they report spending, not what they were given.
+    def third(res):
+        return dataclasses.replace(res, deterministic_seconds=res.deterministic_seconds / 3)
+
+    for name, attr in (("groups", "group_lower_bound"), ("cpsat", "cpsat_solve"), ("windows", "window_search"),
+                       ("crossings", "crossing_lower_bound")):
+        monkeypatch.setattr(SOLVE_MODULE, attr, spy(name, getattr(SOLVE_MODULE, attr),
+                                                     lambda r: r.deterministic_seconds, third))
     monkeypatch.setattr(SOLVE_MODULE, "bisect_bound", spy("bisection", SOLVE_MODULE.bisect_bound,
                                                           lambda r: sum(c.deterministic_seconds for c in r.checks)))
     time_limit = 1.0
