@@ -53,6 +53,10 @@ CPSAT_MIN_BUDGET = 6.0
 #: the 100-op layered DAG at 8 stages 1.0773 -> 1.0631 ms in 15 deterministic seconds, the 1,000-op one
 #: 8.127 -> 8.071 ms (docs/optimizer.md, "Windows") ...
 WINDOWS_BUDGET_SHARE = 0.5
+#: Where the whole model is too large (:func:`_cpsat_fits`), the windows run on models of the window alone
+#: (:mod:`partitioner.solve.window_model`) on graphs of at most this many ops (10,000 ops are planned in
+#: seconds, not the window search's tens).
+WINDOWS_ALONE_MAX_NODES = 2000
 #: ... the grouped-stages bound this share, and the bisection the rest (what the others left included).
 GROUP_BUDGET_SHARE = 0.5
 #: The cut-crossings bound at most this share (it stops early where it proves nothing; the 1,000-op layered DAG
@@ -213,8 +217,9 @@ def _optimise(prob: Problem, blocks: Blocks, method: str, budget: float, deadlin
         left -= _run_cpsat(search, blocks, cpsat_budget(budget) if method == "auto" else budget, deadline, workers)
         if method == "auto" and not search.proven and search.assign is not before:
             _run_moves(search, blocks, deadline)  # CP-SAT's new plan, unproven: its neighbours too
-    if method == "auto" and not search.proven and search.assign is not None and _cpsat_fits(prob):
-        left -= _run_windows(search, blocks, windows_budget(budget, left), deadline, workers)
+    if method == "auto" and not search.proven and search.assign is not None and \
+            (_cpsat_fits(prob) or prob.n <= WINDOWS_ALONE_MAX_NODES):
+        left -= _run_windows(search, blocks, windows_budget(budget, left), deadline, workers, whole=_cpsat_fits(prob))
     groups = _groups_for(prob.n, budget * GROUP_BUDGET_SHARE)
     # A bound is wanted only beside a plan: with none found, nothing fits and no bound changes the answer
     if method == "auto" and not search.proven and search.assign is not None and groups:
@@ -307,19 +312,22 @@ def _run_moves(search: _Search, blocks: Blocks, deadline: float, starts: Sequenc
         search.offer(res.assign, res.value, "moves")
 
 
-def _run_windows(search: _Search, blocks: Blocks, budget: float, deadline: float, workers: int) -> float:
+def _run_windows(search: _Search, blocks: Blocks, budget: float, deadline: float, workers: int, *,
+                 whole: bool) -> float:
     """CP-SAT re-placing the ops of windows of consecutive stages (:mod:`partitioner.solve.windows`) from the
-    plan so far; returns the deterministic seconds it spent."""
+    plan so far, on the whole model or (``whole`` false) on models of each window alone; returns the
+    deterministic seconds it spent."""
     assert search.assign is not None
     res = window_search(search.prob, search.assign, _block_positions(blocks), budget=budget,
-                        wall_limit=max(0.0, deadline - time.perf_counter()), workers=workers)
+                        wall_limit=max(0.0, deadline - time.perf_counter()), workers=workers, whole=whole)
     if not res.tried:
         if res.wall_stopped:
             _note_wall_stop(search, "windows", "this plan", before=True)
         return res.deterministic_seconds
     better = res.value < search.value * (1 - 1e-12)
     gain = f"{res.start_value:.6g} s -> {res.value:.6g} s" + ("" if better else ", no better plan")
-    search.notes.append(f"windows: CP-SAT re-placing the ops of up to {res.widest} consecutive stages, {gain} "
+    alone = "" if whole else " (a model of each window alone: the whole model is too large)"
+    search.notes.append(f"windows: CP-SAT re-placing the ops of up to {res.widest} consecutive stages{alone}, {gain} "
                         f"({res.tried} windows, {res.taken} taken, in {res.deterministic_seconds:.2f} of {budget:.3g} "
                         f"deterministic s)")
     if res.wall_stopped:

@@ -12,13 +12,17 @@ several equal bottlenecks counts), priced again in floats by the one cost model 
 large-neighbourhood search (Shaw, "Using Constraint Programming and Local Search Methods to Solve Vehicle
 Routing Problems", CP 1998) with the exact model of :mod:`partitioner.solve.cpsat` on each neighbourhood.
 
-Windows hold a stage among the three slowest, and each is tried once per plan; when no window of ``k`` stages
+Windows hold a stage among the three slowest (a sixth of the stages where that is more: :func:`slowest`), and
+each is tried once per plan; when no window of ``k`` stages
 improves the plan, ``k`` grows by one (up to ``p - 1``: ``p`` is CP-SAT's own search). Small windows are cheap and
 often all that is needed (the 1,000-op layered DAG at 8 stages: 8.127 -> 8.072 ms in 0.30 deterministic seconds
 with two stages); larger ones reach plans the small ones cannot (the 100-op layered DAG at 8 stages: 1.0773 ->
 1.0631 ms in 15 deterministic seconds, 1.0596 in 20, with windows of six). The budget is deterministic
 seconds, each window at most :data:`WINDOW_BUDGET`: the same plan on any machine; the wall clock is only a
-safety net. Colocation groups, memory limits and recomputation are the full model's.
+safety net. Colocation groups, memory limits and recomputation are the full model's. Where that model is too large
+to build (``auto``'s limits; the 1,000-op layered DAG at 64 stages), each window is searched on a model of its
+own ops alone (:mod:`partitioner.solve.window_model`: the plan's recomputation choices, each op's own memory), its
+re-placements priced again in floats before one is taken (there: 1.6847 -> 1.6047 ms in 15 deterministic seconds).
 """
 
 from __future__ import annotations
@@ -34,13 +38,18 @@ from ortools.sat.python import cp_model
 from partitioner.cost import Problem
 from partitioner.solve.cpsat import _BUILDING, _Model, _weighted, proof_solver
 from partitioner.solve.moves import _smaller
+from partitioner.solve.window_model import WindowModel
 
-__all__ = ["WindowResult", "window_search", "WINDOW_BUDGET", "SLOWEST"]
+__all__ = ["WindowResult", "window_search", "slowest", "WINDOW_BUDGET", "SLOWEST", "SLOWEST_SHARE"]
 
 #: Deterministic seconds one window may take (unfinished, its best re-placement still counts).
 WINDOW_BUDGET = 5.0
-#: Windows hold one of this many slowest stages.
+#: Windows hold one of this many slowest stages, or of this share of the stages where that is more: on plans
+#: with many near-equal bottlenecks (the 1,000-op layered DAG at 64 stages, 20 stages within 1.5% of it) the
+#: three slowest stages' windows run out (1.6847 -> 1.6521 ms in 45 deterministic seconds; a sixth, 10 stages,
+#: 1.6047 in 15; 20 stages the same plan; benchmarks/results/window-search.log).
 SLOWEST = 3
+SLOWEST_SHARE = 1 / 6
 
 
 @dataclass
@@ -64,10 +73,15 @@ def _sorted_times(prob: Problem, assign: Sequence[int]) -> tuple[list[float], bo
     return sorted(times, reverse=True), prob.fits(mem)
 
 
+def slowest(p: int) -> int:
+    """How many of the slowest stages the windows hold one of, at ``p`` stages."""
+    return max(SLOWEST, int(p * SLOWEST_SHARE))
+
+
 def _windows(times: Sequence[float], p: int, k: int) -> list[int]:
-    """First stages of the windows of k stages holding one of the :data:`SLOWEST` slowest stages, slowest first."""
+    """First stages of the windows of k stages holding one of the :func:`slowest` slowest stages, slowest first."""
     starts: list[int] = []
-    for b in np.argsort(-np.asarray(times), kind="stable")[:SLOWEST]:
+    for b in np.argsort(-np.asarray(times), kind="stable")[:slowest(p)]:
         for lo in range(max(0, int(b) - k + 1), min(int(b), p - k) + 1):
             if lo not in starts:
                 starts.append(lo)
@@ -75,9 +89,11 @@ def _windows(times: Sequence[float], p: int, k: int) -> list[int]:
 
 
 def window_search(prob: Problem, assign: Sequence[int], groups: Sequence[Sequence[int]] = (), *, budget: float,
-                  wall_limit: float, workers: int = 1, seed: int = 0) -> WindowResult:
+                  wall_limit: float, workers: int = 1, seed: int = 0, whole: bool = True) -> WindowResult:
     """Re-place the ops of windows of consecutive stages (module docstring) from ``assign`` (valid, within memory)
-    within ``budget`` deterministic seconds; ``groups``: colocated positions (the plan keeps them together)."""
+    within ``budget`` deterministic seconds; ``groups``: colocated positions (the plan keeps them together).
+    ``whole``: each window on CP-SAT's model of the whole problem (built once); else on a model of the window
+    alone (:class:`~partitioner.solve.window_model.WindowModel`, for problems whose whole model is too large)."""
     t0 = time.perf_counter()
     p = prob.p
     plan = list(assign)
@@ -88,10 +104,12 @@ def window_search(prob: Problem, assign: Sequence[int], groups: Sequence[Sequenc
     if wall_limit <= 0:  # not even the model is built: that alone takes seconds at 2,000 ops
         res.wall_stopped = True
         return res
-    with _BUILDING:
-        model = _Model(prob, groups)
-        model.objective(res.value, res.value, 0.0)
-    loads = model.stage_loads()
+    model: _Model | None = None
+    if whole:
+        with _BUILDING:
+            model = _Model(prob, groups)
+            model.objective(res.value, res.value, 0.0)
+    loads = model.stage_loads() if model is not None else []
     left = budget
     k = 2
     tried: set[tuple[int, int, int]] = set()  # (first stage, stages, plan number) already searched
@@ -111,8 +129,13 @@ def window_search(prob: Problem, assign: Sequence[int], groups: Sequence[Sequenc
         res.tried += 1
         res.widest = max(res.widest, k)
         allot = min(left, WINDOW_BUDGET)
-        det, new, finished = _search_window(prob, model, loads, plan, range(lo, lo + k), max(times), budget=allot,
-                                            wall_left=wall_left, workers=workers, seed=seed)
+        window = range(lo, lo + k)
+        if model is not None:
+            det, new, finished = _search_window(prob, model, loads, plan, window, max(times), budget=allot,
+                                                wall_left=wall_left, workers=workers, seed=seed)
+        else:
+            det, new, finished = _search_window_alone(prob, plan, window, groups, max(times), budget=allot,
+                                                      wall_left=wall_left, workers=workers, seed=seed)
         left -= det
         res.deterministic_seconds += det
         if not finished and det < allot * 0.99:  # stopped before its budget: the wall clock struck
@@ -127,6 +150,30 @@ def window_search(prob: Problem, assign: Sequence[int], groups: Sequence[Sequenc
     res.assign = plan
     res.value = max(prob.stage_costs(plan)[0])
     return res
+
+
+def _solve(m: cp_model.CpModel, window: range, *, budget: float, wall_left: float, workers: int, seed: int
+           ) -> tuple[cp_model.CpSolver, int, float, bool]:
+    """CP-SAT on one window's model: (the solver, its status, deterministic seconds, whether it finished)."""
+    solver = proof_solver(budget=budget, wall_left=wall_left, workers=workers, seed=seed)
+    status = solver.Solve(m)
+    if status == cp_model.MODEL_INVALID:  # a bug in the model, not an answer
+        raise RuntimeError(f"window search: CP-SAT rejected the model (stages {window.start}-{window.stop - 1})")
+    return solver, status, float(solver.response_proto.deterministic_time), status in (cp_model.OPTIMAL,
+                                                                                          cp_model.INFEASIBLE)
+
+
+def _search_window_alone(prob: Problem, plan: list[int], window: range, groups: Sequence[Sequence[int]],
+                         bottleneck: float, *, budget: float, wall_left: float, workers: int, seed: int
+                         ) -> tuple[float, list[int] | None, bool]:
+    """CP-SAT on a model of the window alone: (deterministic seconds, the re-placement found or None, whether
+    CP-SAT finished)."""
+    model = WindowModel(prob, plan, window, groups, bottleneck)
+    solver, status, det, finished = _solve(model.m, window, budget=budget, wall_left=wall_left, workers=workers,
+                                           seed=seed)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return det, None, finished
+    return det, model.assignment(solver), finished
 
 
 def _search_window(prob: Problem, model: _Model, loads: list, plan: list[int], window: range, bottleneck: float,
@@ -155,12 +202,7 @@ def _search_window(prob: Problem, model: _Model, loads: list, plan: list[int], w
         if loads[s]:
             m.add(_weighted([*loads[s], (-1, top)]) <= 0)
     m.minimize(top)
-    solver = proof_solver(budget=budget, wall_left=wall_left, workers=workers, seed=seed)
-    status = solver.Solve(m)
-    det = float(solver.response_proto.deterministic_time)
-    if status == cp_model.MODEL_INVALID:  # a bug in the model, not an answer
-        raise RuntimeError(f"window search: CP-SAT rejected the model (stages {window.start}-{window.stop - 1})")
-    finished = status in (cp_model.OPTIMAL, cp_model.INFEASIBLE)
+    solver, status, det, finished = _solve(m, window, budget=budget, wall_left=wall_left, workers=workers, seed=seed)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return det, None, finished
     return det, model.assignment(solver), finished
