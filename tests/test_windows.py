@@ -24,6 +24,7 @@ from partitioner.solve.windows import (SLOWEST, _search_window, _search_window_a
 from _problems import colocated_problems, problems
 
 SOLVE_MODULE = importlib.import_module("partitioner.solve")  # the package: ``partitioner.solve`` is also its function
+WINDOWS_MODULE = importlib.import_module("partitioner.solve.windows")
 
 
 def _start(prob: Problem, groups=()) -> list[int] | None:
@@ -82,15 +83,17 @@ def _window_top(prob: Problem, assign: list[int], window: range) -> float:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
-@given(problems().filter(lambda case: case[1] >= 3 and case[2]["memory_limit"] is None))
-def test_the_window_alone_finds_the_whole_models_optimum(case):
-    """Without memory limits and with one recomputation choice per stage, the model of the window alone prices
+@given(problems().filter(lambda case: case[1] >= 3 and case[2]["memory_limit"] is None),
+       st.sampled_from(["none", "selective", "full"]))
+def test_the_window_alone_finds_the_whole_models_optimum(case, recompute):
+    """Without memory limits (so one recomputation choice per stage), the model of the window alone prices
     every re-placement as the whole model does: CP-SAT's best on each window is the same stage time (to the
     integers' rounding, 1e-6 of the bottleneck)."""
     g, p, opts = case
-    prob = Problem(g, p, **opts)
+    prob = Problem(g, p, **opts, recompute=recompute if opts["training"] else "none")
     assign = _start(prob)
-    if assign is None or any(len(options) > 1 for options in prob.choices):
+    assert all(len(options) == 1 for options in prob.choices)
+    if assign is None:
         return
     bottleneck = prob.bottleneck(assign)
     model = _Model(prob, [])
@@ -198,27 +201,55 @@ def test_auto_runs_the_windows_alone_where_the_whole_model_is_too_large(monkeypa
     monkeypatch.setattr(SOLVE_MODULE, "AUTO_CPSAT_MAX_VARS", 0)
     g = synthetic.generate("layered", 100, seed=0)
     part = solve(g, 8, cluster=Cluster.load("h100-sxm", devices=8), microbatches=32, time_limit=4)
-    notes = {n.split(":")[0]: n for n in part.notes}
-    assert "cpsat" not in notes and "bisection" not in notes
-    assert "a model of each window alone" in notes["windows"]
-    before, after = (float(x.split()[0]) for x in notes["windows"].split(", ")[1].split(" -> "))
+    names = [n.split(":")[0] for n in part.notes]
+    assert "cpsat" not in names and "bisection" not in names
+    windows = next(n for n in part.notes if n.startswith("windows: CP-SAT re-placing"))
+    assert "a model of each window alone" in windows
+    before, after = (float(x.split()[0]) for x in windows.split(", ")[1].split(" -> "))
     assert part.bottleneck == pytest.approx(after, rel=1e-5) and after < before
 
 
-def test_windows_keep_a_colocated_pair_the_search_would_split():
+@pytest.mark.parametrize("whole", [True, False], ids=["whole model", "window alone"])
+def test_windows_keep_a_colocated_pair_the_search_would_split(whole):
     """Two ops of the start's slowest stage, one at each end, colocated: the windows move the stage's ops (the
     search without the pair splits it) and keep the pair on one stage."""
     g = synthetic.generate("layered", 60, seed=0)
     prob = Problem(g, 6, cluster=Cluster.load("h100-sxm", devices=6), microbatches=24)
     start = _start(prob)
-    slowest = int(np.argmax(prob.stage_costs(start)[0]))
-    ops = [i for i, s in enumerate(start) if s == slowest]
+    bottleneck = int(np.argmax(prob.stage_costs(start)[0]))
+    ops = [i for i, s in enumerate(start) if s == bottleneck]
     pair = [ops[0], ops[-1]]
-    free = window_search(prob, start, budget=1.0, wall_limit=60)
+    free = window_search(prob, start, budget=1.0, wall_limit=60, whole=whole)
     assert free.assign[pair[0]] != free.assign[pair[1]]
-    kept = window_search(prob, start, [pair], budget=1.0, wall_limit=60)
+    kept = window_search(prob, start, [pair], budget=1.0, wall_limit=60, whole=whole)
     assert kept.assign[pair[0]] == kept.assign[pair[1]] and kept.taken >= 1
     assert prob.check(kept.assign) == [] and kept.value < kept.start_value
+
+
+def test_a_re_placement_that_splits_a_group_is_not_taken(monkeypatch):
+    """The model of the window alone made to forget the groups proposes the split pair; the search prices every
+    proposal again and keeps the pair together."""
+    g = synthetic.generate("layered", 60, seed=0)
+    prob = Problem(g, 6, cluster=Cluster.load("h100-sxm", devices=6), microbatches=24)
+    start = _start(prob)
+    bottleneck = int(np.argmax(prob.stage_costs(start)[0]))
+    ops = [i for i, s in enumerate(start) if s == bottleneck]
+    pair = [ops[0], ops[-1]]
+    monkeypatch.setattr(WINDOWS_MODULE, "WindowModel",
+                        lambda prob_, plan, window, groups, bottleneck_: WindowModel(prob_, plan, window, [], bottleneck_))
+    res = window_search(prob, start, [pair], budget=1.0, wall_limit=60, whole=False)
+    assert res.assign[pair[0]] == res.assign[pair[1]] and prob.check(res.assign) == []
+
+
+def test_the_window_alone_stops_at_its_widest_window_and_on_a_free_plan(monkeypatch):
+    g = synthetic.generate("layered", 60, seed=0)
+    prob = Problem(g, 6, cluster=Cluster.load("h100-sxm", devices=6), microbatches=24)
+    monkeypatch.setattr(WINDOWS_MODULE, "ALONE_WIDEST", 2)
+    res = window_search(prob, _start(prob), budget=50.0, wall_limit=600, whole=False)
+    assert res.widest == 2 and res.deterministic_seconds < 50  # whole windows of 2 tried, then it stops
+    free = Problem(synthetic.generate("chain", 6, seed=0), 3, microbatches=4)
+    free.work[:] = 0  # nothing costs anything: the bottleneck is 0 and there is nothing to relieve
+    assert window_search(free, [0, 0, 1, 1, 2, 2], budget=1.0, wall_limit=60, whole=False).tried == 0
 
 
 def test_the_windows_leave_the_bisection_at_least_as_much_as_they_take():

@@ -217,16 +217,17 @@ def _optimise(prob: Problem, blocks: Blocks, method: str, budget: float, deadlin
         left -= _run_cpsat(search, blocks, cpsat_budget(budget) if method == "auto" else budget, deadline, workers)
         if method == "auto" and not search.proven and search.assign is not before:
             _run_moves(search, blocks, deadline)  # CP-SAT's new plan, unproven: its neighbours too
+    whole = _cpsat_fits(prob)
     if method == "auto" and not search.proven and search.assign is not None and \
-            (_cpsat_fits(prob) or prob.n <= WINDOWS_ALONE_MAX_NODES):
-        left -= _run_windows(search, blocks, windows_budget(budget, left), deadline, workers, whole=_cpsat_fits(prob))
+            (whole or prob.n <= WINDOWS_ALONE_MAX_NODES):
+        left -= _run_windows(search, blocks, windows_budget(budget, left), deadline, workers, whole=whole)
     groups = _groups_for(prob.n, budget * GROUP_BUDGET_SHARE)
     # A bound is wanted only beside a plan: with none found, nothing fits and no bound changes the answer
     if method == "auto" and not search.proven and search.assign is not None and groups:
         left -= _run_groups(search, groups, budget * GROUP_BUDGET_SHARE, deadline, workers)
     if method == "auto" and not search.proven and search.assign is not None and prob.n <= CROSSINGS_MAX_NODES:
         left -= _run_crossings(search, min(left, budget * CROSSINGS_BUDGET_SHARE), deadline)
-    if method == "auto" and not search.proven and search.assign is not None and _cpsat_fits(prob):
+    if method == "auto" and not search.proven and search.assign is not None and whole:
         before = search.assign
         _run_bisection(search, blocks, left, deadline, workers)
         if not search.proven and search.assign is not before:

@@ -8,7 +8,7 @@ stage), stage(u) <= stage(v) on the window's edges (the order encoding of :mod:`
 window's colocation groups, and the transfers whose price moves with the window's ops:
 
 - a tensor made in the window and read on a later window stage: received once per reading stage (``r``), its
-  price from the sender's stage written as one Boolean per (sending stage, receiving stage) (``y = x ∧ r``;
+  price from the sender's stage written as one Boolean per (sending stage, receiving stage) (``y >= x ∧ r``;
   a window has few stages, so the step encoding of the whole model is not needed);
 - a tensor made in the window and read after it: the reader's stage is fixed, the price a linear sum of the
   sender's stage Booleans, paid by the sender and by the reading stage outside the window;
@@ -17,9 +17,10 @@ window's colocation groups, and the transfers whose price moves with the window'
 
 Every other part of a stage's time is a constant: the time of the stages outside the window under the plan,
 less the transfers above; recomputation is the plan's choice on each window stage. Memory is each op's own
-share under that choice (the cut's tensors left out). The model is therefore a heuristic neighbourhood, not a
-relaxation used for bounds: the window search prices every re-placement again in floats by the one cost model
-(validity, memory, the lexicographic rule) before taking it, so nothing it proposes is trusted.
+share under that choice (the cut's tensors and the optimizer step's memory left out). The model is therefore a
+heuristic neighbourhood, not a relaxation used for bounds: the window search prices every re-placement again in
+floats by the one cost model (validity, memory, colocation, the lexicographic rule) before taking it, so nothing
+it proposes is trusted.
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ class WindowModel:
         prob, m, scale = self.prob, self.m, self.scale
         cap = math.floor(bottleneck * scale) + 1
         self.top = top = m.new_int_var(0, cap, "window")
-        #: Per modelled stage, its integer load terms and (outside the window) its constant part.
+        #: Per modelled stage, its integer load terms; outside the window, its constant part in ``base``.
         self.loads = {s: [(int(math.floor(sec * scale)), lit) for sec, lit in terms] for s, terms in self.terms.items()}
         self.base = {s: max(0, math.floor((times[s] - self.moved.get(s, 0.0)) * scale))
                      for s in self.terms if s not in self.window}

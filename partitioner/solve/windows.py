@@ -40,16 +40,20 @@ from partitioner.solve.cpsat import _BUILDING, _Model, _weighted, proof_solver
 from partitioner.solve.moves import _smaller
 from partitioner.solve.window_model import WindowModel
 
-__all__ = ["WindowResult", "window_search", "slowest", "WINDOW_BUDGET", "SLOWEST", "SLOWEST_SHARE"]
+__all__ = ["WindowResult", "window_search", "slowest", "WINDOW_BUDGET", "SLOWEST", "SLOWEST_SHARE", "ALONE_WIDEST"]
 
 #: Deterministic seconds one window may take (unfinished, its best re-placement still counts).
 WINDOW_BUDGET = 5.0
 #: Windows hold one of this many slowest stages, or of this share of the stages where that is more: on plans
 #: with many near-equal bottlenecks (the 1,000-op layered DAG at 64 stages, 20 stages within 1.5% of it) the
 #: three slowest stages' windows run out (1.6847 -> 1.6521 ms in 45 deterministic seconds; a sixth, 10 stages,
-#: 1.6047 in 15; 20 stages the same plan; benchmarks/results/window-search.log).
+#: 1.6047 in 15; 20 stages the same plan; benchmarks/results/window-alone-scratch.log).
 SLOWEST = 3
 SLOWEST_SHARE = 1 / 6
+#: The widest window searched on a model of its own ops alone: its transfers inside the window take a Boolean per
+#: (tensor, sending stage, receiving stage), k(k-1)/2 per tensor, built in Python outside CP-SAT's budget (the
+#: 1,000-op layered DAG at 64 stages gains nothing past 4 stages, the encoder-decoder reaches 8).
+ALONE_WIDEST = 8
 
 
 @dataclass
@@ -99,7 +103,8 @@ def window_search(prob: Problem, assign: Sequence[int], groups: Sequence[Sequenc
     plan = list(assign)
     times, _ = prob.stage_costs(plan)
     res = WindowResult(plan, max(times), max(times))
-    if p < 3 or budget <= 0:  # two stages: a window of one stage moves nothing, of two is CP-SAT's own search
+    # Two stages: a window of one stage moves nothing, of two is CP-SAT's own search; a free plan: nothing to relieve
+    if p < 3 or budget <= 0 or res.value <= 0:
         return res
     if wall_limit <= 0:  # not even the model is built: that alone takes seconds at 2,000 ops
         res.wall_stopped = True
@@ -114,7 +119,8 @@ def window_search(prob: Problem, assign: Sequence[int], groups: Sequence[Sequenc
     k = 2
     tried: set[tuple[int, int, int]] = set()  # (first stage, stages, plan number) already searched
     plans = 0
-    while k < p and left > 0:
+    widest = p - 1 if whole else min(p - 1, ALONE_WIDEST)
+    while k <= widest and left > 0:
         times, _ = prob.stage_costs(plan)
         todo = [lo for lo in _windows(times, p, k) if (lo, k, plans) not in tried]
         if not todo:
@@ -144,7 +150,8 @@ def window_search(prob: Problem, assign: Sequence[int], groups: Sequence[Sequenc
         if new is None:
             continue
         new_sorted, fits = _sorted_times(prob, new)
-        if fits and not prob.check(new) and _smaller(new_sorted, sorted(times, reverse=True)):
+        together = all(len({new[i] for i in group}) == 1 for group in groups)
+        if fits and together and not prob.check(new) and _smaller(new_sorted, sorted(times, reverse=True)):
             plan, plans = new, plans + 1
             res.taken += 1
     res.assign = plan
@@ -159,8 +166,8 @@ def _solve(m: cp_model.CpModel, window: range, *, budget: float, wall_left: floa
     status = solver.Solve(m)
     if status == cp_model.MODEL_INVALID:  # a bug in the model, not an answer
         raise RuntimeError(f"window search: CP-SAT rejected the model (stages {window.start}-{window.stop - 1})")
-    return solver, status, float(solver.response_proto.deterministic_time), status in (cp_model.OPTIMAL,
-                                                                                          cp_model.INFEASIBLE)
+    finished = status in (cp_model.OPTIMAL, cp_model.INFEASIBLE)
+    return solver, status, float(solver.response_proto.deterministic_time), finished
 
 
 def _search_window_alone(prob: Problem, plan: list[int], window: range, groups: Sequence[Sequence[int]],
