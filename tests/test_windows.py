@@ -209,16 +209,21 @@ def test_auto_runs_the_windows_alone_where_the_whole_model_is_too_large(monkeypa
     assert part.bottleneck == pytest.approx(after, rel=1e-5) and after < before
 
 
-@pytest.mark.parametrize("whole", [True, False], ids=["whole model", "window alone"])
-def test_windows_keep_a_colocated_pair_the_search_would_split(whole):
-    """Two ops of the start's slowest stage, one at each end, colocated: the windows move the stage's ops (the
-    search without the pair splits it) and keep the pair on one stage."""
+def _slowest_stage_ends() -> tuple[Problem, list[int], list[int]]:
+    """A 60-op layered DAG at 6 stages, its time-balanced start, and the first and last op of its slowest stage."""
     g = synthetic.generate("layered", 60, seed=0)
     prob = Problem(g, 6, cluster=Cluster.load("h100-sxm", devices=6), microbatches=24)
     start = _start(prob)
     bottleneck = int(np.argmax(prob.stage_costs(start)[0]))
     ops = [i for i, s in enumerate(start) if s == bottleneck]
-    pair = [ops[0], ops[-1]]
+    return prob, start, [ops[0], ops[-1]]
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["whole model", "window alone"])
+def test_windows_keep_a_colocated_pair_the_search_would_split(whole):
+    """Two ops of the start's slowest stage, one at each end, colocated: the windows move the stage's ops (the
+    search without the pair splits it) and keep the pair on one stage."""
+    prob, start, pair = _slowest_stage_ends()
     free = window_search(prob, start, budget=1.0, wall_limit=60, whole=whole)
     assert free.assign[pair[0]] != free.assign[pair[1]]
     kept = window_search(prob, start, [pair], budget=1.0, wall_limit=60, whole=whole)
@@ -229,12 +234,7 @@ def test_windows_keep_a_colocated_pair_the_search_would_split(whole):
 def test_a_re_placement_that_splits_a_group_is_not_taken(monkeypatch):
     """The model of the window alone made to forget the groups proposes the split pair; the search prices every
     proposal again and keeps the pair together."""
-    g = synthetic.generate("layered", 60, seed=0)
-    prob = Problem(g, 6, cluster=Cluster.load("h100-sxm", devices=6), microbatches=24)
-    start = _start(prob)
-    bottleneck = int(np.argmax(prob.stage_costs(start)[0]))
-    ops = [i for i, s in enumerate(start) if s == bottleneck]
-    pair = [ops[0], ops[-1]]
+    prob, start, pair = _slowest_stage_ends()
     monkeypatch.setattr(WINDOWS_MODULE, "WindowModel",
                         lambda prob_, plan, window, groups, bottleneck_: WindowModel(prob_, plan, window, [], bottleneck_))
     res = window_search(prob, start, [pair], budget=1.0, wall_limit=60, whole=False)
