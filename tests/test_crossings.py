@@ -23,9 +23,10 @@ SOLVE_MODULE = importlib.import_module("partitioner.solve")  # the package, not 
 @given(case=problems())
 def test_every_plan_pays_the_ends_its_cuts_count_and_no_cap_it_meets_is_proven(case):
     """For valid plans of small random problems (memory left out: the bound is a relaxation of it), under a cap
-    at the plan's own bottleneck: each cut's work lies in its window, holds enough ops for the stages before
-    and after it, and the work plus the least price of the ends counted at the plan's own cuts is at most what
-    its stages pay; so the test never proves a cap a plan meets."""
+    at the plan's own bottleneck: each cut's work lies in its window, and in that window narrowed by the ends
+    the plan pays at its other cuts, holds enough ops for the stages before and after it, and the work plus the
+    least price of the ends counted at the plan's own cuts is at most what its stages pay; so the test never
+    proves a cap a plan meets."""
     g, p, opts = case
     prob = Problem(g, p, recompute="auto", **opts)
     if p ** prob.n > 60_000:
@@ -52,6 +53,9 @@ def test_every_plan_pays_the_ends_its_cuts_count_and_no_cap_it_meets_is_proven(c
             own.append(sum(e for u, e in zip(test.senders, test.ends(s, cap)) if u in crossing))
         counted += float(prob.speed.min()) * sum(own)
         assert counted <= paid * (1 + 1e-9), (a, counted / _SCALE, paid / _SCALE)
+        # the windows narrowed by the ends the plan pays at its other cuts still hold each of its cuts
+        for s, (lo, hi) in enumerate(test.narrowed(cap, own), start=1):
+            assert lo <= sum(work[v] for v in range(prob.n) if a[v] < s) <= hi, (a, s, lo, hi)
         assert not test.exceeds(cap, own), (a, cap)
         proven, _ = test.proves(cap, budget=5, wall_left=60)
         assert not proven, (a, cap)
@@ -97,3 +101,18 @@ def test_auto_takes_the_crossings_bound_and_says_so(monkeypatch):
     assert proven > max(named_lower_bounds(prob).values())
     assert part.bound_by in ("cut crossings", "bisection") and part.lower_bound >= proven
     assert part.notes.index(note) < next(i for i, n in enumerate(part.notes) if n.startswith("bisection:"))
+
+
+def test_narrowing_the_windows_by_the_other_cuts_proves_a_cap_the_sum_alone_does_not(monkeypatch):
+    """A random layered DAG of 300 ops at 4 stages, under a cap of 4.98 ms: the least ends over the cuts' plain
+    windows leave room under the cap (not proven without narrowing), but the stages before each cut also pay
+    the ends of the cuts before it (and those after, of the cuts after), and in the windows so narrowed the
+    cuts cost more: proven. The plan's own bottleneck (5.17 ms, dp) is still not proven."""
+    crossings = importlib.import_module("partitioner.solve.crossings")
+    g = synthetic.generate("layered", 300, seed=0)
+    prob = Problem(g, 4, cluster=Cluster.load("h100-sxm", devices=4), microbatches=16)
+    assert CutCrossings(prob).proves(4.98e-3, budget=10, wall_left=120)[0]
+    plan = solve(g, 4, cluster=Cluster.load("h100-sxm", devices=4), microbatches=16, method="dp")
+    assert not CutCrossings(prob).proves(plan.bottleneck, budget=10, wall_left=120)[0]
+    monkeypatch.setattr(crossings, "NARROWING_ROUNDS", 0)
+    assert not CutCrossings(prob).proves(4.98e-3, budget=10, wall_left=120)[0]
