@@ -144,3 +144,20 @@ def test_auto_notes_a_group_bound_that_proved_nothing(monkeypatch):
     part = solve(g, 8, cluster=Cluster.load("h100-sxm", devices=8), microbatches=32, time_limit=2)
     assert "stage groups: nothing proven with the stages in 4 groups (UNKNOWN, 2.00 of 1 deterministic s)" in part.notes
     assert part.bound_by != "stage groups"
+
+
+def test_groups_from_given_first_stages_and_the_grouped_plan_found():
+    """Groups may start at given stages (a single stage on each side of a boundary, the rest in two groups); the
+    grouped model's best plan found is never below its bound, and the bound is never above the optimum; first
+    stages out of order are refused with a message that names them."""
+    g = synthetic.generate("layered", 14, seed=3)
+    cluster = Cluster.load("h100-sxm", devices=6)
+    best = solve(g, 6, cluster=cluster, microbatches=24, method="cpsat", time_limit=60)
+    assert best.optimal
+    prob = Problem(g, 6, cluster=cluster, microbatches=24)
+    res = group_lower_bound(prob, starts=(0, 2, 3, 4), budget=10, wall_limit=120)
+    assert res.starts == (0, 2, 3, 4) and res.status == "OPTIMAL"
+    assert res.lower_bound <= res.relaxed <= best.bottleneck * (1 + 1e-9)
+    for bad in ((1, 3), (0, 3, 2), (0, 6)):
+        with pytest.raises(ValueError, match="group starts"):
+            group_lower_bound(prob, starts=bad, budget=1, wall_limit=10)

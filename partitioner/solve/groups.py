@@ -51,19 +51,22 @@ _SPEED = 1000  # speeds to integer thousandths
 
 @dataclass
 class GroupBound:
-    """The bound, the groups' first stages, and how the solve ended."""
+    """The bound, the groups' first stages, how the solve ended, and the grouped model's least bottleneck found
+    (``relaxed``, inf where none was: no bound from these groups can exceed it)."""
 
     lower_bound: float
     starts: tuple[int, ...]
     status: str
     deterministic_seconds: float
     wall_stopped: bool
+    relaxed: float = math.inf
 
 
 def group_lower_bound(prob: Problem, *, budget: float, wall_limit: float, groups: int = GROUPS,
-                      hint: Sequence[int] | None = None, workers: int = 1, seed: int = 0) -> GroupBound | None:
+                      starts: Sequence[int] | None = None, hint: Sequence[int] | None = None, workers: int = 1,
+                      seed: int = 0) -> GroupBound | None:
     """The least bottleneck of the grouped model (see the module docstring) with ``groups`` groups (fewer
-    under that many stages), or None under 2 stages.
+    under that many stages) spread evenly, or the groups whose first stages are ``starts``; None under 2 stages.
 
     ``hint``: a plan (stage of each op), whose groups start the search: a good solution early
     lets CP-SAT prove the least one sooner."""
@@ -71,8 +74,14 @@ def group_lower_bound(prob: Problem, *, budget: float, wall_limit: float, groups
     if p < 2:
         return None
     t0 = time.perf_counter()
-    g = min(groups, p)
-    cuts = [round(j * p / g) for j in range(g + 1)]  # group j: stages cuts[j] .. cuts[j + 1] - 1
+    if starts is not None:
+        if not starts or starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])) or starts[-1] >= p:
+            raise ValueError(f"group starts {list(starts)}: give increasing first stages from 0, each below {p}")
+        cuts = [*starts, p]
+    else:
+        g = min(groups, p)
+        cuts = [round(j * p / g) for j in range(g + 1)]  # group j: stages cuts[j] .. cuts[j + 1] - 1
+    g = len(cuts) - 1
     m = cp_model.CpModel()
     # inside[j][v]: v is in the first j groups (inside[0] empty, inside[g] everything)
     inside = [[m.NewConstant(0)] * prob.n]
@@ -123,9 +132,12 @@ def group_lower_bound(prob: Problem, *, budget: float, wall_limit: float, groups
     status = solver.Solve(m)
     det = float(solver.response_proto.deterministic_time)
     done = status in (cp_model.OPTIMAL, cp_model.INFEASIBLE)
-    bound = max(0.0, (solver.BestObjectiveBound() - 1) / _SCALE) if status in (cp_model.OPTIMAL,
-                                                                               cp_model.FEASIBLE) else 0.0
-    return GroupBound(bound, tuple(cuts[:-1]), solver.StatusName(status), det, not done and det < budget * 0.99)
+    found = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+    bound = max(0.0, (solver.BestObjectiveBound() - 1) / _SCALE) if found else 0.0
+    # The best grouped plan found: no bound this model reports (its proven bound less a unit) can exceed it
+    relaxed = solver.ObjectiveValue() / _SCALE if found else math.inf
+    return GroupBound(bound, tuple(cuts[:-1]), solver.StatusName(status), det, not done and det < budget * 0.99,
+                      relaxed)
 
 
 def _price(prob: Problem, u: int, frm: slice, to: slice) -> int:
