@@ -207,8 +207,8 @@ class CutCrossings:
         paid = np.concatenate([[0], np.cumsum(ends)]).tolist()  # paid[k]: the ends of cuts 1 .. k
         out = []
         for s in range(1, p):
-            least = (self.total - cap * (speeds[p] - speeds[s])) * _SCALE  # widened below, whatever its sign
-            lo = math.floor(least - abs(least) * _FLOAT) - self.prob.n - 1
+            fewest = (self.total - cap * (speeds[p] - speeds[s])) * _SCALE  # work before the cut, widened below
+            lo = math.floor(fewest - abs(fewest) * _FLOAT) - self.prob.n - 1  # (whatever its sign)
             hi = math.ceil(cap * speeds[s] * _SCALE * (1 + _FLOAT)) + 1
             out.append((max(0, lo + math.floor(slowest * (paid[-1] - paid[s]))),
                         max(0, hi - math.floor(slowest * paid[s - 1]))))
