@@ -58,6 +58,17 @@ def test_every_plan_pays_the_ends_its_cuts_count_and_no_cap_it_meets_is_proven(c
         for s, (lo, hi) in enumerate(test.narrowed(cap, own), start=1):
             assert lo <= sum(work[v] for v in range(prob.n) if a[v] < s) <= hi, (a, s, lo, hi)
         assert not test.exceeds(cap, own), (a, cap)
+        # each stage pays its work, the receives counted at the cut before it and the sends counted at the cut
+        # after it, each end at its least price (benchmarks/layered_relaxations.py chains the stages on this)
+        crossing = [{u for u in range(prob.n) if a[u] < s and any(a[c] >= s for c in prob.succ[u])}
+                    for s in range(p + 1)]
+        for t, time_t in enumerate(times):
+            held = sum(work[v] for v in range(prob.n) if a[v] == t)
+            receives = test.ends_by_side(t, cap)[0] if t > 0 else []
+            sends = test.ends_by_side(t + 1, cap)[1] if t < p - 1 else []
+            ends = sum(e for u, e in zip(test.senders, receives) if u in crossing[t]) + \
+                sum(e for u, e in zip(test.senders, sends) if u in crossing[t + 1])
+            assert held + float(prob.speed[t]) * ends <= float(prob.speed[t]) * time_t * _SCALE * (1 + 1e-9), (a, t)
         weighed = []  # every window the test weighs a cut in, narrowed or not, holds the plan's cut
         if test.model is not None:  # (no tensor is sent: nothing to weigh)
             least = test.model.least

@@ -152,15 +152,19 @@ class CutCrossings:
         """Per sender (``senders``), what a plan under ``cap`` pays at least at cut s if it crosses it: one end's
         price for the receive by stage s unless the tensor may skip that stage, and one for the send by stage
         s - 1 unless it may have been made earlier."""
+        return [r + q for r, q in zip(*self.ends_by_side(s, cap))]
+
+    def ends_by_side(self, s: int, cap: float) -> tuple[list[int], list[int]]:
+        """:meth:`ends` apart: per sender, the receive by stage s (0 where the tensor may skip it) and the send
+        by stage s - 1 (0 where it may have been made earlier)."""
         before, p = self.before, self.prob.p
         # Descendants' work a skipped stage s leaves after it, ancestors' work a tensor made before stage s-1 fits
         # in; the last stage cannot be skipped, nothing is made before the first
         skips = cap * (before[p] - before[s + 1]) * _SCALE * (1 + _FLOAT) + 1 if s < p - 1 else -math.inf
         earlier = cap * before[s - 1] * _SCALE * (1 + _FLOAT) + 1 if s > 1 else -math.inf
-        # (int(): numpy Booleans would add as "or")
-        return [price * (int(delta > skips) + int(alpha > earlier))
-                for price, delta, alpha in zip(self.prices[s - 1], self.least_delta,
-                                               (self.alpha[u] for u in self.senders))]
+        prices = self.prices[s - 1]
+        return ([price * int(delta > skips) for price, delta in zip(prices, self.least_delta)],
+                [price * int(self.alpha[u] > earlier) for price, u in zip(prices, self.senders)])
 
     def proves(self, cap: float, budget: float, wall_left: float, seed: int = 0) -> tuple[bool, float]:
         """Whether no plan has a bottleneck of ``cap`` or less (the work and the least ends over the cuts exceed
