@@ -19,7 +19,8 @@
 Run: ``.venv/bin/python benchmarks/layered_relaxations.py [--graph layered:1000] [--stages 8] [--caps 7.88 7.9
 7.91 7.95] [--budget 20] [--cut-budget 2] [--stage-stages 64] [--stage-caps 1.15] [--stage-budget 5]``. The
 graph as the planner benchmark builds it (a synthetic ``kind:ops``, seed 0, or a zoo spec), on h100-sxm nodes;
-caps in ms; the budgets are deterministic seconds. Integers are nanoseconds, work rounded down and prices down (a relaxation).
+caps in ms; the budgets are deterministic seconds. Integers are nanoseconds, work rounded down and prices down
+(a relaxation).
 """
 
 from __future__ import annotations
@@ -38,8 +39,7 @@ from ortools.sat.python import cp_model  # noqa: E402
 from benchmarks._graphs import graph_for  # noqa: E402
 from partitioner.cluster import Cluster  # noqa: E402
 from partitioner.cost import Problem  # noqa: E402
-from partitioner.solve.cpsat import _weighted  # noqa: E402
-from partitioner.solve.cpsat import proof_solver  # noqa: E402
+from partitioner.solve.cpsat import _weighted, proof_solver  # noqa: E402
 from partitioner.solve.crossings import _FLOAT, _SCALE, CutCrossings  # noqa: E402
 from partitioner.solve.groups import _price  # noqa: E402
 
