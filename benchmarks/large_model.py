@@ -103,7 +103,7 @@ def rank_worker(rank: int, world: int, *, spec: str, checkpoint: str, out: str, 
     read_before, started = _read_bytes(), time.perf_counter()
     pipe = smp.partition(bundle.model, stages=world, microbatches=microbatches, loss_fn=bundle.loss_fn,
                          checkpoint=checkpoint, timeout=300,
-                         plan_options={"timing": "analytic", "device_profile": "cpu"})
+                         timing="analytic", device_profile="cpu")
     x, y = bundle.example_args[0], bundle.target
     pipe.prepare(x)
     loaded_s, read = time.perf_counter() - started, _read_bytes() - read_before

@@ -46,7 +46,9 @@ SECTION = "## Choosing replicas x stages x microbatches on H100 clusters"
 
 def run(name: str, spec: str, done: dict[tuple[str, int], dict[str, Any]],
         devices: tuple[int, ...] = DEVICES) -> list[dict[str, Any]]:
-    from partitioner.compile import _profile, _resolve_cluster, plan_from_graph
+    from partitioner.cluster import Cluster
+    from partitioner.compile import plan_from_graph, profile_model
+    from partitioner.request import PlanRequest
     from partitioner.shapes import search_shapes
     from smp.models import build
 
@@ -54,19 +56,19 @@ def run(name: str, spec: str, done: dict[tuple[str, int], dict[str, Any]],
         return [done[name, n] for n in devices]
     built = build(spec + ",batch=1", seed=0, meta=True)
     t0 = time.perf_counter()
-    graph, info = _profile(built.model, built.example_args, None, microbatches=1, device_profile="h100-sxm",
-                           dtype="bf16")
+    graph, info = profile_model(built.model, built.example_args, None,
+                                PlanRequest.build(device_profile="h100-sxm", dtype="bf16"), microbatches=1)
     profile_s = time.perf_counter() - t0
     rows = []
     for n in devices:
         if (name, n) in done:
             rows.append(done[name, n])
             continue
-        cluster = _resolve_cluster("h100-sxm", n)
+        cluster = Cluster.load("h100-sxm", devices=n)
 
         t0 = time.perf_counter()
-        chosen = search_shapes(graph, devices=n, global_batch=GLOBAL_BATCH, profiled_batch=1, cluster=cluster,
-                               solve_plan=plan_from_graph, model_info=info)
+        chosen = search_shapes(graph, PlanRequest(devices=n, global_batch=GLOBAL_BATCH, cluster=cluster),
+                               profiled_batch=1, solve_plan=plan_from_graph, model_info=info)
         search_s = time.perf_counter() - t0
         weighed = {rule: _rule_best(chosen, stages)
                    for rule, stages in (("data parallel", 1), ("pipeline", n), ("pipeline in a node", min(NODE, n)))}

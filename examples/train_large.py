@@ -51,7 +51,7 @@ def main() -> None:
     with smp.delay_param_initialization():  # parameters on the meta device: no memory
         bundle = build(args.model, seed=0)
     pipe = smp.partition(bundle.model, microbatches=args.microbatches, loss_fn=bundle.loss_fn,
-                         checkpoint=args.checkpoint, plan_options={"timing": "analytic"})
+                         checkpoint=args.checkpoint, timing="analytic")
     pipe.prepare(*bundle.example_args, **bundle.example_kwargs)  # plan, keep and load this rank's stages
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
     if args.resume:

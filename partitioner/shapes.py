@@ -44,6 +44,7 @@ from partitioner.errors import PlanError, PlanningError, ShapePruned
 from partitioner.graph import OpGraph
 from partitioner.ir import ScheduleKind, ScheduleError
 from partitioner.plan import ModelInfo, Plan
+from partitioner.request import PlanRequest
 
 __all__ = ["Shape", "Candidate", "ShapeSearch", "search_shapes", "shapes_for"]
 
@@ -187,52 +188,51 @@ def shapes_for(devices: int, global_batch: int, *, schedules: Sequence[str], sta
 
 def search_shapes(
     graph: OpGraph,
+    request: PlanRequest,
     *,
-    devices: int,
-    global_batch: int,
     profiled_batch: int,
-    cluster: Cluster | None,
     solve_plan: Callable[..., Plan],
-    schedules: Sequence[str] = ("1f1b",),
-    stages: int | None = None,
-    microbatches: int | None = None,
     model_info: ModelInfo | None = None,
-    placement: str | None = None,
-    virtual_stages: int = 2,
-    options: Mapping[str, Any] | None = None,
     progress: Callable[[int, int], None] | None = None,
     graph_for: Callable[[int], OpGraph | None] | None = None,
 ) -> ShapeSearch:
-    """Weigh every shape of ``devices`` for ``global_batch`` samples a step; the fastest first.
+    """Weigh every shape of ``request.devices`` for ``request.global_batch`` samples a step; the fastest first.
 
-    ``graph`` is costed for one microbatch of ``profiled_batch`` samples; a microbatch of u
-    samples is costed by ``graph_for(u)`` where it gives a graph (e.g. one profiled at that
-    size), else by ``graph`` scaled. ``solve_plan`` is
-    :func:`partitioner.compile.plan_from_graph` (passed in: the compiler imports this module).
+    ``request`` fixes what it sets (``stages``, ``microbatches``, ``schedule``, the solver's
+    options; its ``cluster`` already loaded, or None); each shape is solved as that request
+    with the shape's D, P, m and schedule. ``graph`` is costed for one microbatch of
+    ``profiled_batch`` samples; a microbatch of u samples is costed by ``graph_for(u)`` where
+    it gives a graph (e.g. one profiled at that size), else by ``graph`` scaled. ``solve_plan``
+    is :func:`partitioner.compile.plan_from_graph` (passed in: the compiler imports this module).
     """
+    devices, cluster, placement = request.devices, request.cluster, request.placement
+    global_batch = request.global_batch
+    if devices is None or global_batch is None:
+        raise PlanError("a shape search needs devices= and global_batch=")
+    if cluster is not None and not isinstance(cluster, Cluster):
+        raise PlanError("search_shapes takes its cluster loaded (Cluster.load(name, devices=N))")
     if cluster is not None and len(cluster.devices) < devices:
         raise PlanError(f"the cluster {cluster.name!r} has {len(cluster.devices)} devices, fewer than the {devices} "
                         "to plan for; load it with more (Cluster.load(name, devices=N))")
-    shapes = shapes_for(devices, global_batch, schedules=schedules, stages=stages, microbatches=microbatches,
-                        max_stages=len(graph))
+    shapes = shapes_for(devices, global_batch, schedules=request.schedules, stages=request.stages,
+                        microbatches=request.microbatch_counts, max_stages=len(graph))
     if not shapes:
         raise PlanError(f"no shape of {devices} devices splits a global batch of {global_batch} evenly: use a global "
                         f"batch that a divisor of {devices} divides (e.g. {devices * max(1, global_batch // devices)})")
     if cluster is None and any(s.data_parallel > 1 for s in shapes):
         raise PlanError("weighing data parallelism needs the links its gradient all-reduce crosses: pass a cluster "
                         "(e.g. cluster='h100-sxm'), or fix stages= to the device count")
-    training = bool((options or {}).get("training", graph.meta.get("training", True)))
+    training = graph.meta.get("training", True) if request.training is None else request.training
     speed = max(d.speed for d in cluster.devices[:devices]) if cluster is not None else 1.0
     base = _work(graph, training)
     candidates = [Candidate(shape, global_batch, lower_bound=_step_lower_bound(
         shape, base, speed, global_batch / (shape.data_parallel * shape.microbatches) / profiled_batch))
         for shape in shapes]
     # Screen every shape with the fast exact-bottleneck DP, then solve the finalists as plan() would.
-    full = dict(options or {})
-    two_phase = full.get("method", "auto") == "auto" and full.get("objective", "step_time") == "step_time"
+    two_phase = request.method == "auto" and request.objective == "step_time"
     # Screened plans' schedules are not validated (a search builds hundreds; the simulator
     # still walks each and stops at a deadlock): the plan returned is, below.
-    screen = {**full, "method": "dp", "objective": "bottleneck", "check_schedule": False} if two_phase else full
+    screen = {"method": "dp", "objective": "bottleneck"} if two_phase else {}
     graphs: dict[int, OpGraph] = {profiled_batch: graph}
     own: set[int] = set()  # microbatch sizes with a graph of their own (profiled at that size)
 
@@ -245,17 +245,18 @@ def search_shapes(
             graphs[micro] = g = g if g is not None else graph.scaled(micro / profiled_batch)
         return g
 
-    def solve(cand: Candidate, opts: Mapping[str, Any], where: str | None = placement,
+    def solve(cand: Candidate, changes: Mapping[str, Any], *, validate: bool, where: str | None = placement,
               prune_above: float | None = None, behind: str = "") -> None:
         shape = cand.shape
         g = graph_of(global_batch // (shape.data_parallel * shape.microbatches))
         info = replace(model_info, batch_size=global_batch // shape.data_parallel) if model_info else None
         try:
             cand.plan = solve_plan(
-                g, stages=shape.stages, microbatches=shape.microbatches, schedule=shape.schedule, cluster=cluster,
-                data_parallel=shape.data_parallel, model_info=info,
-                placement=where if shape.data_parallel > 1 and shape.stages > 1 else "cluster",
-                virtual_stages=virtual_stages, prune_above=prune_above, **opts)
+                g, request.with_(devices=None, global_batch=None, stages=shape.stages, microbatches=shape.microbatches,
+                                 schedule=shape.schedule, data_parallel=shape.data_parallel,
+                                 placement=where if shape.data_parallel > 1 and shape.stages > 1 else "cluster",
+                                 **changes),
+                model_info=info, prune_above=prune_above, check_schedule=validate)
         except (PlanningError, ScheduleError) as err:
             cand.reason = " ".join(str(err).split())
             cand.needs = getattr(err, "works", None) or getattr(err, "needed", None)
@@ -275,7 +276,7 @@ def search_shapes(
             # A partition whose step cannot come within the finalists' slack of the best found is
             # not scheduled and simulated (most of a screen's time at 64 ranks x 256 microbatches).
             slack = FINALIST_SLACK if two_phase else 0.0
-            solve(cand, screen, prune_above=best * (1 + slack),
+            solve(cand, screen, validate=not two_phase, prune_above=best * (1 + slack),
                   behind=f"at least {slack:.0%} behind the best step so far ({best:.4g} s)" if slack
                   else f"no better than the best step so far ({best:.4g} s)")
             best = min(best, cand.step_time)
@@ -290,7 +291,7 @@ def search_shapes(
         def finish(cand: Candidate) -> None:
             screened = cand.plan
             assert screened is not None
-            solve(cand, full, screened.placement)  # the placement the screen chose
+            solve(cand, {}, validate=True, where=screened.placement)  # the placement the screen chose
             if cand.plan is None or cand.plan.step_time > screened.step_time:  # keep the faster of the two
                 cand.plan = screened
             cand.final = True

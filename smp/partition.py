@@ -18,8 +18,9 @@ from partitioner.compile import plan as make_plan
 from partitioner.ir import Edge, ScheduleKind, StageGraph
 from partitioner.microbatch import MicrobatchError, split_microbatches
 from partitioner.plan import Plan, PlanError
+from partitioner.request import PlanRequest
 from partitioner.errors import PlanningError
-from partitioner.recompute import MODES, check_mode, is_matmul
+from partitioner.recompute import is_matmul
 from partitioner.schedule import make_schedule, with_allreduce
 from partitioner.timeline import Timeline, TimelineEvent
 from partitioner.trace import fingerprint, flatten_inputs, retarget_device, trace
@@ -42,10 +43,11 @@ DEFAULT_TIMEOUT = 300.0
 def partition(model: nn.Module, **options: Any) -> PipelinedModel:
     """Wrap ``model`` so that ``step()`` trains it as a pipeline over the ranks of the default process group.
 
-    The options are :class:`PipelinedModel`'s: ``stages``, ``microbatches``, ``schedule``,
-    ``loss_fn``, ``cluster``, ``memory_limit``, ``plan``, ``timeout``, ``plan_options``,
-    ``device``, ``checkpoint``, ``init_fn``, ``init_seed``, ``broadcast_output``, ``placement``,
-    ``recompute``, ``active_microbatches``, ``precision``, ``grad_scaler``.
+    The options are :class:`PipelinedModel`'s (``plan``, ``loss_fn``, ``timeout``, ``device``,
+    ``checkpoint``, ``init_fn``, ``init_seed``, ``broadcast_output``, ``broadcast_buffers``,
+    ``precision``, ``grad_scaler``) and the planning request's (``request``, or its fields:
+    ``stages``, ``microbatches``, ``schedule``, ``cluster``, ``memory_limit``, ``placement``,
+    ``recompute``, ``active_microbatches``, ``timing``, ...: :class:`partitioner.request.PlanRequest`).
     """
     return PipelinedModel(model, **options)
 
@@ -87,12 +89,16 @@ class PipelinedModel:
     ``parameters()``; the mean loss is returned on every rank. Call your optimizer's
     ``zero_grad()``/``step()`` around it as usual.
 
-    ``stages`` defaults to the world size (1 without a process group: every stage then
-    runs in this process, through the same engine). With ``plan=None`` the plan is made
-    on the first ``step()`` (or call, or ``prepare()``) from that batch: rank 0 plans
-    (measured profiling differs between ranks) and broadcasts the plan; every rank traces
-    the model itself and checks the plan's fingerprint. ``timeout`` (seconds) bounds every
-    wait on a peer. ``plan_options`` go to ``smp.plan`` (e.g. ``{"timing": "analytic"}``).
+    What to plan is a :class:`~partitioner.request.PlanRequest` (``request=``, or its fields as
+    keywords: ``stages``, ``microbatches``, ``schedule``, ``timing``, ...): ``stages`` defaults
+    to the world size (1 without a process group: every stage then runs in this process,
+    through the same engine), ``microbatches`` to the request's one rule
+    (:func:`~partitioner.request.default_microbatches`: 1 on one rank, else the largest
+    divisor of the batch not above 2 x stages). With ``plan=None`` the plan is made on the
+    first ``step()`` (or call, or ``prepare()``) from that batch: rank 0 plans (measured
+    profiling differs between ranks) and broadcasts the plan; every rank traces the model
+    itself and checks the plan's fingerprint. With ``plan=...`` a planning option given
+    too must agree with the plan. ``timeout`` (seconds) bounds every wait on a peer.
 
     Placement and weights: this rank's stages run on ``device`` (default ``cuda:LOCAL_RANK``
     with a GPU, else where the model is; CPU for a model on the meta device); only the
@@ -117,15 +123,12 @@ class PipelinedModel:
     batch-norm statistics) to the others before each training step.
     """
 
-    def __init__(self, model: nn.Module, *, stages: int | None = None, microbatches: int = 1,
-                 schedule: str = "1f1b", loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-                 cluster: Any = None, memory_limit: float | None = None, plan: Plan | str | Path | None = None,
-                 timeout: float = DEFAULT_TIMEOUT, plan_options: Mapping[str, Any] | None = None,
-                 device: str | torch.device | None = None, checkpoint: str | Path | None = None,
-                 init_fn: Callable[[nn.Module], None] | None = None, init_seed: int = 0,
-                 broadcast_output: bool = False, placement: str | None = None,
-                 broadcast_buffers: bool = True, recompute: str = "auto", precision: str = "fp32",
-                 grad_scaler: PipelineGradScaler | None = None, active_microbatches: int | None = None) -> None:
+    def __init__(self, model: nn.Module, *, plan: Plan | str | Path | None = None,
+                 request: PlanRequest | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                 timeout: float = DEFAULT_TIMEOUT, device: str | torch.device | None = None,
+                 checkpoint: str | Path | None = None, init_fn: Callable[[nn.Module], None] | None = None,
+                 init_seed: int = 0, broadcast_output: bool = False, broadcast_buffers: bool = True,
+                 precision: str = "fp32", grad_scaler: PipelineGradScaler | None = None, **planning: Any) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"smp.partition takes a torch.nn.Module, got {type(model).__name__}")
         self.module = model
@@ -146,6 +149,13 @@ class PipelinedModel:
                                      f"precision={self.precision.name!r}")
         self.grad_scaler = grad_scaler or (PipelineGradScaler() if self.precision.needs_scaling else None)
         self.last_step_skipped = False
+        try:
+            self.request = PlanRequest.build(request, **planning)
+        except PlanningError as err:
+            raise RuntimeConfigError(str(err)) from None
+        if self.request.searching:
+            raise RuntimeConfigError("smp.partition runs one pipeline shape: fix stages and microbatches (or choose "
+                                     "them first with smp.plan(..., devices=N) and pass plan=...)")
         _init_from_launcher(self.device, self.timeout)
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
@@ -154,41 +164,13 @@ class PipelinedModel:
             plan = Plan.load(plan)
         self._plan: Plan | None = plan
         if plan is not None:
-            if stages is not None and stages * plan.virtual_stages != plan.num_stages and \
-                    stages != plan.pipeline_ranks:
-                raise RuntimeConfigError(f"stages={stages} disagrees with the plan's {plan.pipeline_ranks} ranks")
+            _check_agrees(plan, self.request, _given(request, planning))
             self.stages = plan.pipeline_ranks
-            self.microbatches = plan.microbatches
-            placement = placement or plan.placement
         else:
-            self.stages = int(stages) if stages is not None else self.world_size
-            if self.stages < 1:
-                raise RuntimeConfigError(f"stages must be >= 1, got {stages}")
-            self.microbatches = int(microbatches)
-            if self.microbatches < 1:
-                raise RuntimeConfigError(f"microbatches must be >= 1, got {microbatches}")
-        self.layout = ReplicaLayout.build(self.world_size, self.stages, placement or "cluster", self.device,
-                                          plan.data_parallel if plan is not None else None)
-        self.schedule = ScheduleKind.parse(schedule).value if plan is None else plan.schedule_name
-        self.cluster = cluster
-        self.memory_limit = memory_limit
-        self.plan_options = dict(plan_options or {})
-        try:
-            if not isinstance(recompute, str):
-                raise PlanningError(f"recompute takes one of {', '.join(MODES)}, got {recompute!r}; for a choice per "
-                                    "stage, pass a plan made with those choices")
-            recompute = str(check_mode(recompute))
-        except PlanningError as err:
-            raise RuntimeConfigError(str(err)) from None
-        if plan is not None and recompute != "auto" and any(c != recompute for c in plan.recompute):
-            raise RuntimeConfigError(f"recompute={recompute!r} disagrees with the plan's {plan.recompute}: a plan "
-                                     "fixes each stage's recomputation; re-plan with smp.plan(..., recompute=...)")
-        self.recompute = recompute
-        if plan is not None and active_microbatches is not None and active_microbatches != plan.active_microbatches:
-            raise RuntimeConfigError(f"active_microbatches={active_microbatches} disagrees with the plan's "
-                                     f"{plan.active_microbatches}: a plan fixes its schedule; re-plan with "
-                                     "smp.plan(..., active_microbatches=...)")
-        self.active_microbatches = active_microbatches
+            self.stages = self.request.stages or self.world_size
+        self.layout = ReplicaLayout.build(self.world_size, self.stages, self.request.placement or (
+            plan.placement if plan is not None else "cluster"), self.device,
+            plan.data_parallel if plan is not None else None)
         self._setup: _SetUp | None = None
         self._engine: Engine | None = None  # the engine of the last mode used
         self._engines: dict[bool, Engine] = {}
@@ -327,18 +309,15 @@ class PipelinedModel:
         return Program(gm, stage_of, {}, schedule, state_meta_of(gm), frontend)
 
     def _make_plan(self, args: tuple, kwargs: dict) -> Plan:
-        opts = dict(self.plan_options)
+        request = self.request.with_(stages=self.stages, training=True, data_parallel=self.layout.dp_size,
+                                     placement=self.layout.placement)
 
         def build() -> Plan:
             # profiling runs the model; keep every rank's RNG stream identical to the others'. Under the stages'
             # autocast: the profile then records what autograd saves in that precision (bf16 activations, the
             # bf16 copies of the fp32 weights autocast makes for each microbatch) and prices ops in its dtype.
             with torch.random.fork_rng(devices=[]), self.precision.autocast(self.device):
-                return make_plan(self.module, args, kwargs, stages=self.stages, microbatches=self.microbatches,
-                                 schedule=self.schedule, cluster=self.cluster, memory_limit=self.memory_limit,
-                                 **{"recompute": self.recompute, "active_microbatches": self.active_microbatches, **opts,
-                                    "training": True, "data_parallel": self.layout.dp_size,
-                                    "placement": self.layout.placement})
+                return make_plan(self.module, args, kwargs, request)
 
         if not self.distributed:
             return build()
@@ -651,6 +630,44 @@ class _SetUp:
     comm: Comm | None
     device: torch.device
     example_flat: dict[bool, list[Any]]
+
+
+def _plan_facts(plan: Plan) -> dict[str, Any]:
+    """What a made plan fixes, by the planning option that would have chosen it."""
+    return {"stages": plan.pipeline_ranks, "microbatches": plan.microbatches, "schedule": plan.schedule_name,
+            "active_microbatches": plan.active_microbatches, "data_parallel": plan.data_parallel,
+            "virtual_stages": plan.virtual_stages, "recompute": tuple(plan.recompute)}
+
+
+def _given(request: PlanRequest | None, planning: Mapping[str, Any]) -> dict[str, Any]:
+    """The planning options the caller chose: the keywords, and the fields of ``request`` off their defaults."""
+    chosen = dict(planning)
+    if request is not None:
+        default = PlanRequest()
+        chosen.update({f.name: getattr(request, f.name) for f in dataclasses.fields(PlanRequest)
+                       if f.name not in chosen and getattr(request, f.name) != getattr(default, f.name)})
+    return chosen
+
+
+def _check_agrees(plan: Plan, request: PlanRequest, given: Mapping[str, Any]) -> None:
+    """A plan is already made: every planning option given with it must say what the plan says."""
+    facts = _plan_facts(plan)
+    moot = sorted(set(given) - set(facts) - {"placement"})  # the replicas' layout stays the runtime's choice
+    if moot:
+        raise RuntimeConfigError(f"{', '.join(moot)} only shape a new plan, and plan= is already made: drop "
+                                 f"{'them' if len(moot) > 1 else 'it'}, or re-plan with smp.plan(..., "
+                                 f"{moot[0]}=...)")
+    for name in facts.keys() & given.keys():
+        value, fixed = getattr(request, name), facts[name]
+        if name == "recompute":
+            agrees = value == "auto" or all(c == value for c in fixed)
+        elif name == "virtual_stages":
+            agrees = not ScheduleKind.parse(plan.schedule_name).interleaved or value == fixed
+        else:
+            agrees = value == fixed
+        if not agrees:
+            raise RuntimeConfigError(f"{name}={given[name]!r} disagrees with the plan's {fixed!r}: a plan fixes "
+                                     f"its {name}; re-plan with smp.plan(..., {name}=...)")
 
 
 def _model_device(model: nn.Module) -> torch.device:

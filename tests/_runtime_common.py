@@ -214,7 +214,7 @@ def user_model_worker(rank: int, world: int, *, case: str, out: str, order: str 
             model, x, kwargs, loss_fn = b.model, b.example_args, b.example_kwargs, b.loss_fn
         target = None if case == "train_eval" else b.target
         pipe = partition(model, stages=world, microbatches=2, loss_fn=loss_fn, timeout=60,
-                         plan_options={"timing": "analytic"})
+                         timing="analytic")
         opt = None
         res["evals"] = []
         steps = ["train", "eval", "train", "eval", "train", "eval"] if order == "train-first" else \
@@ -235,7 +235,7 @@ def user_model_worker(rank: int, world: int, *, case: str, out: str, order: str 
         model = Dropping().to(torch.bfloat16)
         x = torch.randn(8, 16, dtype=torch.bfloat16)
         pipe = partition(model, stages=world, microbatches=2, loss_fn=lambda o, t: F.mse_loss(o.float(), t),
-                         timeout=60, plan_options={"timing": "analytic"})
+                         timeout=60, timing="analytic")
         res["dtype"] = str(pipe.step(x, target=torch.zeros(8, 4)).dtype)
     torch.save(res, Path(out) / f"{case}-{order}-{rank}.pt")
 
@@ -300,7 +300,7 @@ def hf_meta_worker(rank: int, world: int, *, spec: str, checkpoint: str, out: st
         b = build(spec, seed=0)
     held_before = sum(p.numel() for p in b.model.parameters() if not p.is_meta)
     pipe = partition(b.model, stages=world, microbatches=2, loss_fn=b.loss_fn, checkpoint=checkpoint, timeout=60,
-                     plan_options={"timing": "analytic"})
+                     timing="analytic")
     res = pipeline_run(pipe, spec, steps)
     res["held_before"] = held_before
     res["held"] = sum(p.numel() for p in b.model.parameters() if not p.is_meta)
@@ -313,7 +313,7 @@ def data_parallel_worker(rank: int, world: int, *, spec: str, stages: int, sched
     """One rank of D = world / stages replicas: its replica's shard of the global batch, ``steps`` SGD steps."""
     b = build(spec, seed=0)
     pipe = partition(b.model, stages=stages, microbatches=microbatches, schedule=schedule, loss_fn=b.loss_fn,
-                     timeout=60, placement=placement, plan_options={"timing": "analytic"})
+                     timeout=60, placement=placement, timing="analytic")
     x, y = b.example_args[0], b.target
     share = x.shape[0] // pipe.dp_size
     rows = slice(pipe.dp_rank * share, (pipe.dp_rank + 1) * share)
@@ -359,7 +359,7 @@ def buffer_worker(rank: int, world: int, *, out: str, broadcast_buffers: bool = 
     """Two replicas of a one-stage ResNet (BatchNorm): a step on each replica's own data, then one on the same data."""
     b = build("resnet:size=tiny,batch=8", seed=0)
     pipe = partition(b.model, stages=1, microbatches=1, loss_fn=b.loss_fn, timeout=60,
-                     plan_options={"timing": "analytic"}, broadcast_buffers=broadcast_buffers)
+                     timing="analytic", broadcast_buffers=broadcast_buffers)
     x, y = b.example_args[0], b.target
     share = x.shape[0] // pipe.dp_size
     mine = slice(pipe.dp_rank * share, (pipe.dp_rank + 1) * share)
@@ -386,7 +386,7 @@ def precision_worker(rank: int, world: int, *, spec: str, out: str) -> None:
     res: dict[str, Any] = {}
     b = build(spec, seed=0)
     pipe = partition(b.model, stages=world, microbatches=2, loss_fn=b.loss_fn, timeout=60, precision="bf16",
-                     plan_options={"timing": "analytic", "recompute": "none"})
+                     timing="analytic", recompute="none")
     res["bf16_loss"] = pipe.step(*b.example_args, target=b.target, **b.example_kwargs)
     res["bf16_grads"] = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
     res["param_dtypes"] = {str(p.dtype) for p in pipe.parameters()}
@@ -398,7 +398,7 @@ def precision_worker(rank: int, world: int, *, spec: str, out: str) -> None:
 
     b = build(spec, seed=0)
     pipe = partition(b.model, stages=world, microbatches=2, loss_fn=b.loss_fn, timeout=60, precision="fp16",
-                     plan_options={"timing": "analytic", "recompute": "none"})
+                     timing="analytic", recompute="none")
     pipe.prepare(*b.example_args, **b.example_kwargs)
     opt = make_optimizer(pipe.parameters())
     res["scales"] = [pipe.grad_scaler.scale]
@@ -435,6 +435,6 @@ def unused_parameter_worker(rank: int, world: int, *, out: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(WithSpare(), nn.Linear(8, 2))
     pipe = partition(model, stages=1, microbatches=1, loss_fn=lambda o, t: (o - t).pow(2).mean(), timeout=60,
-                     plan_options={"timing": "analytic"})
+                     timing="analytic")
     pipe.step(torch.randn(4, 8), target=torch.randn(4, 2))
     torch.save({n: p.grad is None for n, p in pipe.named_parameters()}, Path(out) / f"unused-{rank}.pt")

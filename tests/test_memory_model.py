@@ -152,7 +152,7 @@ def test_a_bf16_pipeline_holds_the_activations_the_plan_predicts_on_every_rank()
     on an H200, benchmarks/results/gpu-h200-1.log)."""
     b = build("gpt:layers=2,d_model=64,heads=4,seq_len=64,vocab=4096,batch=8", seed=0)
     pipe = smp.partition(b.model, stages=2, microbatches=4, loss_fn=b.loss_fn, precision="bf16",
-                         plan_options={"timing": "analytic"})
+                         timing="analytic")
     pipe.step(*b.example_args, target=b.target)
     predicted = pipe.plan.simulated.peak_activation_bytes_per_rank
     for rank, held in pipe.memory_stats().items():

@@ -49,7 +49,7 @@ def test_broadcast_output_returns_the_output_on_every_rank(tmp_path: Path) -> No
 def test_an_export_traced_pipeline_refuses_a_batch_of_another_shape_and_keeps_working() -> None:
     b = build(SPEC, seed=0)
     pipe = smp.partition(b.model, stages=2, microbatches=2, loss_fn=b.loss_fn,
-                         plan_options={"frontend": "export", "timing": "analytic"})
+                         frontend="export", timing="analytic")
     first = pipe.step(*b.example_args, target=b.target, **b.example_kwargs)
     assert pipe.plan.model.frontend == "export"
     grads = {n: p.grad.clone() for n, p in pipe.named_parameters()}

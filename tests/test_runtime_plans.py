@@ -99,7 +99,7 @@ def test_a_module_in_eval_mode_is_planned_for_training() -> None:
     model, args, target = _two_towers()
     model.eval()
     pipe = smp.partition(model, stages=2, microbatches=2, loss_fn=two_towers_loss,
-                         plan_options={"timing": "analytic"})
+                         timing="analytic")
     pipe.step(*args, target=target)
     plan = pipe.plan
     assert plan.partition.training and plan.model.training
@@ -112,7 +112,7 @@ def test_the_loss_is_float32_for_a_bf16_model() -> None:
     model = model.to(torch.bfloat16)
     args = tuple(a.to(torch.bfloat16) for a in args)
     pipe = smp.partition(model, stages=2, microbatches=2, loss_fn=two_towers_loss,
-                         plan_options={"timing": "analytic"})
+                         timing="analytic")
     assert pipe.step(*args, target=target.to(torch.bfloat16)).dtype == torch.float32
 
 

@@ -116,7 +116,7 @@ def test_timeline_has_every_compute_action() -> None:
 def test_lazy_plan_in_one_process() -> None:
     b = build(GPT, seed=0)
     pipe = partition(b.model, stages=2, microbatches=2, loss_fn=b.loss_fn,
-                     plan_options={"timing": "analytic"})
+                     timing="analytic")
     assert pipe.plan is None
     loss = pipe.step(*b.example_args, target=b.target)
     assert pipe.plan is not None and pipe.plan.num_stages == 2

@@ -13,6 +13,7 @@ from partitioner import synthetic
 from partitioner.cluster import Cluster
 from partitioner.compile import plan_from_graph
 from partitioner.errors import PlanError
+from partitioner.request import PlanRequest
 from partitioner.shapes import Shape, search_shapes, shapes_for
 
 GB = 2**30
@@ -51,8 +52,8 @@ def _cluster(devices: int, memory: float | None = None) -> Cluster:
 
 
 def _search(graph, devices: int, batch: int, **kwargs):
-    return search_shapes(graph, devices=devices, global_batch=batch, profiled_batch=1, cluster=_cluster(devices),
-                         solve_plan=plan_from_graph, options={"method": "dp"}, **kwargs)
+    return search_shapes(graph, PlanRequest(devices=devices, global_batch=batch, cluster=_cluster(devices),
+                                            method="dp", **kwargs), profiled_batch=1, solve_plan=plan_from_graph)
 
 
 @settings(max_examples=8, deadline=None)
@@ -60,7 +61,7 @@ def _search(graph, devices: int, batch: int, **kwargs):
 def test_pruning_keeps_the_fastest_shape_and_bounds_hold(seed: int, devices: int, batch: int) -> None:
     graph = synthetic.random_dag(10, seed=seed)
     cluster = _cluster(devices)
-    search = _search(graph, devices, batch, schedules=["gpipe", "1f1b"])
+    search = _search(graph, devices, batch, schedule=("gpipe", "1f1b"))
     # Every shape solved without pruning, each on its own scaled graph, as a user would.
     exhaustive = []
     for shape in shapes_for(devices, batch, schedules=["gpipe", "1f1b"], max_stages=len(graph)):
@@ -84,8 +85,8 @@ def test_memory_that_one_replica_cannot_hold_forces_a_pipeline() -> None:
     graph = synthetic.transformer(6, d_model=1024, tokens=512, seed=0)
     state = sum(graph[v].get("params", 0) for v in graph.nx) * 4  # weights, grads, Adam's two moments
     cluster = _cluster(4, memory=0.6 * state)
-    search = search_shapes(graph, devices=4, global_batch=8, profiled_batch=1, cluster=cluster,
-                           solve_plan=plan_from_graph, options={"method": "dp"})
+    search = search_shapes(graph, PlanRequest(devices=4, global_batch=8, cluster=cluster, method="dp"),
+                           profiled_batch=1, solve_plan=plan_from_graph)
     best = search.candidates[0]
     assert best.plan is search.best and best.shape.stages >= 2
     dp_only = [c for c in search.candidates if c.shape.stages == 1]
@@ -96,8 +97,8 @@ def test_memory_that_one_replica_cannot_hold_forces_a_pipeline() -> None:
 def test_no_shape_fits_names_the_reasons() -> None:
     graph = synthetic.chain(6, seed=1)
     cluster = _cluster(2, memory=1.0)
-    search = search_shapes(graph, devices=2, global_batch=4, profiled_batch=1, cluster=cluster,
-                           solve_plan=plan_from_graph, options={"method": "dp"})
+    search = search_shapes(graph, PlanRequest(devices=2, global_batch=4, cluster=cluster, method="dp"),
+                           profiled_batch=1, solve_plan=plan_from_graph)
     with pytest.raises(PlanError, match="no shape of 2 devices runs a global batch of 4"):
         search.best  # noqa: B018
 
@@ -105,8 +106,8 @@ def test_no_shape_fits_names_the_reasons() -> None:
 def test_a_global_batch_no_replica_count_divides_is_refused() -> None:
     graph = synthetic.chain(6, seed=1)
     with pytest.raises(PlanError, match="splits a global batch of 5 evenly"):
-        search_shapes(graph, devices=4, global_batch=5, profiled_batch=2, cluster=_cluster(4),
-                      solve_plan=plan_from_graph, stages=2)
+        search_shapes(graph, PlanRequest(devices=4, global_batch=5, cluster=_cluster(4), stages=2),
+                      profiled_batch=2, solve_plan=plan_from_graph)
 
 
 class _Tiny(nn.Module):
@@ -151,7 +152,7 @@ def test_smp_plan_devices_mistakes_are_named() -> None:
 def test_without_a_method_shapes_are_screened_by_the_dp_and_finalists_solved_in_full() -> None:
     graph = synthetic.transformer(4, d_model=512, tokens=256, seed=3)
     cluster = _cluster(4)
-    search = search_shapes(graph, devices=4, global_batch=8, profiled_batch=1, cluster=cluster,
+    search = search_shapes(graph, PlanRequest(devices=4, global_batch=8, cluster=cluster), profiled_batch=1,
                            solve_plan=plan_from_graph)
     finalists = [c for c in search.candidates if c.final]
     assert finalists and search.candidates[0].final
@@ -201,8 +202,8 @@ def test_a_size_profiled_on_its_own_is_solved_and_bounded_on_its_own_graph() -> 
         # what a measured profile of one sample may say: slower than a quarter of four (per-op overheads)
         return graph.scaled(3.0) if micro == 1 else None
 
-    search = search_shapes(graph, devices=2, global_batch=4, profiled_batch=4, cluster=None, stages=2,
-                           solve_plan=plan_from_graph, options={"method": "dp"}, graph_for=graph_for)
+    search = search_shapes(graph, PlanRequest(devices=2, global_batch=4, stages=2, method="dp"), profiled_batch=4,
+                           solve_plan=plan_from_graph, graph_for=graph_for)
     assert sorted(set(asked)) == [1, 2]  # m = 4 and 2 (m = 1 would leave a rank idle)
     by_m = {c.shape.microbatches: c for c in search.candidates}
     one = by_m[4]

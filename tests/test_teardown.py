@@ -34,7 +34,7 @@ SCRIPT = textwrap.dedent("""
     from smp.partition import partition
     b = build("gpt:size=tiny,batch=4", seed=0)
     pipe = partition(b.model, stages=2, microbatches=2, schedule="1f1b", loss_fn=b.loss_fn, timeout=60,
-                     plan_options={{"timing": "analytic"}})
+                     timing="analytic")
     pipe.step(b.example_args[0], target=b.target)
     if {fail!r}:
         raise ValueError("the user's script failed after its step")

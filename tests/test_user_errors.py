@@ -175,6 +175,6 @@ def test_step_without_a_target_uses_the_loss_of_the_output_alone():
     x = torch.randn(6, 4)
     want = model(x).mean()
     pipe = smp.partition(model, stages=2, microbatches=3, loss_fn=lambda out, target: out.mean(),
-                         plan_options={"timing": "analytic"})
+                         timing="analytic")
     loss = pipe.step(x)  # was: RuntimeConfigError "step() needs the target of the batch"
     torch.testing.assert_close(loss, want.detach(), rtol=1e-6, atol=1e-6)

@@ -1,0 +1,259 @@
+"""The typed planning request: every option that shapes a plan, checked once, carried from each entry point down."""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Union
+
+from partitioner.cluster import Cluster
+from partitioner.errors import PlanError
+from partitioner.ir import ScheduleKind
+from partitioner.plan import PLACEMENTS
+from partitioner.recompute import check_mode
+from partitioner.schedule import check_active_microbatches
+
+__all__ = ["PlanRequest", "Profiling", "default_microbatches", "TIMINGS"]
+
+#: How a model is costed: measured op by op, or priced on a device profile (docs/profiling.md).
+TIMINGS = ("measured", "analytic")
+
+ClusterLike = Union[Cluster, str, Path, None]
+
+
+def default_microbatches(ranks: int, batch: int | None) -> int:
+    """The one default microbatch count: none to overlap on one rank, else enough to fill the pipeline twice.
+
+    One pipeline rank: 1 (microbatches would only add overhead). P > 1 ranks: the largest
+    count not above 2 x P that divides the step's ``batch`` (2 x P when the batch is not
+    known yet, e.g. a zoo spec built to fit the count). Every entry point (``smp.plan``,
+    ``smp.partition``, the CLI) takes this rule; SMP v1 scripts keep v1's own default, 1.
+    """
+    if ranks <= 1:
+        return 1
+    if batch is None:
+        return 2 * ranks
+    return max(d for d in range(1, min(batch, 2 * ranks) + 1) if batch % d == 0)
+
+
+def _whole(value: Any, name: str, minimum: int = 1, optional: bool = True) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise PlanError(f"{name} must be a whole number >= {minimum}, got {value!r}")
+
+
+def _positive(value: Any, name: str, unit: str) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise PlanError(f"{name} must be more than 0 {unit}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Profiling:
+    """How the model is costed: measured op by op on ``device``, or priced analytically on ``device_profile``.
+
+    ``timing`` None: analytic for a model on the meta device or when ``device_profile`` is
+    given, else measured. ``name`` labels the plan's model (default: the model's class).
+    """
+
+    timing: str | None = None
+    device: Any = None
+    device_profile: str | Path | None = None
+    dtype: str | None = None
+    frontend: str = "auto"
+    leaf_modules: tuple[Any, ...] = ()
+    repeats: int = 5
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.timing is not None and self.timing not in TIMINGS:
+            raise PlanError(f"unknown timing {self.timing!r}; choose {' or '.join(TIMINGS)}")
+        object.__setattr__(self, "leaf_modules", tuple(self.leaf_modules))
+        _whole(self.repeats, "repeats", optional=False)
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What to plan, checked once: the pipeline's shape, its schedule and memory levers, the solver's budget.
+
+    One pipeline: ``stages`` ranks (P), ``microbatches`` per step (None: :func:`default_microbatches`
+    of the step's batch), under ``schedule`` (``virtual_stages`` per rank when interleaved),
+    ``recompute`` ("auto", "none", "selective", "full"), at most ``active_microbatches`` in
+    flight (gpipe, 1f1b), ``data_parallel`` replicas laid out by ``placement`` (None: both
+    tried, the faster kept). A search instead: ``devices`` (N; D x P x m weighed for
+    ``global_batch`` samples a step), ``microbatches="auto"`` or a tuple of counts, ``schedule``
+    "auto" or a tuple of kinds. The solver: ``cluster`` (a Cluster, a profile name or a file),
+    ``memory_limit`` (bytes per device), ``method``, ``time_limit`` (seconds), ``objective``,
+    ``colocate_tied``; ``training`` (None: the graph's, else a training step). ``profiling``:
+    how the model is costed (:class:`Profiling`).
+    """
+
+    stages: int | None = None
+    microbatches: int | str | tuple[int, ...] | None = None
+    schedule: str | tuple[str, ...] = "1f1b"
+    virtual_stages: int = 2
+    recompute: str = "auto"
+    active_microbatches: int | None = None
+    data_parallel: int = 1
+    placement: str | None = None
+    devices: int | None = None
+    global_batch: int | None = None
+    cluster: ClusterLike = None
+    memory_limit: float | None = None
+    method: str = "auto"
+    time_limit: float | None = None
+    objective: str = "step_time"
+    colocate_tied: bool = False
+    training: bool | None = None
+    profiling: Profiling = field(default_factory=Profiling)
+
+    def __post_init__(self) -> None:
+        from partitioner.solve import METHODS, OBJECTIVES  # the solvers' names live with the solvers
+
+        _whole(self.stages, "stages")
+        _whole(self.virtual_stages, "virtual_stages", optional=False)
+        _whole(self.data_parallel, "data_parallel", optional=False)
+        _whole(self.devices, "devices")
+        _whole(self.global_batch, "global_batch")
+        _positive(self.memory_limit, "memory_limit", "bytes")
+        _positive(self.time_limit, "time_limit", "seconds")
+        object.__setattr__(self, "schedule", _schedules(self.schedule))
+        object.__setattr__(self, "microbatches", _microbatches(self.microbatches))
+        if not isinstance(self.recompute, str):
+            raise PlanError(f"recompute takes one mode for every stage, got {self.recompute!r}; for a choice per "
+                            "stage, re-plan with plan.resimulate(recompute=[...])")
+        object.__setattr__(self, "recompute", str(check_mode(self.recompute)))
+        if self.method not in METHODS:
+            raise PlanError(f"unknown method {self.method!r}; use one of {', '.join(METHODS)}")
+        if self.objective not in OBJECTIVES:
+            raise PlanError(f"unknown objective {self.objective!r}; choose {' or '.join(OBJECTIVES)}")
+        if self.placement is not None and self.placement not in PLACEMENTS:
+            raise PlanError(f"unknown placement {self.placement!r}; choose {' or '.join(PLACEMENTS)}")
+        if not isinstance(self.cluster, (Cluster, str, Path, type(None))):
+            raise PlanError(f"cluster takes a Cluster, a profile name or a file, got {type(self.cluster).__name__}")
+        if self.searching:
+            if self.active_microbatches is not None:
+                raise PlanError("active_microbatches fixes one schedule's warm-up, and a search weighs schedules and "
+                                "microbatch counts as they are: drop active_microbatches, or fix the schedule and "
+                                "count")
+            if self.devices is not None and self.data_parallel != 1:
+                raise PlanError("devices= searches the data-parallel degree itself; drop data_parallel=")
+            if self.devices is None and self.stages is None:
+                raise PlanError("a microbatch or schedule search is for a pipeline of stages= ranks (or pass "
+                                "devices=)")
+            if self.devices is not None and self.stages is not None and self.devices % self.stages:
+                raise PlanError(f"{self.stages} stages do not divide {self.devices} devices; pass a divisor of "
+                                f"{self.devices}")
+        else:
+            if self.global_batch is not None:
+                raise PlanError("global_batch= goes with devices= (the shape search); without it the sample batch "
+                                "is one replica's batch")
+            try:  # a typo should fail before minutes of profiling
+                check_active_microbatches(self.schedule, self.active_microbatches)  # type: ignore[arg-type]
+            except ValueError as err:
+                raise PlanError(str(err)) from None
+
+    # ------------------------------------------------------------------ building one
+
+    @classmethod
+    def build(cls, request: PlanRequest | None = None, **options: Any) -> PlanRequest:
+        """``request`` (default: every default) with ``options`` in place of its fields (profiling ones included).
+
+        An option that is no field is refused with the nearest names, so a typo fails before
+        any profiling.
+        """
+        names = {f.name for f in fields(cls)} - {"profiling"}
+        profiling_names = {f.name for f in fields(Profiling)}
+        unknown = sorted(set(options) - names - profiling_names)
+        if unknown:
+            hints = [h for u in unknown for h in difflib.get_close_matches(u, names | profiling_names, n=1)]
+            raise PlanError(f"unknown planning option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}"
+                            + (f" (did you mean {', '.join(hints)}?)" if hints else "")
+                            + f"; the options are {', '.join(sorted(names | profiling_names))}")
+        base = request if request is not None else cls()
+        prof = {k: options.pop(k) for k in list(options) if k in profiling_names}
+        if prof:
+            options["profiling"] = replace(base.profiling, **prof)
+        return replace(base, **options) if options else base
+
+    def with_(self, **changes: Any) -> PlanRequest:
+        """This request with some fields changed (checked again)."""
+        return PlanRequest.build(self, **changes)
+
+    # ------------------------------------------------------------------ what it asks
+
+    @property
+    def searching(self) -> bool:
+        """Whether this asks for a search over shapes (devices, microbatch counts or schedules), not one plan."""
+        return self.devices is not None or not isinstance(self.microbatches, (int, type(None))) or \
+            isinstance(self.schedule, tuple)
+
+    @property
+    def schedules(self) -> tuple[str, ...]:
+        """The schedule kinds asked for: one, or those a search weighs."""
+        return self.schedule if isinstance(self.schedule, tuple) else (self.schedule,)
+
+    @property
+    def microbatch_counts(self) -> tuple[int, ...] | None:
+        """The microbatch counts a search weighs (None: its default grid)."""
+        m = self.microbatches
+        return (m,) if isinstance(m, int) else m if isinstance(m, tuple) else None
+
+    @property
+    def kind(self) -> ScheduleKind:
+        """The one schedule of a single plan."""
+        if isinstance(self.schedule, tuple):
+            raise PlanError("this request weighs several schedules; one plan needs one schedule")
+        return ScheduleKind.parse(self.schedule)
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Stages each pipeline rank holds: ``virtual_stages`` when interleaved, else 1."""
+        return self.virtual_stages if self.kind.interleaved else 1
+
+    def microbatches_for(self, batch: int | None) -> int:
+        """The microbatch count of one plan for a step of ``batch`` samples (the default rule when unset)."""
+        if isinstance(self.microbatches, int):
+            return self.microbatches
+        if self.microbatches is not None:
+            raise PlanError("this request weighs several microbatch counts; one plan needs one count")
+        return default_microbatches(self.stages or 1, batch)
+
+
+def _schedules(value: Any) -> str | tuple[str, ...]:
+    """One schedule kind's name, or the tuple of kinds a search weighs ("auto"/"all": every kind)."""
+    try:
+        if isinstance(value, ScheduleKind):
+            return value.value
+        if isinstance(value, str):
+            if value.strip().lower() in ("auto", "all"):
+                return tuple(k.value for k in ScheduleKind)
+            return ScheduleKind.parse(value).value
+        kinds = tuple(ScheduleKind.parse(v).value for v in value)
+    except (ValueError, TypeError) as err:
+        raise PlanError(str(err)) from None
+    if not kinds:
+        raise PlanError("schedule names no schedule")
+    return kinds
+
+
+def _microbatches(value: Any) -> int | str | tuple[int, ...] | None:
+    """A count, "auto" (a search's default grid) or a tuple of counts; each at least 1."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value.strip().lower() == "auto":
+            return "auto"
+        raise PlanError(f"microbatches must be a count, a list of counts or 'auto', got {value!r}")
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            _whole(v, "each microbatch count", optional=False)
+        if not value:
+            raise PlanError("microbatches names no count")
+        return tuple(int(v) for v in value)
+    _whole(value, "microbatches", optional=False)
+    return int(value)
+
