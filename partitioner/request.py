@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from partitioner.cluster import Cluster
-from partitioner.errors import PlanError
+from partitioner.errors import PlanError, PlanningError
 from partitioner.ir import ScheduleKind
 from partitioner.plan import PLACEMENTS
 from partitioner.recompute import check_mode
@@ -125,7 +125,10 @@ class PlanRequest:
         if not isinstance(self.recompute, str):
             raise PlanError(f"recompute takes one mode for every stage, got {self.recompute!r}; for a choice per "
                             "stage, re-plan with plan.resimulate(recompute=[...])")
-        object.__setattr__(self, "recompute", str(check_mode(self.recompute)))
+        try:
+            object.__setattr__(self, "recompute", str(check_mode(self.recompute)))
+        except PlanningError as err:
+            raise PlanError(str(err)) from None
         if self.method not in METHODS:
             raise PlanError(f"unknown method {self.method!r}; use one of {', '.join(METHODS)}")
         if self.objective not in OBJECTIVES:

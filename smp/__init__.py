@@ -9,8 +9,8 @@ from smp.deferred import delay_param_initialization  # noqa: E402
 from smp.partition import PipelinedModel, PipelineError, RuntimeConfigError, partition  # noqa: E402
 from runtime.checkpoint import consolidate as consolidate_checkpoint  # noqa: E402
 from runtime.precision import PipelineGradScaler  # noqa: E402
-from smp.plan import Plan, PlanError, plan, plan_shapes  # noqa: E402
+from smp.plan import Plan, PlanError, PlanRequest, plan, plan_shapes  # noqa: E402
 
-__all__ = ["Plan", "PlanError", "PipelineError", "PipelineGradScaler", "PipelinedModel", "RuntimeConfigError",
+__all__ = ["Plan", "PlanError", "PlanRequest", "PipelineError", "PipelineGradScaler", "PipelinedModel", "RuntimeConfigError",
            "__version__",
            "consolidate_checkpoint", "delay_param_initialization", "models", "partition", "plan", "plan_shapes"]
