@@ -44,6 +44,7 @@ from partitioner.errors import PlanError, PlanningError, ShapePruned
 from partitioner.graph import OpGraph
 from partitioner.ir import ScheduleKind, ScheduleError
 from partitioner.plan import ModelInfo, Plan
+from partitioner.walk import validate
 
 __all__ = ["Shape", "Candidate", "ShapeSearch", "search_shapes", "shapes_for"]
 
@@ -307,7 +308,7 @@ def search_shapes(
     candidates.sort(key=lambda c: (c.plan is None, c.step_time, c.shape.stages, c.memory or 0.0, c.shape))
     head = candidates[0].plan if candidates else None
     if head is not None:
-        head.schedule.validate()
+        validate(head.schedule)
         head.partition.notes.append(
             f"shape chosen among {len(candidates)} candidates ({devices} devices, global batch {global_batch}): the "
             "fastest simulated step that fits memory (partitioner/shapes.py)")

@@ -22,10 +22,16 @@ import gc
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from partitioner.ir import _COMPUTE_KINDS as _COMPUTE
-from partitioner.ir import _MATCH as _MATCHING
-from partitioner.ir import _SEND_KINDS as _SEND
-from partitioner.ir import Action, ActionKind, Schedule, ScheduleError, made_action
+from partitioner.ir import (
+    COMPUTE_KINDS,
+    MATCHING_KIND,
+    SEND_KINDS,
+    Action,
+    ActionKind,
+    Schedule,
+    ScheduleError,
+    made_action,
+)
 
 __all__ = ["Walk", "walk", "validate", "format_table", "format_program"]
 
@@ -33,7 +39,7 @@ __all__ = ["Walk", "walk", "validate", "format_table", "format_program"]
 # The kinds as module constants: ``ActionKind.F`` is a lookup on the enum class, a microsecond a time
 _F, _B, _W, _ALLREDUCE = ActionKind.F, ActionKind.B, ActionKind.W, ActionKind.ALLREDUCE
 _SEND_F, _RECV_F, _SEND_B, _RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B
-_TRANSFER = frozenset(_MATCHING)
+_TRANSFER = frozenset(MATCHING_KIND)
 
 
 @contextlib.contextmanager
@@ -130,7 +136,7 @@ class Walk:
                 continue
             a = actions[i]
             r = rank[i]
-            if a.kind in _COMPUTE:
+            if a.kind in COMPUTE_KINDS:
                 t = clock[r]
                 for d in needs[i]:
                     if end[d] > t:
@@ -150,7 +156,7 @@ class Walk:
                     end[i] = reducing[r] = max(start[i] + duration(a), end[during] + tail(a))
             else:
                 j = self.mate[i]
-                send, recv = (i, j) if a.kind in _SEND else (j, i)
+                send, recv = (i, j) if a.kind in SEND_KINDS else (j, i)
                 posted = max(clock[rank[send]], clock[rank[recv]])
                 start[send] = start[recv] = posted
                 end[send] = end[recv] = posted + duration(actions[send])
@@ -200,7 +206,7 @@ class _Walker:
         self.compute_id: dict[tuple[ActionKind, int, int], int] = {}
         self.transfer_id: dict[tuple[int, ActionKind, int, int, int | None, str | None], int] = {}
         for i, a in enumerate(self.actions):
-            if a.kind in _COMPUTE:
+            if a.kind in COMPUTE_KINDS:
                 self.compute_id[a.kind, a.stage, a.mb] = i
             elif a.kind is not _ALLREDUCE:
                 self.transfer_id[self.rank[i], a.kind, a.stage, a.mb, a.peer, a.tensor] = i
@@ -289,10 +295,10 @@ class _Walker:
                         progressed = True
                         continue
                     peer = s2r[a.peer]  # type: ignore[index]
-                    j = self.transfer_id.get((peer, _MATCHING[a.kind], a.peer, a.mb, a.stage, a.tensor), -1)
+                    j = self.transfer_id.get((peer, MATCHING_KIND[a.kind], a.peer, a.mb, a.stage, a.tensor), -1)
                     if j < 0 or pc[peer] != j - self.first[peer]:
                         break
-                    send, recv = (i, j) if a.kind in _SEND else (j, i)
+                    send, recv = (i, j) if a.kind in SEND_KINDS else (j, i)
                     ready(send)
                     mate[i], mate[j] = j, i
                     needs[recv] = [send]
