@@ -22,6 +22,9 @@ __all__ = [
     "ScheduleError",
     "stage_graph_from_transfers",
     "SCHEDULE_SCHEMA_VERSION",
+    "COMPUTE_KINDS",
+    "SEND_KINDS",
+    "MATCHING_KIND",
 ]
 
 SCHEDULE_SCHEMA_VERSION = 1
@@ -87,23 +90,23 @@ class ActionKind(str, enum.Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self in _COMPUTE_KINDS
+        return self in COMPUTE_KINDS
 
     @property
     def is_transfer(self) -> bool:
-        return self in _MATCH
+        return self in MATCHING_KIND
 
 
 # Sets, not tuples of ``ActionKind.X``: a member looked up on the enum class costs a
 # microsecond, and a walk asks these questions millions of times.
-_COMPUTE_KINDS = frozenset((ActionKind.F, ActionKind.B, ActionKind.W))
-_SEND_KINDS = frozenset((ActionKind.SEND_F, ActionKind.SEND_B))
+COMPUTE_KINDS = frozenset((ActionKind.F, ActionKind.B, ActionKind.W))
+SEND_KINDS = frozenset((ActionKind.SEND_F, ActionKind.SEND_B))
 _RECV_KINDS = frozenset((ActionKind.RECV_F, ActionKind.RECV_B))
 _FORWARD_EDGE_KINDS = frozenset((ActionKind.SEND_F, ActionKind.RECV_B))  # stage is the edge's source
 _BACKWARD_EDGE_KINDS = frozenset((ActionKind.RECV_F, ActionKind.SEND_B))  # stage is the edge's destination
 
-
-_MATCH = {
+#: Each transfer kind -> the kind of its counterpart on the peer rank (its keys are the transfer kinds).
+MATCHING_KIND = {
     ActionKind.SEND_F: ActionKind.RECV_F,
     ActionKind.RECV_F: ActionKind.SEND_F,
     ActionKind.SEND_B: ActionKind.RECV_B,
@@ -114,7 +117,7 @@ _MATCH = {
 @functools.lru_cache(maxsize=1 << 16)
 def _counterpart(kind: ActionKind, stage: int, mb: int, peer: int, tensor: str) -> Action:
     """The matching transfer of a transfer action, made once: schedule building and every walk ask for it."""
-    return made_action(_MATCH[kind], peer, mb, stage, tensor)
+    return made_action(MATCHING_KIND[kind], peer, mb, stage, tensor)
 
 
 def made_action(kind: ActionKind, stage: int, mb: int, peer: int | None = None, tensor: str | None = None) -> Action:
@@ -189,15 +192,15 @@ class Action:
     # -- views
     @property
     def is_compute(self) -> bool:
-        return self.kind in _COMPUTE_KINDS
+        return self.kind in COMPUTE_KINDS
 
     @property
     def is_transfer(self) -> bool:
-        return self.kind in _MATCH
+        return self.kind in MATCHING_KIND
 
     @property
     def is_send(self) -> bool:
-        return self.kind in _SEND_KINDS
+        return self.kind in SEND_KINDS
 
     @property
     def is_recv(self) -> bool:
@@ -444,16 +447,6 @@ class Schedule:
         return Schedule(self.name, self.graph, self.num_microbatches, self.stage_to_rank,
                         tuple(tuple(a for a in prog if a.kind in keep) for prog in self.actions),
                         False, dict(self.meta), forward_only=True, data_parallel=self.data_parallel)
-
-    def validate(self) -> None:
-        from partitioner.walk import validate
-
-        validate(self)
-
-    def __str__(self) -> str:
-        from partitioner.walk import format_table
-
-        return format_table(self)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -22,6 +22,7 @@ from partitioner.schedule import CAPPABLE, check_active_microbatches, make_sched
 from partitioner.simulate import SimResult, simulate, stage_costs_from
 from partitioner.timeline import Timeline
 from partitioner.units import format_bytes
+from partitioner.walk import validate
 
 __all__ = ["Plan", "PlanError", "ModelInfo", "PLAN_SCHEMA_VERSION", "PLACEMENTS", "package_version",
            "schedule_for", "simulate_partition"]
@@ -238,7 +239,7 @@ class Plan:
             raise PlanError(f"{where}: the schedule's cut tensors are not the partition's; re-create it with "
                             "`smp plan`")
         try:
-            sched.validate()
+            validate(sched)
         except ScheduleError as err:
             raise PlanError(f"{where}: its schedule does not run ({err}); re-create it with `smp plan`") from None
 

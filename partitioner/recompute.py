@@ -37,6 +37,7 @@ import numpy as np
 from partitioner.errors import PlanningError
 from partitioner.ir import ActionKind, ScheduleKind
 from partitioner.schedule import compute_orders
+from partitioner.walk import peak_held
 
 __all__ = ["CHOICES", "MODES", "OpRecompute", "check_mode", "is_matmul", "op_recompute", "peak_recomputing"]
 
@@ -137,13 +138,4 @@ def peak_recomputing(kind: ScheduleKind | str, num_stages: int, num_microbatches
     if not kind.split_backward:
         return [1] * num_stages
     orders, _ = compute_orders(kind, num_stages, num_microbatches, num_ranks=num_ranks)
-    peak = [0] * num_stages
-    held = [0] * num_stages
-    for order in orders:
-        for a in order:
-            if a.kind is ActionKind.B:
-                held[a.stage] += 1
-                peak[a.stage] = max(peak[a.stage], held[a.stage])
-            elif a.kind is ActionKind.W:
-                held[a.stage] -= 1
-    return peak
+    return peak_held(orders, num_stages, True, taken_at=ActionKind.B)

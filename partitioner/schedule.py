@@ -24,7 +24,7 @@ from partitioner.ir import (
     made_action,
     stage_graph_from_transfers,
 )
-from partitioner.walk import Walk, format_program, format_table, gc_paused, validate, walk
+from partitioner.walk import Walk, format_program, format_table, gc_paused, peak_held, validate, walk
 
 __all__ = [
     "ActionKind",
@@ -213,27 +213,17 @@ def peak_in_flight(kind: ScheduleKind | str, num_stages: int, num_microbatches: 
                    active_microbatches: int | None = None) -> list[int]:
     """Most microbatches each stage holds activations for at once (F done, its last backward action not).
 
-    Counted on the schedule's own compute orders, so it is exact for every kind: GPipe
-    holds all m, 1F1B and ZB-H1 min(m, p - stage), interleaved 1F1B what Megatron's
-    warm-up leaves in flight; a cap (``active_microbatches``) at most that many. Inference
-    keeps one.
+    Counted on the schedule's own compute orders (:func:`~partitioner.walk.peak_held`, the
+    fold the simulator runs on whole programs), so it is exact for every kind: GPipe holds
+    all m, 1F1B and ZB-H1 min(m, p - stage), interleaved 1F1B what Megatron's warm-up leaves
+    in flight; a cap (``active_microbatches``) at most that many. Inference keeps one.
     """
     if not training:
         return [1] * num_stages
     kind = ScheduleKind.parse(kind)
     orders, _ = compute_orders(kind, num_stages, num_microbatches, num_ranks=num_ranks,
                                active_microbatches=active_microbatches)
-    release = ActionKind.W if kind.split_backward else ActionKind.B
-    peak = [0] * num_stages
-    held = [0] * num_stages
-    for order in orders:
-        for a in order:
-            if a.kind is ActionKind.F:
-                held[a.stage] += 1
-                peak[a.stage] = max(peak[a.stage], held[a.stage])
-            elif a.kind is release:
-                held[a.stage] -= 1
-    return peak
+    return peak_held(orders, num_stages, kind.split_backward)
 
 
 # --------------------------------------------------------------------------- transfers

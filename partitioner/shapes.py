@@ -45,6 +45,7 @@ from partitioner.graph import OpGraph
 from partitioner.ir import ScheduleKind, ScheduleError
 from partitioner.plan import ModelInfo, Plan
 from partitioner.request import PlanRequest
+from partitioner.walk import validate
 
 __all__ = ["Shape", "Candidate", "ShapeSearch", "search_shapes", "shapes_for"]
 
@@ -245,7 +246,7 @@ def search_shapes(
             graphs[micro] = g = g if g is not None else graph.scaled(micro / profiled_batch)
         return g
 
-    def solve(cand: Candidate, changes: Mapping[str, Any], *, validate: bool, where: str | None = placement,
+    def solve(cand: Candidate, changes: Mapping[str, Any], *, check: bool, where: str | None = placement,
               prune_above: float | None = None, behind: str = "") -> None:
         shape = cand.shape
         g = graph_of(global_batch // (shape.data_parallel * shape.microbatches))
@@ -256,7 +257,7 @@ def search_shapes(
                                  schedule=shape.schedule, data_parallel=shape.data_parallel,
                                  placement=where if shape.data_parallel > 1 and shape.stages > 1 else "cluster",
                                  **changes),
-                model_info=info, prune_above=prune_above, check_schedule=validate)
+                model_info=info, prune_above=prune_above, check_schedule=check)
         except (PlanningError, ScheduleError) as err:
             cand.reason = " ".join(str(err).split())
             cand.needs = getattr(err, "works", None) or getattr(err, "needed", None)
@@ -276,7 +277,7 @@ def search_shapes(
             # A partition whose step cannot come within the finalists' slack of the best found is
             # not scheduled and simulated (most of a screen's time at 64 ranks x 256 microbatches).
             slack = FINALIST_SLACK if two_phase else 0.0
-            solve(cand, screen, validate=not two_phase, prune_above=best * (1 + slack),
+            solve(cand, screen, check=not two_phase, prune_above=best * (1 + slack),
                   behind=f"at least {slack:.0%} behind the best step so far ({best:.4g} s)" if slack
                   else f"no better than the best step so far ({best:.4g} s)")
             best = min(best, cand.step_time)
@@ -291,7 +292,7 @@ def search_shapes(
         def finish(cand: Candidate) -> None:
             screened = cand.plan
             assert screened is not None
-            solve(cand, {}, validate=True, where=screened.placement)  # the placement the screen chose
+            solve(cand, {}, check=True, where=screened.placement)  # the placement the screen chose
             if cand.plan is None or cand.plan.step_time > screened.step_time:  # keep the faster of the two
                 cand.plan = screened
             cand.final = True
@@ -308,7 +309,7 @@ def search_shapes(
     candidates.sort(key=lambda c: (c.plan is None, c.step_time, c.shape.stages, c.memory or 0.0, c.shape))
     head = candidates[0].plan if candidates else None
     if head is not None:
-        head.schedule.validate()
+        validate(head.schedule)
         head.partition.notes.append(
             f"shape chosen among {len(candidates)} candidates ({devices} devices, global batch {global_batch}): the "
             "fastest simulated step that fits memory (partitioner/shapes.py)")

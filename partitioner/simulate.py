@@ -8,7 +8,7 @@ from typing import Any
 
 from partitioner.ir import Action, ActionKind, Schedule
 from partitioner.timeline import Timeline, TimelineEvent
-from partitioner.walk import Walk, walk
+from partitioner.walk import peak_held, peak_held_bytes, walk
 
 __all__ = ["StageCosts", "SimResult", "simulate", "comm_from_transfers", "stage_costs_from"]
 
@@ -182,39 +182,6 @@ def _durations(schedule: Schedule, costs: StageCosts) -> Callable[[Action], floa
     return duration
 
 
-def _peak_inflight(w: Walk, num_stages: int, release: ActionKind) -> list[int]:
-    peak = [0] * num_stages
-    held = [0] * num_stages
-    forward = ActionKind.F
-    for a in w.actions:  # rank by rank, in program order: a stage's actions all sit on one rank
-        if a.kind is forward:
-            held[a.stage] += 1
-            peak[a.stage] = max(peak[a.stage], held[a.stage])
-        elif a.kind is release:
-            held[a.stage] -= 1
-    return peak
-
-
-def _peak_bytes(w: Walk, size: int, bucket: Callable[[int, Action], int], release: ActionKind,
-                act: Sequence[float], remade: Sequence[float]) -> list[float]:
-    """Peak activation bytes per bucket (a rank or a stage): F adds what a microbatch keeps, its release
-    frees it; a B that recomputes holds the re-created activations until its backward ends (the W
-    when the backward is split, else B itself)."""
-    current = [0.0] * size
-    best = [0.0] * size
-    forward, backward = ActionKind.F, ActionKind.B
-    for r, a in zip(w.rank, w.actions):
-        k = bucket(r, a)
-        if a.kind is forward:
-            current[k] += act[a.stage]
-        elif a.kind is backward:
-            current[k] += remade[a.stage]
-        best[k] = max(best[k], current[k])
-        if a.kind is release:
-            current[k] -= act[a.stage] + remade[a.stage]
-    return best
-
-
 def _events(rank: int, a: Action, start: float, end: float, recompute: float) -> list[TimelineEvent]:
     """The timeline's bars for one compute or all-reduce action: a B that recomputes is an R bar (the forward run
     again) followed by the B bar proper."""
@@ -258,14 +225,14 @@ def simulate(schedule: Schedule, costs: StageCosts, *, timeline: bool = True, la
     bubble = 1.0 - sum(busy) / (R * step) if step > 0 else 0.0
     m = schedule.num_microbatches
     thr = m / step if step > 0 else float("inf")
-    release = ActionKind.W if schedule.split_backward else ActionKind.B
-    inflight = _peak_inflight(w, schedule.num_stages, release)
+    programs, split = schedule.actions, schedule.split_backward
+    inflight = peak_held(programs, schedule.num_stages, split)
     peak_bytes = per_rank = None
     if costs.act_bytes is not None:
         remade = costs.recompute_bytes
         assert remade is not None
-        peak_bytes = _peak_bytes(w, schedule.num_stages, lambda r, a: a.stage, release, costs.act_bytes, remade)
-        per_rank = _peak_bytes(w, R, lambda r, a: r, release, costs.act_bytes, remade)
+        peak_bytes = peak_held_bytes(programs, split, costs.act_bytes, remade)
+        per_rank = peak_held_bytes(programs, split, costs.act_bytes, remade, per_rank=True)
     def make_timeline() -> Timeline:
         recompute = costs.recompute
         assert recompute is not None

@@ -1,9 +1,11 @@
-"""The one walker of a Schedule's action lists: validation, timing, and the order to run them in.
+"""The one walker of a Schedule's action lists: validation, timing, memory held, and the order to run them in.
 
 Every consumer of a schedule goes through :func:`walk`: the validator (structure, then
 the walk itself), the simulator (:func:`Walk.times` prices exactly the walked lists,
 transfers included), the single-process runtime (it executes :attr:`Walk.sequence`),
-and the printed table. A change to the IR therefore reaches all of them at once.
+and the printed table. A change to the IR therefore reaches all of them at once. What
+a stage holds while the lists run (:func:`peak_held`, :func:`peak_held_bytes`) is
+counted here too, once, for the cost model and the simulator alike.
 
 The walk runs every rank's list in program order under *rendezvous* semantics: a
 compute action runs when its inputs are on its rank (produced earlier on the rank, or
@@ -19,21 +21,28 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
-from partitioner.ir import _COMPUTE_KINDS as _COMPUTE
-from partitioner.ir import _MATCH as _MATCHING
-from partitioner.ir import _SEND_KINDS as _SEND
-from partitioner.ir import Action, ActionKind, Schedule, ScheduleError, made_action
+from partitioner.ir import (
+    COMPUTE_KINDS,
+    MATCHING_KIND,
+    SEND_KINDS,
+    Action,
+    ActionKind,
+    Schedule,
+    ScheduleError,
+    made_action,
+)
 
-__all__ = ["Walk", "walk", "validate", "format_table", "format_program"]
+__all__ = ["Walk", "walk", "validate", "peak_held", "peak_held_bytes", "format_table", "format_program"]
 
 
 # The kinds as module constants: ``ActionKind.F`` is a lookup on the enum class, a microsecond a time
 _F, _B, _W, _ALLREDUCE = ActionKind.F, ActionKind.B, ActionKind.W, ActionKind.ALLREDUCE
 _SEND_F, _RECV_F, _SEND_B, _RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B
-_TRANSFER = frozenset(_MATCHING)
+_TRANSFER = frozenset(MATCHING_KIND)
 
 
 @contextlib.contextmanager
@@ -130,7 +139,7 @@ class Walk:
                 continue
             a = actions[i]
             r = rank[i]
-            if a.kind in _COMPUTE:
+            if a.kind in COMPUTE_KINDS:
                 t = clock[r]
                 for d in needs[i]:
                     if end[d] > t:
@@ -150,7 +159,7 @@ class Walk:
                     end[i] = reducing[r] = max(start[i] + duration(a), end[during] + tail(a))
             else:
                 j = self.mate[i]
-                send, recv = (i, j) if a.kind in _SEND else (j, i)
+                send, recv = (i, j) if a.kind in SEND_KINDS else (j, i)
                 posted = max(clock[rank[send]], clock[rank[recv]])
                 start[send] = start[recv] = posted
                 end[send] = end[recv] = posted + duration(actions[send])
@@ -200,7 +209,7 @@ class _Walker:
         self.compute_id: dict[tuple[ActionKind, int, int], int] = {}
         self.transfer_id: dict[tuple[int, ActionKind, int, int, int | None, str | None], int] = {}
         for i, a in enumerate(self.actions):
-            if a.kind in _COMPUTE:
+            if a.kind in COMPUTE_KINDS:
                 self.compute_id[a.kind, a.stage, a.mb] = i
             elif a.kind is not _ALLREDUCE:
                 self.transfer_id[self.rank[i], a.kind, a.stage, a.mb, a.peer, a.tensor] = i
@@ -289,10 +298,10 @@ class _Walker:
                         progressed = True
                         continue
                     peer = s2r[a.peer]  # type: ignore[index]
-                    j = self.transfer_id.get((peer, _MATCHING[a.kind], a.peer, a.mb, a.stage, a.tensor), -1)
+                    j = self.transfer_id.get((peer, MATCHING_KIND[a.kind], a.peer, a.mb, a.stage, a.tensor), -1)
                     if j < 0 or pc[peer] != j - self.first[peer]:
                         break
-                    send, recv = (i, j) if a.kind in _SEND else (j, i)
+                    send, recv = (i, j) if a.kind in SEND_KINDS else (j, i)
                     ready(send)
                     mate[i], mate[j] = j, i
                     needs[recv] = [send]
@@ -407,6 +416,65 @@ def _check_structure(sch: Schedule) -> None:
                 if a not in seen:
                     raise ScheduleError(f"cut edge {e.src}->{e.dst} t={e.tensor} mb={k} is never sent: "
                                         f"missing {a}", s2r[a.stage], None, a)
+
+
+# --------------------------------------------------------------------------- memory held
+
+Amount = TypeVar("Amount", int, float)
+
+
+def peak_held(programs: Sequence[Sequence[Action]], num_stages: int, split_backward: bool, *,
+              taken_at: ActionKind = ActionKind.F) -> list[int]:
+    """Most microbatches each stage holds at once while every rank runs its program in order.
+
+    A microbatch is held on a stage from its ``taken_at`` action there (its F: the activations
+    autograd saves; its B: what a recomputing B re-creates) to its last backward action there
+    (its B, or its W when ``split_backward``). ``programs`` are the ranks' action lists in
+    program order: a Schedule's ``actions``, or a generator's bare compute orders.
+    """
+    one = [1] * num_stages
+    return _peak(programs, num_stages, False, {taken_at: one}, _release(split_backward), one, 0)
+
+
+def peak_held_bytes(programs: Sequence[Sequence[Action]], split_backward: bool, act: Sequence[float],
+                    remade: Sequence[float], *, per_rank: bool = False) -> list[float]:
+    """Most activation bytes each stage (``per_rank``: each rank) holds at once while the programs run in order.
+
+    A microbatch's F on stage s takes ``act[s]`` (what the stage keeps per microbatch in
+    flight), its B ``remade[s]`` (the activations a recomputing B re-creates); its last
+    backward action (B, or W when ``split_backward``) frees both.
+    """
+    size = len(programs) if per_rank else len(act)
+    freed = [kept + again for kept, again in zip(act, remade)]
+    return _peak(programs, size, per_rank, {ActionKind.F: act, ActionKind.B: remade}, _release(split_backward),
+                 freed, 0.0)
+
+
+def _release(split_backward: bool) -> ActionKind:
+    """A microbatch's last backward action on a stage, which frees what it holds there."""
+    return _W if split_backward else _B
+
+
+def _peak(programs: Sequence[Sequence[Action]], size: int, per_rank: bool,
+          taken: Mapping[ActionKind, Sequence[Amount]], release: ActionKind, freed: Sequence[Amount],
+          zero: Amount) -> list[Amount]:
+    """The one memory fold: an action of kind k on stage s takes ``taken[k][s]``, a ``release`` frees ``freed[s]``
+    (all its microbatch took there); the most each stage (or rank) holds, read after each action runs, before
+    its release frees. A stage's actions all sit on one rank, so each rank's program order is enough."""
+    current = [zero] * size
+    best = [zero] * size
+    for r, program in enumerate(programs):
+        for a in program:
+            kind, stage = a.kind, a.stage
+            k = r if per_rank else stage
+            add = taken.get(kind)
+            if add is not None:
+                current[k] += add[stage]
+            if current[k] > best[k]:
+                best[k] = current[k]
+            if kind is release:
+                current[k] -= freed[stage]
+    return best
 
 
 # --------------------------------------------------------------------------- printing

@@ -28,9 +28,12 @@ from partitioner.schedule import (
     peak_in_flight,
     stage_graph_from_transfers,
     validate,
+    with_allreduce,
     zb_h1,
 )
-from partitioner.walk import walk
+from partitioner.recompute import peak_recomputing
+from partitioner.simulate import StageCosts, simulate
+from partitioner.walk import peak_held, peak_held_bytes, walk
 
 K = ActionKind
 
@@ -171,12 +174,7 @@ def test_one_f_one_b_order_and_inflight() -> None:
     sch = one_f_one_b(p, m)
     assert [str(a) for a in sch.compute_actions(3)][:4] == ["F3.0", "B3.0", "F3.1", "B3.1"]
     assert [str(a) for a in sch.compute_actions(0)][:5] == ["F0.0", "F0.1", "F0.2", "F0.3", "B0.0"]
-    for i in range(p):
-        inflight = peak = 0
-        for a in sch.compute_actions(i):
-            inflight += 1 if a.kind is K.F else -1
-            peak = max(peak, inflight)
-        assert peak == min(m, p - i)
+    assert peak_held(sch.actions, p, sch.split_backward) == [min(m, p - i) for i in range(p)]
 
 
 def test_gpipe_runs_all_forwards_first() -> None:
@@ -217,11 +215,7 @@ def test_zb_h1_defers_w_by_rank() -> None:
         # W(k - i) follows B(k) once k >= i; the last i + 1 actions are W's
         assert all(a.kind is K.W for a in acts[-(i + 1):])
         assert acts[-(i + 2)].kind is K.B
-        inflight = peak = 0
-        for a in acts:
-            inflight += 1 if a.kind is K.F else (-1 if a.kind is K.W else 0)
-            peak = max(peak, inflight)
-        assert peak == p
+    assert peak_held(sch.actions, p, sch.split_backward) == [p] * p  # F to W: each rank holds p at its peak
 
 
 def test_json_roundtrip_of_schedule() -> None:
@@ -265,7 +259,6 @@ def test_format_table_1f1b() -> None:
     assert "F2.0" in inter  # stage.mb labels with virtual stages
     prog = format_program(one_f_one_b(2, 1))
     assert "SEND_F[0->1 t=s0_out mb=0]" in prog and "RECV_B[1->0 t=s0_out mb=0]" in prog
-    assert str(one_f_one_b(2, 2)) == format_table(one_f_one_b(2, 2))
 
 
 # ----------------------------------------------------------------------------- validator errors
@@ -390,18 +383,6 @@ def test_error_structural() -> None:
         validate(Schedule("x", g, 1, (0, 1), (tuple(P("F0.0", "B0.0")), tuple(P("F1.0", "B1.0")))))
 
 
-def _held_at_peak(sch: Schedule) -> list[int]:
-    """Counted on the generated programs themselves: most microbatches a stage has run F for and not B."""
-    peak = [0] * sch.num_stages
-    for s in range(sch.num_stages):
-        held = 0
-        for a in sch.compute_actions(sch.stage_to_rank[s]):
-            if a.stage == s and a.kind in (K.F, K.B):
-                held += 1 if a.kind is K.F else -1
-                peak[s] = max(peak[s], held)
-    return peak
-
-
 @settings(max_examples=30, deadline=None)
 @given(kind=st.sampled_from(["gpipe", "1f1b"]), S=st.integers(1, 6), m=st.integers(1, 9), cap=st.integers(1, 8),
        seed=st.integers(0, 10_000))
@@ -413,18 +394,86 @@ def test_active_microbatches_caps_what_every_stage_holds(kind: str, S: int, m: i
     graph = random_graph(S, seed)
     free = make_schedule(kind, graph, m)
     capped = make_schedule(kind, graph, m, active_microbatches=cap)
-    held = _held_at_peak(capped)
+    held = peak_held(capped.actions, S, capped.split_backward)  # counted on the generated programs themselves
+    held_free = peak_held(free.actions, S, free.split_backward)
     assert held == peak_in_flight(kind, S, m, active_microbatches=cap)
-    assert held[0] == min(cap, _held_at_peak(free)[0]) and all(a >= b for a, b in zip(held, held[1:]))
-    assert all(h <= min(cap, f) for h, f in zip(held, _held_at_peak(free)))
+    assert held[0] == min(cap, held_free[0]) and all(a >= b for a, b in zip(held, held[1:]))
+    assert all(h <= min(cap, f) for h, f in zip(held, held_free))
     for s in range(S):
         runs = Counter((a.kind, a.mb) for a in capped.compute_actions(capped.stage_to_rank[s]) if a.stage == s)
         assert runs == Counter({(k, mb): 1 for k in (K.F, K.B) for mb in range(m)})
-    if cap >= max(_held_at_peak(free)):
+    if cap >= max(held_free):
         assert capped.actions == free.actions
     if kind == "gpipe" and cap <= S and cap < m:
         assert capped.actions == make_schedule("1f1b", graph, m, active_microbatches=cap).actions
     assert capped.meta["active_microbatches"] == cap
+
+
+def _held_step_by_step(sch: Schedule, act: list[int], remade: list[int]
+                       ) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The memory rule counted afresh, step by step: at each step of a rank's program, a microbatch is held on a
+    stage from its F (recomputed activations: from its B) to its last backward action there (B, or W when split),
+    both steps included. Returns the peak microbatches and recomputed microbatches per stage, and the peak bytes
+    per stage and per rank."""
+    last = K.W if sch.split_backward else K.B
+    counts, recomputed, per_stage = [0] * sch.num_stages, [0] * sch.num_stages, [0] * sch.num_stages
+    per_rank = [0] * sch.num_ranks
+    for r, prog in enumerate(sch.actions):
+        step = {(a.kind, a.stage, a.mb): t for t, a in enumerate(prog) if a.is_compute}
+        never = len(prog)
+        for t in range(len(prog)):
+            on_rank = 0
+            for s in sch.stages_of(r):
+                def held(kind: ActionKind) -> int:
+                    return sum(step.get((kind, s, k), never) <= t <= step.get((last, s, k), never)
+                               for k in range(sch.num_microbatches))
+                f, b = held(K.F), held(K.B)
+                counts[s], recomputed[s] = max(counts[s], f), max(recomputed[s], b)
+                per_stage[s] = max(per_stage[s], f * act[s] + b * remade[s])
+                on_rank += f * act[s] + b * remade[s]
+            per_rank[r] = max(per_rank[r], on_rank)
+    return counts, recomputed, per_stage, per_rank
+
+
+@settings(max_examples=60, deadline=None)
+@given(kind=st.sampled_from(list(ScheduleKind)), S=st.integers(1, 6), m=st.integers(1, 8),
+       seed=st.integers(0, 10_000), split=st.booleans(), cap=st.none() | st.integers(1, 6),
+       data_parallel=st.sampled_from([1, 2]), forward_only=st.booleans(), data=st.data())
+def test_the_memory_fold_agrees_with_a_count_step_by_step(kind: ScheduleKind, S: int, m: int, seed: int,
+                                                          split: bool, cap: int | None, data_parallel: int,
+                                                          forward_only: bool, data: st.DataObject) -> None:
+    """peak_held and peak_held_bytes (the one fold over the programs) give the independent step-by-step count on
+    random valid schedules, and so do the memory rule on the bare compute orders (peak_in_flight,
+    peak_recomputing) and the simulator, which all call the fold."""
+    graph = random_graph(S, seed)
+    if kind is ScheduleKind.INTERLEAVED:
+        ranks = data.draw(st.sampled_from([p for p in range(1, S + 1) if S % p == 0]))
+        sch = interleaved_1f1b(graph, m, ranks, split_backward=split)
+    elif kind is ScheduleKind.ZB_H1:
+        ranks, split = S, True
+        sch = zb_h1(graph, m)
+    else:
+        ranks = S
+        generate = gpipe if kind is ScheduleKind.GPIPE else one_f_one_b
+        sch = generate(graph, m, split_backward=split, active_microbatches=cap)
+    sch = with_allreduce(sch, data_parallel)
+    if forward_only:
+        sch = sch.forward()
+    validate(sch)
+    act = data.draw(st.lists(st.integers(0, 10**6), min_size=S, max_size=S))
+    remade = data.draw(st.lists(st.integers(0, 10**6), min_size=S, max_size=S))
+    counts, recomputed, per_stage, per_rank = _held_step_by_step(sch, act, remade)
+    assert peak_held(sch.actions, S, sch.split_backward) == counts
+    assert peak_held(sch.actions, S, sch.split_backward, taken_at=K.B) == recomputed
+    assert peak_held_bytes(sch.actions, sch.split_backward, act, remade) == per_stage
+    assert peak_held_bytes(sch.actions, sch.split_backward, act, remade, per_rank=True) == per_rank
+    result = simulate(sch, StageCosts([1.0] * S, [2.0] * S, act_bytes=act, recompute_bytes=remade), timeline=False)
+    assert (result.peak_inflight, result.peak_activation_bytes, result.peak_activation_bytes_per_rank) == (
+        counts, per_stage, per_rank)
+    if not forward_only and split == kind.split_backward:  # what the cost model reads off the bare orders
+        capped = cap if kind in (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B) else None
+        assert peak_in_flight(kind, S, m, num_ranks=ranks, active_microbatches=capped) == counts
+        assert peak_recomputing(kind, S, m, num_ranks=ranks) == recomputed
 
 
 @pytest.mark.parametrize(("kind", "cap", "match"), [
