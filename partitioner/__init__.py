@@ -25,22 +25,19 @@ from partitioner.schedule import (
     ScheduleError,
     ScheduleKind,
     StageGraph,
-    format_program,
-    format_table,
     gpipe,
     interleaved_1f1b,
     make_schedule,
     one_f_one_b,
     peak_in_flight,
     stage_graph_from_transfers,
-    validate,
     zb_h1,
 )
 from partitioner.simulate import SimResult, StageCosts, comm_from_transfers, simulate, stage_costs_from
 from partitioner.solve import METHODS, solve
 from partitioner.timeline import Timeline, TimelineEvent, render_timeline
 from partitioner.trace import TraceError, TraceInfo, fingerprint, flatten_inputs, op_nodes, trace
-from partitioner.walk import Walk, walk
+from partitioner.walk import Walk, format_program, format_table, validate, walk
 from partitioner.plan import ModelInfo, Plan, PlanError  # noqa: E402 - after the pieces it is made of
 from partitioner.compile import plan_from_graph  # noqa: E402
 

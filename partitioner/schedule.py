@@ -24,7 +24,7 @@ from partitioner.ir import (
     made_action,
     stage_graph_from_transfers,
 )
-from partitioner.walk import Walk, format_program, format_table, gc_paused, peak_held, validate, walk
+from partitioner.walk import Walk, gc_paused, peak_held, validate, walk
 
 __all__ = [
     "ActionKind",
@@ -46,9 +46,6 @@ __all__ = [
     "SCHEDULES",
     "CAPPABLE",
     "check_active_microbatches",
-    "validate",
-    "format_table",
-    "format_program",
 ]
 
 Orders = list[list[Action]]

@@ -8,7 +8,7 @@ import torch
 import smp
 from partitioner import trace
 from partitioner.microbatch import MicrobatchError, split_microbatches
-from partitioner.schedule import validate
+from partitioner.walk import validate
 from partitioner.trace import fingerprint
 from smp.models import build
 from smp.plan import PLAN_SCHEMA_VERSION, PlanError

@@ -19,21 +19,18 @@ from partitioner.schedule import (
     ScheduleError,
     ScheduleKind,
     StageGraph,
-    format_program,
-    format_table,
     gpipe,
     interleaved_1f1b,
     make_schedule,
     one_f_one_b,
     peak_in_flight,
     stage_graph_from_transfers,
-    validate,
     with_allreduce,
     zb_h1,
 )
 from partitioner.recompute import peak_recomputing
 from partitioner.simulate import StageCosts, simulate
-from partitioner.walk import peak_held, peak_held_bytes, walk
+from partitioner.walk import format_program, format_table, peak_held, peak_held_bytes, validate, walk
 
 K = ActionKind
 
