@@ -15,6 +15,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "tests"))  # tests/_launch.py: the N-rank launcher, not shipped with the packages
 
 SPEC = "mlp:layers=8,d_in=768,hidden=768,d_out=768,batch=128"
 MICROBATCHES = 4
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import smp
     from partitioner.timeline import Timeline, render_timeline
-    from runtime.launch import launch
+    from _launch import launch
     from smp.models import build
 
     from partitioner import Cluster
