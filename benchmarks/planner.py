@@ -19,11 +19,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._graphs import zoo_graph  # noqa: E402
 from partitioner import synthetic  # noqa: E402
 from partitioner.cluster import Cluster  # noqa: E402
 from partitioner.errors import PlanningError  # noqa: E402
+from partitioner.graph import OpGraph  # noqa: E402
+from partitioner.profile import profile  # noqa: E402
 from partitioner.solve import solve  # noqa: E402
+from smp.models import build  # noqa: E402
 
 METHODS = ("uniform", "params", "blocks", "dp", "auto")
 RESULTS = ROOT / "benchmarks" / "results" / "planner.json"
@@ -32,6 +34,13 @@ BEGIN, END = "<!-- planner-table:begin -->", "<!-- planner-table:end -->"
 #: Real sizes, built on the meta device and priced for H100 bf16: the tiny presets' ops take
 #: microseconds, where link latency swamps every difference between methods.
 ZOO = ("gpt:size=base", "bert:size=base", "t5:size=small", "resnet:size=base", "unet:size=small")
+
+
+def zoo_graph(spec: str) -> OpGraph:
+    """A zoo model at its real size on the meta device, priced analytically for H100 bf16."""
+    bundle = build(spec, meta=True)
+    return profile(bundle.model, bundle.example_args, bundle.example_kwargs,
+                   timing="analytic", device_profile="h100-sxm", dtype="bf16")
 
 
 def run_group(label: str, graph, stages: int, time_limit: float) -> dict:
