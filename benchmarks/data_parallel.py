@@ -30,6 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "tests"))  # tests/_launch.py: the N-rank launcher, not shipped with the packages
 
 from benchmarks._markdown import write_section  # noqa: E402
 
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     from partitioner.plan import simulate_partition
     from partitioner.schedule import with_allreduce
     from partitioner.timeline import render_timeline
-    from runtime.launch import launch
+    from _launch import launch
     from smp.calibrate import measure_link
     from smp.models import build
 

@@ -8,7 +8,7 @@ threshold rises to 32 MiB after the first large free, and freed activation memor
 the heap, resident); with that and AdamW's per-parameter loop (the foreach step makes
 temporaries of one more copy of the rank's parameters, which the plan counts as the step's
 workspace, the loop two copies of its largest parameter, which it does not); and the same
-program on one rank holding every stage. Each rank is a new interpreter (runtime.launch fresh=True). It
+program on one rank holding every stage. Each rank is a new interpreter (tests/_launch.py, fresh=True). It
 notes its resident memory once
 torch and smp are imported and a tiny model has taken one AdamW step (the process baseline:
 torch's thread pools and kernels, about 75 MiB, start with the first ops), builds the model under
@@ -40,7 +40,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "tests"))  # tests/_launch.py: the N-rank launcher, not shipped with the packages
 
 from benchmarks._markdown import write_section  # noqa: E402
 
@@ -144,7 +146,7 @@ def plan_row(spec: str, stages: str) -> dict:
 
 
 def _in_subprocess(function: str, *args: str) -> dict:
-    code = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r}); "
+    code = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); "
             f"from benchmarks.large_model import {function}; print(json.dumps({function}(*sys.argv[1:])))")
     done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -190,7 +192,7 @@ def main() -> None:
     opts = parser.parse_args()
 
     from runtime.checkpoint import save_sharded
-    from runtime.launch import launch
+    from _launch import launch
     from smp.models import build
 
     with tempfile.TemporaryDirectory(prefix="smp-large-") as tmp:

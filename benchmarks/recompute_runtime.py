@@ -27,6 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "tests"))  # tests/_launch.py: the N-rank launcher, not shipped with the packages
 
 from benchmarks._markdown import write_section  # noqa: E402
 
@@ -37,9 +38,8 @@ SECTION = "## Recomputation at run time: stashed bytes measured against the plan
 
 
 def measure(spec: str) -> list[dict]:
-    sys.path.insert(0, str(ROOT / "tests"))
     import smp
-    from runtime.launch import launch
+    from _launch import launch
     from smp.models import build
 
     b = build(spec, seed=0)

@@ -1,4 +1,10 @@
-"""smp's runtime against torch.distributed.pipelining (same model, split, schedule; 2 gloo ranks), and against its own prediction."""
+"""smp's runtime against torch.distributed.pipelining (same model, split, schedule; 2 gloo ranks), and against its own prediction.
+
+Run:  .venv/bin/python benchmarks/runtime_vs_pipelining.py [--write docs/benchmarks.md]
+
+Writes benchmarks/results/runtime_vs_pipelining.json and docs/img/runtime-timeline.png; ``--write``
+replaces its section of a markdown file.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +21,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "tests"))  # tests/_launch.py: the N-rank launcher, not shipped with the packages
 
+from benchmarks._markdown import write_section  # noqa: E402
+
+SECTION = "## Runtime: smp against torch.distributed.pipelining, and against its own prediction"
 SPEC = "mlp:layers=8,d_in=768,hidden=768,d_out=768,batch=128"
 MICROBATCHES = 4
 BLOCK = 5  # steps of one framework in a row
@@ -96,12 +106,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
     ap.add_argument("--img", default=str(ROOT / "docs/img/runtime-timeline.png"))
-    ap.add_argument("--json", default=str(ROOT / "benchmarks/runtime_vs_pipelining.json"))
+    ap.add_argument("--json", default=str(ROOT / "benchmarks/results/runtime_vs_pipelining.json"))
+    ap.add_argument("--write", type=Path, help="replace this benchmark's section of a markdown file")
     a = ap.parse_args(argv)
 
     import smp
     from partitioner.timeline import Timeline, render_timeline
-    from runtime.launch import launch
+    from _launch import launch
     from smp.models import build
 
     from partitioner import Cluster
@@ -149,19 +160,41 @@ def main(argv: list[str] | None = None) -> None:
         "split": {s: sorted(n for n, st in plan.fx_stage_of.items() if st == s)[:3] for s in range(2)},
     }
     Path(a.json).write_text(json.dumps(summary, indent=1) + "\n")
-    print(f"gloo link measured: latency {link['latency'] * 1e6:.1f} us, bandwidth {link['bandwidth'] / 1e9:.2f} GB/s")
-    print()
-    print("| model | schedule | smp median step | pipelining median step | smp / pipelining | "
-          "predicted, free links | measured / predicted | predicted, SEND/RECV priced | measured / predicted |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    print(f"| {SPEC} | {a.schedule} | {med['smp'] * 1e3:.1f} ms | {med['pipelining'] * 1e3:.1f} ms | "
-          f"{summary['ratio_smp_over_pipelining']:.3f} | {free_links.step_time * 1e3:.1f} ms | "
-          f"{summary['measured_over_predicted_free_links']:.2f} | {plan.step_time * 1e3:.1f} ms | "
-          f"{summary['measured_over_predicted']:.2f} |")
-    print(f"\nsimulator replay of the measured step (its own F/B durations): {replay * 1e3:.1f} ms against "
-          f"{measured.step_time * 1e3:.1f} ms measured ({summary['replay_error']:+.1%})")
-    print(f"timeline picture: {a.img}")
+    text = section(summary)
+    print(f"{SECTION}\n\n{text}")
+    if a.write:
+        write_section(a.write, SECTION, text)
 
+
+def section(summary: dict[str, Any]) -> str:
+    """The markdown section, from the run's summary (benchmarks/results/runtime_vs_pipelining.json)."""
+    link = summary["gloo_link"]
+    return "\n".join([
+        "`.venv/bin/python benchmarks/runtime_vs_pipelining.py --write docs/benchmarks.md` (written by the script; "
+        "raw figures in `benchmarks/results/runtime_vs_pipelining.json`, the timelines in "
+        "`docs/img/runtime-timeline.png`). 2 gloo ranks on this machine, one thread each; the split of smp's plan "
+        "(a chain, so torch.distributed.pipelining can run it too: manual `PipelineStage`s of the same layers, "
+        f"`Schedule1F1B` or `ScheduleGPipe`). Both run in the same processes, in alternating blocks of {BLOCK} steps "
+        f"(the first of each block discarded), a barrier around each step; median of {summary['steps']} steps each. "
+        "Predicted = the Plan's simulated step time, from a profile measured on this machine with one thread, "
+        f"with free links and with every SEND/RECV priced on the gloo link measured at the start "
+        f"({link['latency_s'] * 1e6:.1f} us latency, {link['bandwidth_Bps'] / 1e9:.2f} GB/s).",
+        "",
+        "| model | schedule | microbatches | smp median step | pipelining median step | smp / pipelining | "
+        "predicted, free links | measured / predicted | predicted, SEND/RECV priced | measured / predicted |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| `{summary['model']}` | {summary['schedule']} | {summary['microbatches']} | "
+        f"{summary['smp_median_s'] * 1e3:.1f} ms | {summary['pipelining_median_s'] * 1e3:.1f} ms | "
+        f"{summary['ratio_smp_over_pipelining']:.3f} | {summary['predicted_free_links_s'] * 1e3:.1f} ms | "
+        f"{summary['measured_over_predicted_free_links']:.2f} | {summary['predicted_step_s'] * 1e3:.1f} ms | "
+        f"{summary['measured_over_predicted']:.2f} |",
+        "",
+        "Simulator replay of the measured step (the simulator fed the runtime's own median F and B duration per "
+        f"stage, from the measured timeline): {summary['replay_step_s'] * 1e3:.1f} ms against "
+        f"{summary['timeline_step_s'] * 1e3:.1f} ms for that step ({summary['replay_error']:+.1%}).",
+        "",
+        "![predicted vs measured](img/runtime-timeline.png)",
+    ])
 
 def replay_step_time(plan: Any, measured: Any) -> float:
     """The simulator's step time when fed the runtime's measured median F and B duration per stage.

@@ -1,31 +1,30 @@
 """Simulated step time and bubble of every schedule on a GPT-like pipeline, against the textbook formulas.
 
-Run:  .venv/bin/python benchmarks/schedules.py [--write FILE]   (the section of docs/benchmarks.md)
+Run:  .venv/bin/python benchmarks/schedules.py [--write docs/benchmarks.md]   (prints, or replaces, its section)
 
 Stage costs are exactly equal (an analytic GPT-like parameterisation, 24 layers split evenly):
 the case the textbook formulas describe. benchmarks/zoo_schedules.py runs the schedules on real
-plans; :func:`from_partition` turns any Partition into this script's inputs.
+plans.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from partitioner.schedule import (
-    Schedule,
-    StageGraph,
-    gpipe,
-    interleaved_1f1b,
-    one_f_one_b,
-    stage_graph_from_transfers,
-    zb_h1,
-)
-from partitioner.simulate import StageCosts, simulate, stage_costs_from
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks._markdown import write_section  # noqa: E402
+from partitioner.schedule import Schedule, StageGraph, gpipe, interleaved_1f1b, one_f_one_b, zb_h1  # noqa: E402
+from partitioner.simulate import StageCosts, simulate  # noqa: E402
+
+SECTION = "## Pipeline schedules (simulated): against the textbook, equal stages"
 
 
 @dataclass(frozen=True)
@@ -67,13 +66,6 @@ class GPTLike:
             act_bytes=[self.layer_act_bytes * per] * num_stages,
         )
         return graph, costs
-
-
-def from_partition(partition: Any, act_bytes: Sequence[float] | None = None) -> tuple[StageGraph, StageCosts]:
-    """StageGraph and StageCosts of an optimizer Partition (duck typed: .stages[j].fwd/.bwd/.bwd_w, .transfers)."""
-    stages = list(partition.stages)
-    transfers = list(partition.transfers)
-    return stage_graph_from_transfers(len(stages), transfers), stage_costs_from(stages, transfers, act_bytes)
 
 
 def theory(name: str, p: int, m: int, v: int, F: float, B: float, W: float) -> float:
@@ -131,9 +123,7 @@ def table(model: GPTLike, configs: Sequence[tuple[int, int]]) -> str:
 def report(model: GPTLike | None = None) -> str:
     model = model or GPTLike()
     configs = [(4, 8), (4, 32), (8, 16), (8, 32)]
-    head = f"""## Pipeline schedules (simulated)
-
-Command: `.venv/bin/python benchmarks/schedules.py` (prints this section)
+    head = f"""`.venv/bin/python benchmarks/schedules.py --write docs/benchmarks.md` (written by the script).
 
 A GPT-like pipeline with exactly equal stages, where the textbook formulas hold: {model.layers} equal transformer
 blocks (hidden {model.hidden}, {model.heads} heads, sequence {model.seq}, one sequence per
@@ -158,13 +148,12 @@ Interleaved runs v virtual stages per rank (v·p stages of {model.layers}/(v·p)
 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--write", type=Path, help="also write the markdown section to this file")
+    ap.add_argument("--write", type=Path, help="also replace this benchmark's section of a markdown file")
     args = ap.parse_args(argv)
     text = report()
-    print(text)
+    print(f"{SECTION}\n\n{text}")
     if args.write:
-        args.write.parent.mkdir(parents=True, exist_ok=True)
-        args.write.write_text(text)
+        write_section(args.write, SECTION, text)
 
 
 if __name__ == "__main__":

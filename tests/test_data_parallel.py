@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.launch import launch
 
+from _launch import launch
 from _runtime_common import check_data_parallel, make_plan
 
 HERE = Path(__file__).resolve().parent

@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import save_model
 
 import smp
-from runtime.launch import launch
 from smp.models.gpt import GPT
 
+from _launch import launch
 from _runtime_common import make_optimizer
 
 HERE = Path(__file__).resolve().parent

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from partitioner.microbatch import split_microbatches
-from runtime.launch import launch
 from smp.models import build
 
+from _launch import launch
 from _runtime_common import make_plan
 
 HERE = Path(__file__).resolve().parent

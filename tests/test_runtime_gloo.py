@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.launch import launch
 
+from _launch import launch
 from _runtime_common import check_against_reference, make_plan, reference_run
 
 HERE = Path(__file__).resolve().parent

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import smp
-from runtime.launch import launch
 from smp.models import build
 from smp.partition import RuntimeConfigError
+
+from _launch import launch
 
 SPEC = "gpt:size=tiny,batch=4"
 BROADCAST = f"{Path(__file__).resolve()}:broadcast_worker"

@@ -1,4 +1,8 @@
-"""Start N local gloo ranks running one Python function (tests, benchmarks); never leaves a process behind."""
+"""Start N local gloo ranks running one Python function (tests, benchmarks); never leaves a process behind.
+
+Not shipped: users launch with torchrun. Tests import it as ``_launch`` (this folder is on their path);
+benchmarks put this folder on ``sys.path`` first.
+"""
 
 from __future__ import annotations
 
@@ -36,7 +40,8 @@ class RankResult:
 
 
 #: Imported once by the fork server, so that each rank starts in milliseconds instead of
-#: re-importing torch (seconds of CPU per rank; tests start hundreds of ranks).
+#: re-importing torch and this project (seconds of CPU per rank; tests start hundreds of ranks).
+#: Fixed rather than a parameter: a process has one fork server, started with the first launch's list.
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "partitioner", "runtime.engine", "smp"]
 
 
