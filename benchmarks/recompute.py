@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._markdown import write_section  # noqa: E402
-from smp._cli_render import runs_of  # noqa: E402
+from smp.cli.render import runs_of  # noqa: E402
 
 #: (spec, sequence length, step batch, microbatches, stages, device profile, memory limit in GB)
 CASES = [

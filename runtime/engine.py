@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,205 +13,20 @@ from torch import nn
 
 from partitioner.buckets import gradient_buckets
 from partitioner.ir import Action, ActionKind, Schedule, ScheduleError
-from partitioner.microbatch import split_microbatches
 from partitioner.timeline import Timeline, TimelineEvent
-from partitioner.trace import flatten_inputs
 from partitioner.walk import validate, walk
 from runtime.comm import Comm, LocalComm, Pending, PipelineError
-from runtime.materialize import names_by_id
 from runtime.precision import Precision
-from runtime.recompute import Rerun, forward_for_recompute, recompute
-from runtime.split import OUTPUT_KEY, SplitError, SplitProgram, ValueMeta, propagate_meta, split_program, \
-    stage_state_names
+from runtime.program import Ownership, Program
+from runtime.recompute import forward_for_recompute, recompute
+from runtime.split import OUTPUT_KEY, SplitError, SplitProgram, ValueMeta, propagate_meta, split_program
+from runtime.stash import EdgeKey, Stash, StashMeter
 
-__all__ = ["Engine", "Program", "Ownership", "RuntimeConfigError", "concat_outputs", "split_batch"]
-
-EdgeKey = tuple[int, int, str]
+__all__ = ["Engine", "RuntimeConfigError"]
 
 
 class RuntimeConfigError(ValueError):
     """The runtime cannot start as configured (world size, plan, loss); raised before any work."""
-
-
-@dataclass
-class Program:
-    """One traced mode of the model and how it runs: stage of every fx node, and the training schedule.
-
-    ``fx_to_op`` names cut edges after the plan's ops (coarsened groups); ``state_meta``
-    is every parameter's and buffer's (shape, dtype), recorded before any was dropped.
-    ``recompute``: each stage's activation recomputation when training (the plan's
-    choices; empty: none), and ``matmul_nodes`` the fx nodes a selective stage keeps.
-    """
-
-    gm: torch.fx.GraphModule
-    fx_stage_of: Mapping[str, int]
-    fx_to_op: Mapping[str, str]
-    schedule: Schedule
-    state_meta: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
-    frontend: str
-    recompute: Sequence[str] = ()
-    matmul_nodes: frozenset[str] = frozenset()
-
-
-class Ownership:
-    """Which ranks hold each parameter and buffer; the others are dropped here; parameters tied across ranks.
-
-    The stage programs share parameters with ``model`` by reference. On a multi-rank run
-    the parameters and buffers of other ranks' stages are replaced by meta tensors in the
-    model (and in every traced program), so they take no memory; a tensor no op reads
-    stays on rank 0 so that the gathered state dict is complete.
-    """
-
-    def __init__(self, model: nn.Module, program: Program, roots: Sequence[nn.Module], *, rank: int | None) -> None:
-        self.model = model
-        self.names = names_by_id(model)
-        self.canonical: dict[int, str] = {i: ns[0] for i, ns in self.names.items()}
-        sched = program.schedule
-        holders, self.stage_param_ids = _readers_by_stage(program, sched)
-        for i in self.names:
-            holders.setdefault(i, {0})
-        self.holders = holders
-        local = set(range(sched.num_ranks)) if rank is None else {rank}
-        self.local_ids = {i for i, rs in holders.items() if rs & local}
-        # Facts here are keyed by tensor id: the tensors replaced below are kept alive so that no
-        # new tensor can reuse an id (an emptied or meta tensor holds no memory).
-        self._retired = _drop(model, roots, set(holders) - self.local_ids)
-        self.rank = rank
-        self._find_ties()
-
-    def rekey(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Follow tensors that materialization replaced (a meta tensor by a real one): same facts, new ids."""
-        if not pairs:
-            return
-        new_id = {id(old): id(new) for old, new in pairs}
-        self._retired.extend(old for old, _ in pairs)
-
-        def ids(xs: set[int]) -> set[int]:
-            return {new_id.get(i, i) for i in xs}
-
-        self.names = {new_id.get(i, i): n for i, n in self.names.items()}
-        self.canonical = {new_id.get(i, i): n for i, n in self.canonical.items()}
-        self.holders = {new_id.get(i, i): rs for i, rs in self.holders.items()}
-        self.local_ids = ids(self.local_ids)
-        self.stage_param_ids = {s: ids(v) for s, v in self.stage_param_ids.items()}
-        self._find_ties()
-
-    def _find_ties(self) -> None:
-        """Parameters this rank holds together with other ranks (a tied embedding and LM head on two stages)."""
-        self.ties: dict[tuple[int, ...], list[nn.Parameter]] = {}
-        rank = self.rank
-        if rank is not None:
-            for p in self.model.parameters():
-                rs = tuple(sorted(self.holders.get(id(p), {0})))
-                if len(rs) > 1 and rank in rs:
-                    self.ties.setdefault(rs, []).append(p)
-
-
-def _readers_by_stage(program: Program, sched: Schedule) -> tuple[dict[int, set[int]], dict[int, set[int]]]:
-    """(tensor id -> ranks whose stages read it, stage -> ids of the tensors it reads)."""
-    gm = program.gm
-    tensors = dict(gm.named_parameters(remove_duplicate=False))
-    tensors.update(dict(gm.named_buffers(remove_duplicate=False)))
-    nodes_by_stage: dict[int, list[Any]] = {s: [] for s in range(sched.num_stages)}
-    for node in gm.graph.nodes:
-        s = program.fx_stage_of.get(node.name)
-        if s is not None and node.op != "output":
-            nodes_by_stage[int(s)].append(node)
-    holders: dict[int, set[int]] = {}
-    per_stage: dict[int, set[int]] = {}
-    for s, nodes in nodes_by_stage.items():
-        ids = set()
-        for name in stage_state_names(gm, nodes):
-            t = tensors.get(name)
-            if t is None:
-                try:
-                    t = gm.get_parameter(name)
-                except (AttributeError, ValueError):
-                    continue
-            ids.add(id(t))
-            holders.setdefault(id(t), set()).add(sched.stage_to_rank[s])
-        per_stage[s] = ids
-    return holders, per_stage
-
-
-def _drop(model: nn.Module, roots: Sequence[nn.Module], drop: set[int]) -> list[torch.Tensor]:
-    """Replace the tensors with ids in ``drop`` by meta tensors of the same shape in the model and every root;
-    returns the replaced tensors (emptied)."""
-    if not drop:
-        return []
-    dropped: dict[int, torch.Tensor] = {}
-    for root in [model, *roots]:
-        for mod in root.modules():
-            for store in (mod._parameters, mod._buffers):
-                for key, t in list(store.items()):
-                    if t is not None and id(t) in drop:
-                        meta = torch.empty_like(t, device="meta")
-                        store[key] = nn.Parameter(meta, requires_grad=t.requires_grad) \
-                            if isinstance(t, nn.Parameter) else meta
-                        dropped[id(t)] = t
-    # An optimizer made before partitioning still refers to the old tensors: empty them so
-    # those references hold no memory (they get no gradient, so optimizers skip them).
-    for t in dropped.values():
-        t.data = torch.empty(0, dtype=t.dtype, device=t.device)
-    return list(dropped.values())
-
-
-@dataclass
-class _Stash:
-    """What one (stage, microbatch) keeps between its forward and its backward."""
-
-    inputs: dict[EdgeKey, list[torch.Tensor | None]]   # leaf tensors received per in-edge
-    outputs: dict[EdgeKey, list[torch.Tensor]]         # tensors sent per out-edge
-    loss: torch.Tensor | None = None
-    rerun: Rerun | None = None                         # a recomputing stage: how to run its forward again
-    received: dict[EdgeKey, list[torch.Tensor]] = field(default_factory=dict)  # what it ran on (for the rerun)
-    roots: list[torch.Tensor] = field(default_factory=list)      # backward roots (kept for a split W)
-    root_grads: list[torch.Tensor] = field(default_factory=list)
-
-
-class StashMeter:
-    """The bytes of activations a rank keeps between forward and backward, counted exactly.
-
-    Every storage autograd saves for the backward (``saved_tensors_hooks``), and the
-    received inputs and sent outputs the engine keeps, each storage once per
-    (stage, microbatch), parameters excluded; released at the microbatch's last backward
-    action. ``peak`` is the most held at once during the step (a recomputing stage's
-    rerun included), ``kept`` per stage what one microbatch keeps from its forward.
-    """
-
-    def __init__(self, exclude: set[int]) -> None:
-        self.exclude = exclude  # data pointers of this rank's parameter storages
-        self.live: dict[tuple[int, int], dict[int, int]] = {}
-        self.current = 0
-        self.peak = 0
-        self.kept: dict[int, int] = {}  # stage -> most bytes one microbatch kept from its forward to its backward
-
-    def forward_done(self, key: tuple[int, int]) -> None:
-        """Note what ``key``'s forward left kept (the plan's ``activations`` of the stage)."""
-        self.kept[key[0]] = max(self.kept.get(key[0], 0), sum(self.live.get(key, {}).values()))
-
-    def add(self, key: tuple[int, int], t: torch.Tensor) -> None:
-        if not isinstance(t, torch.Tensor) or t.is_meta:
-            return
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        held = self.live.setdefault(key, {})
-        if ptr in self.exclude or ptr in held:
-            return
-        held[ptr] = storage.nbytes()
-        self.current += held[ptr]
-        self.peak = max(self.peak, self.current)
-
-    def release(self, key: tuple[int, int]) -> None:
-        self.current -= sum(self.live.pop(key, {}).values())
-
-    def saving(self, key: tuple[int, int]) -> Any:
-        """A context in which autograd's saved tensors are counted for ``key``."""
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            self.add(key, t)
-            return t
-
-        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
 @dataclass
@@ -499,7 +314,7 @@ class _RankState:
         self.reductions: list[tuple[Pending, list[torch.Tensor], list[torch.Tensor]]] = []
         self.launched: dict[int, int] = {}  # stage -> how many of its gradient buckets are on their way
         self.zero_filled: list[torch.Tensor] = []  # parameters no op used: a zero gradient only for the all-reduce
-        self.stash: dict[tuple[int, int], _Stash] = {}
+        self.stash: dict[tuple[int, int], Stash] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.outputs: list[Any] = []
         self._outputs: dict[int, Any] = {}
@@ -698,7 +513,7 @@ class _RankState:
             else:
                 self.to_send_f[(key, mb)] = tensors
         if self.training:
-            self.stash[(s, mb)] = _Stash(leaves_in, outs, loss, rerun=rerun,
+            self.stash[(s, mb)] = Stash(leaves_in, outs, loss, rerun=rerun,
                                          received=received if rerun is not None else {})
             for t in [x for xs in received.values() for x in xs] + [t for ts in outs.values() for t in ts]:
                 self.meter.add((s, mb), t)
@@ -710,7 +525,7 @@ class _RankState:
         return {key: [t for v in values.get(key, ()) for t in ValueMeta.tensors_of(res[v])]
                 for key in self.eng.out_edges[s]}
 
-    def _rerun(self, s: int, mb: int, stash: _Stash) -> None:
+    def _rerun(self, s: int, mb: int, stash: Stash) -> None:
         """A recomputing stage's forward again, with autograd, before its backward: its outputs (and loss) become
         the backward's roots; what autograd saves now is counted until the microbatch's backward ends."""
         eng = self.eng
@@ -755,7 +570,7 @@ class _RankState:
         self.losses[mb] = loss.detach().reshape(()).float()
         return loss
 
-    def _roots(self, s: int, mb: int, stash: _Stash) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _roots(self, s: int, mb: int, stash: Stash) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         roots: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
         for key in self.eng.out_edges[s]:
@@ -833,26 +648,3 @@ class _RankState:
         if not self.losses:
             return None
         return torch.stack([self.losses[k] for k in sorted(self.losses)]).mean()
-
-
-# ---------------------------------------------------------------------- batches and checks
-
-
-def concat_outputs(outputs: list[Any]) -> Any:
-    """Microbatch outputs back into one batch: tensors with a batch dimension are concatenated along dim 0."""
-    if len(outputs) == 1:
-        return outputs[0]
-    flat = [pytree.tree_flatten(o) for o in outputs]
-    leaves0, spec = flat[0]
-    merged = []
-    for i, leaf in enumerate(leaves0):
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            merged.append(torch.cat([f[0][i] for f in flat], dim=0))
-        else:
-            merged.append(leaf)
-    return pytree.tree_unflatten(merged, spec)
-
-
-def split_batch(gm_like: Any, args: Sequence[Any], kwargs: Mapping[str, Any], m: int) -> list[list[Any]]:
-    """The flat placeholder values of each of ``m`` microbatches."""
-    return [flatten_inputs(gm_like, a, k) for a, k in split_microbatches(args, kwargs, m)]

@@ -25,7 +25,9 @@ from partitioner.schedule import make_schedule, with_allreduce
 from partitioner.timeline import Timeline, TimelineEvent
 from partitioner.trace import fingerprint, flatten_inputs, retarget_device, trace
 from runtime.comm import Comm, PipelineError
-from runtime.engine import Engine, Ownership, Program, RuntimeConfigError, concat_outputs, split_batch
+from runtime.batch import concat_outputs, split_batch
+from runtime.engine import Engine, RuntimeConfigError
+from runtime.program import Ownership, Program
 from runtime.layout import ReplicaLayout
 from runtime.checkpoint import CheckpointError, load_pipeline, open_weights, save_pipeline
 from runtime.gradients import global_grad_norm

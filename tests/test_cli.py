@@ -377,12 +377,12 @@ def test_closed_pipe_ends_quietly(plan_file, monkeypatch):
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 0 and err == b"", err
     # --json writes with sys.stdout.write, which raises BrokenPipeError itself.
-    from smp import cli
+    from smp.cli import plan as plan_commands
 
     def closed(data):
         raise BrokenPipeError(32, "Broken pipe")
 
-    monkeypatch.setattr(cli, "_print_json", closed)
+    monkeypatch.setattr(plan_commands, "print_json", closed)
     res = smp("inspect", plan_file, "--json")
     assert res.exit_code == 0 and res.stderr == ""
 
@@ -514,8 +514,8 @@ def test_a_failing_rank_reports_its_own_error(train_file):
 
 def test_the_cli_schedule_names_are_the_schedule_kinds():
     from partitioner.ir import ScheduleKind
-    from smp.cli import SCHEDULE_CHOICES, _choice
+    from smp.cli.options import SCHEDULE_CHOICES, choice
 
     assert SCHEDULE_CHOICES == tuple(k.value for k in ScheduleKind)
-    assert _choice("interleaved_1f1b", SCHEDULE_CHOICES, "--schedule") == "interleaved"
-    assert _choice("ZB_H1", SCHEDULE_CHOICES, "--schedule") == "zb-h1"
+    assert choice("interleaved_1f1b", SCHEDULE_CHOICES, "--schedule") == "interleaved"
+    assert choice("ZB_H1", SCHEDULE_CHOICES, "--schedule") == "zb-h1"

@@ -218,7 +218,7 @@ def test_a_size_profiled_on_its_own_is_solved_and_bounded_on_its_own_graph() -> 
 def test_speed_up_counts_every_replica_and_pure_data_parallel_is_not_told_to_use_fewer_stages() -> None:
     """Was: single_device_time was one replica's batch, so a D x P plan's speed-up was D times too small and a
     pure data-parallel plan (P = 1) was told that "splitting into 1 stages does not pay"."""
-    from smp._cli_render import _no_gain
+    from smp.cli.render import _no_gain
 
     graph = synthetic.transformer(4, seed=0)
     one = plan_from_graph(graph, stages=2, microbatches=4, cluster=_cluster(2), method="dp")

@@ -1,4 +1,4 @@
-"""One rank of ``smp train`` (started by torchrun; see smp/_cli_train.py).
+"""One rank of ``smp train`` (started by torchrun; see smp/cli/train.py).
 
 Builds the model from its spec (same seed on every rank, so every rank holds the same
 initial weights), wraps it with ``smp.partition`` and trains on the spec's synthetic
@@ -30,9 +30,9 @@ def main(argv: list[str]) -> int:
         return _train(job)
     except Exception as err:  # noqa: BLE001 - every failure reaches the user as this rank's own message
         from partitioner.trace import raised_by_user_code, user_code_message
-        from smp._cli_errors import user_error as _user_error
+        from smp.cli.errors import user_error
 
-        message = user_code_message(err, "your code raised") if raised_by_user_code(err) else _user_error(err)
+        message = user_code_message(err, "your code raised") if raised_by_user_code(err) else user_error(err)
         _emit({"event": "error", "rank": int(os.environ.get("RANK", "0")), "user_error": message is not None,
                "message": " ".join((message or f"{type(err).__name__}: {err}").split())})
         traceback.print_exc()

@@ -1,6 +1,6 @@
 """What the ``smp`` CLI shows: the per-stage table, the report dict behind ``--json``, warnings, pictures.
 
-Kept apart from smp/cli.py so that the command functions stay about options and flow.
+Kept apart from the command modules so that they stay about options and flow.
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
+from smp.cli.errors import CLIUsageError
+from smp.cli.output import rich_console, spec_name
 from smp.plan import Plan
-from smp.units import format_bytes, format_time
+from smp.units import format_bytes, format_count, format_time
 
 __all__ = [
     "REPORT_SCHEMA", "report", "stage_table", "comm_legend", "headline", "cut_tensors", "warnings_for", "render_stage_graph",
-    "candidate_table",
+    "candidate_table", "plan_header", "print_plan", "write_timeline",
     "IMBALANCE_SHARE", "MEMORY_WARN_FRACTION", "GAP_WARN", "NO_GAIN_SPEEDUP", "COMM_HEAVY_SHARE",
 ]
 
@@ -366,6 +368,82 @@ def cut_table(plan: Plan) -> Table:
                   str(c["src_stage"]), ", ".join(map(str, c["dst_stages"])) + (escape(f"  [{kind}]") if kind else ""),
                   format_bytes(c["bytes"]), format_time(max(c["seconds"]) if c["seconds"] else 0.0))
     return t
+
+
+# ------------------------------------------------------------------ a plan on the console
+
+
+def plan_header(plan) -> str:
+    m = plan.model
+    part = plan.partition
+    how = m.timing or "?"
+    if how == "analytic":
+        how += f" on {plan.graph.meta.get('device_profile')}"
+    elif m.profiled_on:
+        how += f" on {m.profiled_on}"
+    batch = m.batch_size
+    mb = (f"batch {batch} in {plan.microbatches} microbatches of {batch // plan.microbatches}" if batch
+          else f"{plan.microbatches} microbatches")
+    params = f", {format_count(m.num_params)} parameters" if m.num_params else ""
+    limit = part.memory_limit if part.memory_limit is not None else next(
+        (s.memory_limit for s in part.stages if s.memory_limit), None)
+    cl = part.cluster.get("name", "?")
+    if str(cl).startswith("ideal-"):
+        cl = "none (free links)"
+    where = (f"stages on {plan.num_ranks} ranks" if plan.data_parallel == 1 else
+             f"stages on {plan.pipeline_ranks} ranks x {plan.data_parallel} replicas = {plan.num_ranks} ranks "
+             f"({plan.placement})")
+    cap = f" (at most {plan.active_microbatches} in flight)" if plan.active_microbatches is not None else ""
+    return (f"[bold]{spec_name(m.name)}[/]: {len(plan.graph)} ops{params} → {plan.num_stages} "
+            f"{where} · {plan.schedule_name}{cap} · {mb}{' per replica' if plan.data_parallel > 1 else ''}\n"
+            f"timing {how} · cluster {cl} · memory limit {format_bytes(limit)}")
+
+
+def print_plan(plan, *, cuts: bool = False, files: dict[str, str | None] | None = None, title: str | None = None,
+               solved=None, note: str | None = None) -> None:
+    con = rich_console()
+    con.print(plan_header(plan))
+    if note:
+        con.print(note)
+    con.print(stage_table(plan, title=title))
+    legend = comm_legend(plan)
+    if legend:
+        con.print(legend)
+    con.print()
+    for line in headline(plan, solved=solved):
+        con.print(line)
+    if cuts:
+        con.print()
+        n = len({t.node for t in plan.partition.transfers})
+        con.print(f"[bold]cut tensors[/] ({n}; bytes per microbatch, each way; time on the link)")
+        if n:
+            con.print(cut_table(plan))
+    warns = warnings_for(plan)
+    con.print()
+    if warns:
+        con.print(f"[bold]warnings[/] ({len(warns)})")
+        for w in warns:
+            con.print(f"  ! {w['message']}")
+    else:
+        con.print("warnings: none (stages within 70% of the bottleneck, memory below 90% of the limit)")
+    for what, path in (files or {}).items():
+        if path:
+            con.print(f"wrote {what}: {path}")
+
+
+def write_timeline(plan, path: Path, title: str | None = None) -> str:
+    from partitioner.timeline import render_timeline
+
+    tl = plan.timeline()
+    if tl is None:
+        raise CLIUsageError("this plan carries no simulated timeline to draw; re-create it with `smp plan`")
+    if path.suffix.lower() not in (".png", ".svg"):
+        raise CLIUsageError(f"--timeline writes .png or .svg, not {path.name!r}")
+    name = plan.model.name
+    render_timeline(tl, path, title=title or f"{name}: {plan.schedule_name}, {plan.num_ranks} ranks, "
+                                               f"{plan.microbatches} microbatches (predicted)")
+    return str(path)
+
 
 
 # ------------------------------------------------------------------ the stage-graph picture

@@ -1,7 +1,7 @@
 """``smp train``: launch the pipeline runtime through torchrun on this machine with synthetic data.
 
 The parent process checks the request (model spec, saved plan vs model), then runs
-``python -m torch.distributed.run --standalone --nproc_per_node P -m smp._train_worker``.
+``python -m torch.distributed.run --standalone --nproc_per_node P -m smp.cli.train_worker``.
 Every worker builds the same model (same seed), wraps it with ``smp.partition`` and
 trains on the spec's synthetic batch; the rank that sees the loss prints one JSON line
 per step (``{"event": "step", ...}``) which the parent turns into a progress bar and,
@@ -18,11 +18,52 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Optional
 
-__all__ = ["run_train", "check_plan_matches"]
+import typer
 
-EVENT_PREFIX = "SMP_TRAIN_EVENT "
+from smp.cli.errors import CLIUsageError
+from smp.cli.files import load_plan
+from smp.cli.options import (DEVICE_CHOICES, JsonOpt, MicrobatchesOpt, ModelArg, ScheduleOpt, SeqOpt, StagesOpt,
+                             StepBatchOpt, choice, plan_args, positive)
+from smp.cli.output import rich_console
+from smp.cli.root import STATE, app, command
+from smp.cli.train_worker import EVENT_PREFIX
+
+__all__ = ["train_cmd", "run_train", "check_plan_matches"]
+
+
+@app.command("train", epilog="Example: smp train gpt:layers=4 --stages 2 --microbatches 4 --steps 20")
+@command
+def train_cmd(
+    model: ModelArg,
+    stages: StagesOpt,
+    microbatches: MicrobatchesOpt = None,
+    schedule: ScheduleOpt = "1f1b",
+    steps: Annotated[int, typer.Option("--steps", help="training steps")] = 10,
+    batch_size: StepBatchOpt = None,
+    seq_len: SeqOpt = None,
+    lr: Annotated[float, typer.Option("--lr", help="learning rate (Adam)")] = 1e-3,
+    plan_file: Annotated[Optional[Path], typer.Option(
+        "--plan", help="use this saved plan instead of planning again (it must be for MODEL)")] = None,
+    device: Annotated[Optional[str], typer.Option(
+        "--device", help="cpu (gloo) | cuda (NCCL) \\[default: cuda when there are as many GPUs as stages]")] = None,
+    timeout: Annotated[float, typer.Option("--timeout", help="seconds before a stuck run is stopped")] = 600.0,
+    json_out: JsonOpt = False,
+) -> None:
+    """Train MODEL on synthetic data with the pipeline runtime: torchrun on this machine, one process per stage."""
+    if plan_file is not None and microbatches is None:  # the step the plan was made for
+        microbatches = load_plan(plan_file).microbatches
+    m, note, sched, _, _ = plan_args(stages, microbatches, batch_size, schedule, "auto", None, None, 1)
+    positive(steps, "--steps")
+    device = choice(device, DEVICE_CHOICES, "--device")
+    code = run_train(model, stages=stages, microbatches=m, schedule=sched, steps=steps, batch_size=batch_size,
+                     seq_len=seq_len, lr=lr, plan_file=plan_file, device=device, timeout=timeout,
+                     json_out=json_out, console=rich_console(), err_console=rich_console(stderr=True), note=note,
+                     debug=STATE["debug"])
+    if code:
+        raise typer.Exit(code)
+
 
 
 def check_plan_matches(plan_file: Path, spec: str, *, batch_size: int | None, seq_len: int | None,
@@ -60,7 +101,7 @@ def run_train(spec: str, *, stages: int, microbatches: int, schedule: str, steps
     if not json_out:
         if note:
             err_console.print(f"[dim]{note}[/]")
-        err_console.print(f"[dim]launching: torchrun --standalone --nproc_per_node={stages} -m smp._train_worker "
+        err_console.print(f"[dim]launching: torchrun --standalone --nproc_per_node={stages} -m smp.cli.train_worker "
                           f"({device}, {'NCCL' if device == 'cuda' else 'gloo'})[/]")
     run = _follow(job, timeout=timeout, err_console=err_console, show=not json_out)
     if run.code != 0 or not run.summary:
@@ -81,7 +122,6 @@ def _check_job(spec: str, *, stages: int, microbatches: int, batch_size: int | N
     returns the device the ranks run on."""
     import torch
 
-    from smp._cli_errors import CLIUsageError
     from smp.models import build
 
     build(spec, meta=True, seq_len=seq_len)
@@ -116,7 +156,7 @@ def _follow(job: dict[str, Any], *, timeout: float, err_console: Any, show: bool
 
     stages = job["stages"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={stages}",
-           "-m", "smp._train_worker", json.dumps(job)]
+           "-m", "smp.cli.train_worker", json.dumps(job)]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // stages)))
     env["PYTHONUNBUFFERED"] = "1"
