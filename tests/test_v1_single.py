@@ -15,6 +15,7 @@ from torch import nn
 import smp.v1 as smp
 from partitioner.compile import plan_from_graph
 from partitioner.graph import OpGraph
+from partitioner.request import PlanRequest
 from smp.v1 import planning
 from smp.v1.step import split_arguments
 
@@ -249,11 +250,12 @@ def test_memory_weight_caps_the_largest_stage() -> None:
                                              ("p2", 1e-3, 100e6)]):
         g.add_node(name, fwd=fwd, bwd=2 * fwd, bwd_w=fwd, params=params, out_bytes=1000, module=name, index=i)
     g.add_edges_from([("c1", "c2"), ("c2", "p1"), ("p1", "p2")])
-    fast = plan_from_graph(OpGraph(g), stages=2, microbatches=4)
+    request = PlanRequest(stages=2, microbatches=4)
+    fast = plan_from_graph(OpGraph(g), request)
     assert fast.partition.stage_of["p1"] == fast.partition.stage_of["p2"]
-    assert planning.weigh_memory(fast, None, None) is fast and planning.weigh_memory(fast, 0.0, None) is fast
+    assert planning.weigh_memory(fast, request, None) is fast and planning.weigh_memory(fast, request, 0.0) is fast
     for weight in (0.5, 1.0):
-        lean = planning.weigh_memory(fast, weight, None)
+        lean = planning.weigh_memory(fast, request, weight)
         assert lean.partition.stage_of["p1"] != lean.partition.stage_of["p2"]
         assert max(lean.stage_memory) < max(fast.stage_memory)
         assert any(f"memory_weight={weight:g}" in note for note in lean.partition.notes)

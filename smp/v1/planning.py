@@ -20,6 +20,7 @@ from partitioner.cost import Problem
 from partitioner.errors import PlanningError
 from partitioner.graph import OUTPUT_OP
 from partitioner.plan import Plan
+from partitioner.request import PlanRequest
 from partitioner.units import format_bytes
 from smp.v1 import manual
 from smp.v1.comm import CommGroup, gather_objects, group_ranks
@@ -54,29 +55,25 @@ def partition_plan(module: nn.Module, args: tuple, kwargs: dict, state: State, d
     limit = float(memory[1]) if memory is not None and state.distributed else None
     profile_on = torch.device("cpu") if trace_device == "cpu" else (device if device.type == "cuda" else None)
     # the plan is for every replica of the pipeline (the sample batch is one replica's share)
-    replicas = {"data_parallel": state.topology.dp_size, "placement": cfg.placement,
-                "active_microbatches": cfg.active_microbatches}
+    request = cfg.request(data_parallel=state.topology.dp_size).with_(device=profile_on)
 
     def build() -> Plan:
         with torch.random.fork_rng(devices=[]):  # profiling runs the model; every rank's RNG stays the same
             if cfg.auto_partition:
-                fast = make_plan(module, args, kwargs, stages=cfg.partitions, microbatches=cfg.microbatches,
-                                 schedule=cfg.schedule, memory_limit=limit, device=profile_on, **replicas)
-                return weigh_memory(fast, cfg.memory_weight, limit)
+                asked = request.with_(memory_limit=limit)
+                return weigh_memory(make_plan(module, args, kwargs, asked), asked, cfg.memory_weight)
             # any quick plan gives the profiled graph and the model's identity; the stages are the user's
-            base = make_plan(module, args, kwargs, stages=cfg.partitions, microbatches=cfg.microbatches,
-                             schedule=cfg.schedule, device=profile_on, method="dp", objective="bottleneck",
-                             **replicas)
+            base = make_plan(module, args, kwargs, request.with_(method="dp", objective="bottleneck"))
         stage_of = manual.stage_of_ops(module, base.graph, cfg.partitions, cfg.default_partition)
         return manual.manual_plan(base, stage_of, limit)
 
     return _on_rank0(build, state)
 
 
-def weigh_memory(fast: Plan, weight: float | None, limit: float | None) -> Plan:
+def weigh_memory(fast: Plan, request: PlanRequest, weight: float | None) -> Plan:
     """v1's ``memory_weight`` w as a cap on the largest stage's memory, the fastest plan under it kept.
 
-    The cap is ``peak - w * (peak - floor)``: ``peak`` is the largest stage of the fastest
+    ``fast`` is the plan of ``request`` (whose ``memory_limit`` stays a cap on every stage). The cap is ``peak - w * (peak - floor)``: ``peak`` is the largest stage of the fastest
     plan (w = 0), ``floor`` the least any plan can need (``partitioner.bounds.memory_lower_bound``,
     w = 1). When the planner proves a cap infeasible it is relaxed toward ``peak``.
     """
@@ -93,10 +90,8 @@ def weigh_memory(fast: Plan, weight: float | None, limit: float | None) -> Plan:
         if cap >= peak:
             break
         try:
-            plan = plan_from_graph(fast.graph, stages=fast.pipeline_ranks, microbatches=fast.microbatches,
-                                   schedule=fast.schedule_name, memory_limit=cap if limit is None else min(cap, limit),
-                                   model_info=fast.model, data_parallel=fast.data_parallel, placement=fast.placement,
-                                   active_microbatches=fast.active_microbatches)
+            limit = cap if request.memory_limit is None else min(cap, request.memory_limit)
+            plan = plan_from_graph(fast.graph, request.with_(memory_limit=limit), model_info=fast.model)
         except PlanningError:
             continue
         plan.partition.notes.append(
