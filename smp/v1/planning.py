@@ -1,12 +1,12 @@
-"""Partitioning a v1 model: smp's planner (memory_weight mapped onto a memory cap) or the manual assignment,
-made once on rank 0 and shared; then checked against each rank's device memory."""
+"""Partitioning a v1 model: smp's planner (memory_weight mapped onto a memory cap) or the manual assignment, with
+the stages of checkpointed modules recomputing, made once on rank 0 and shared; then checked against memory."""
 
 from __future__ import annotations
 
 import datetime
 import pickle
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import networkx as nx
@@ -27,7 +27,7 @@ from smp.v1.comm import CommGroup, gather_objects, group_ranks
 from smp.v1.errors import V1Error
 from smp.v1.state import State
 
-__all__ = ["partition_plan", "weigh_memory", "check_fits", "out_of_memory", "warn_unreached", "device_memory",
+__all__ = ["partition_plan", "weigh_memory", "recompute_checkpointed", "module_paths", "check_fits", "out_of_memory", "warn_unreached", "device_memory",
            "PLANNING_WAIT"]
 
 #: How long the other ranks wait for rank 0 to trace, profile and plan the model (seconds).
@@ -61,11 +61,12 @@ def partition_plan(module: nn.Module, args: tuple, kwargs: dict, state: State, d
         with torch.random.fork_rng(devices=[]):  # profiling runs the model; every rank's RNG stays the same
             if cfg.auto_partition:
                 asked = request.with_(memory_limit=limit)
-                return weigh_memory(make_plan(module, args, kwargs, asked), asked, cfg.memory_weight)
+                chosen = weigh_memory(make_plan(module, args, kwargs, asked), asked, cfg.memory_weight)
+                return recompute_checkpointed(chosen, module, state.checkpointed)
             # any quick plan gives the profiled graph and the model's identity; the stages are the user's
             base = make_plan(module, args, kwargs, request.with_(method="dp", objective="bottleneck"))
         stage_of = manual.stage_of_ops(module, base.graph, cfg.partitions, cfg.default_partition)
-        return manual.manual_plan(base, stage_of, limit)
+        return recompute_checkpointed(manual.manual_plan(base, stage_of, limit), module, state.checkpointed)
 
     return _on_rank0(build, state)
 
@@ -101,6 +102,48 @@ def weigh_memory(fast: Plan, request: PlanRequest, weight: float | None) -> Plan
     fast.partition.notes.append(f"v1 memory_weight={weight:g}: no plan under a lower memory cap than the fastest "
                                 f"plan's {format_bytes(peak)}; the fastest plan is kept")
     return fast
+
+
+def recompute_checkpointed(plan: Plan, model: nn.Module, modules: Sequence[nn.Module]) -> Plan:
+    """``plan`` with every stage that runs an op of one of ``modules`` (``smp.set_activation_checkpointing``)
+    recomputing its whole forward in the backward ("full"), the other stages as planned; the assignment stays.
+
+    smp recomputes whole stages (docs/memory.md), so "full" on each stage holding a part of
+    the module is the least recomputation that covers every activation of the module.
+    """
+    if not modules:
+        return plan
+    graph, stage_of = plan.graph, plan.partition.stage_of
+    full: set[int] = set()
+    for mod in modules:
+        paths = module_paths(model, mod)
+        ops = [n for n in graph.nx if n != OUTPUT_OP and any(_inside(graph[n]["module"], p) for p in paths)]
+        if not ops:
+            warnings.warn(f"smp.v1: module {paths[0]!r} runs no op in the traced forward; "
+                          "set_activation_checkpointing() changes nothing for it", stacklevel=3)
+        full.update(int(stage_of[n]) for n in ops)
+    recompute = ["full" if s in full else choice for s, choice in enumerate(plan.recompute)]
+    if recompute == list(plan.recompute):
+        return plan
+    redone = plan.resimulate(recompute=recompute)
+    redone.partition.notes[:0] = plan.partition.notes
+    redone.partition.notes.append(f"v1 set_activation_checkpointing: partition{'s' if len(full) > 1 else ''} "
+                                  f"{', '.join(map(str, sorted(full)))} recompute their forward in the backward")
+    return redone
+
+
+def module_paths(model: nn.Module, module: nn.Module) -> list[str]:
+    """Every path of ``module`` inside ``model`` (a shared module has several); an error when it is not there."""
+    paths = [path for path, sub in model.named_modules(remove_duplicate=False) if sub is module]
+    if not paths:
+        raise V1Error(f"smp.set_activation_checkpointing() was given a {type(module).__name__} that is not part of "
+                      "the DistributedModel's module; pass one of its submodules")
+    return paths
+
+
+def _inside(op_module: str, path: str) -> bool:
+    """Whether an op of module ``op_module`` runs inside the module at ``path`` ("" is the whole model)."""
+    return not path or op_module == path or op_module.startswith(path + ".")
 
 
 def _on_rank0(build: Callable[[], Plan], state: State) -> Plan:

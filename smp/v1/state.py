@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from runtime.teardown import destroy_groups_at_exit, release_at_exit
 from smp.v1.config import V1Config, load_config
@@ -28,6 +29,7 @@ class State:
     ``store`` is the rendezvous store (bounded waits that name an absent rank); ``gloo_groups`` and
     ``process_groups`` hold, for the ranks of every model replica (mp group) and of every partition's
     replicas (dp group), a gloo group (object collectives) and a group of the default backend (the script's).
+    ``checkpointed``: the modules ``smp.set_activation_checkpointing`` asked to recompute.
     """
 
     config: V1Config
@@ -39,6 +41,7 @@ class State:
     process_groups: dict[tuple[int, ...], Any] = field(default_factory=dict)
     model: DistributedModel | None = None
     optimizer: DistributedOptimizer | None = None
+    checkpointed: list[nn.Module] = field(default_factory=list)
     generation: int = 0
     counters: dict[str, int] = field(default_factory=dict)
 
