@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -15,10 +15,8 @@ from smp.partition import PipelinedModel
 from smp.v1 import planning
 from smp.v1.comm import CommGroup, cpu_copy, gather_objects, group_ranks
 from smp.v1.errors import V1Error
+from smp.v1.run import StepRun
 from smp.v1.state import current
-
-if TYPE_CHECKING:
-    from smp.v1.step import _Run
 
 __all__ = ["DistributedModel", "PARTIAL_KEY", "set_activation_checkpointing", "CHECKPOINT_STRATEGIES"]
 
@@ -84,7 +82,7 @@ class DistributedModel(nn.Module):
             else torch.device("cpu")
         self._pipe: PipelinedModel | None = None
         self._output_recomputed = False
-        self._active: _Run | None = None
+        self._active: StepRun | None = None
         self._hooks: list[Callable[[DistributedModel], None]] = []
         # Parameter names by identity, taken now: after partitioning the model holds placeholders for other
         # ranks' parameters, while an optimizer made earlier still holds (emptied) originals.
@@ -147,7 +145,7 @@ class DistributedModel(nn.Module):
     # ------------------------------------------------------------ running (from smp.step)
 
     @contextlib.contextmanager
-    def running(self, run: _Run) -> Iterator[None]:
+    def running(self, run: StepRun) -> Iterator[None]:
         """Within the block, ``model(...)`` and ``model.backward`` act for the step call ``run``."""
         if self._active is not None:
             raise V1Error("an smp.step function was called from inside another one; call them one after the other")
@@ -332,7 +330,7 @@ def set_activation_checkpointing(module: nn.Module, preserve_rng_state: bool = T
         raise V1Error(f"smp.set_activation_checkpointing(strategy={strategy!r}): \"each\", \"contiguous\" or "
                       "\"group_N\" (N a whole number > 0)")
     model = st.model
-    if model is not None:
+    if isinstance(model, DistributedModel):
         if model.partitioned:
             raise V1Error("smp.set_activation_checkpointing() after the first smp.step call: the model is partitioned "
                           "and planned then; call it before")
