@@ -26,6 +26,15 @@ def test_keys_map_onto_smp() -> None:
     assert load_config({"partitions": 4, "microbatches": 8, "active_microbatches": 2}).active_microbatches == 2
 
 
+def test_the_configuration_is_one_planning_request() -> None:
+    cfg = load_config({"partitions": 4, "microbatches": 8, "pipeline": "simple", "placement_strategy": "spread",
+                       "active_microbatches": 2, "ddp": True})
+    request = cfg.request(data_parallel=2)
+    assert (request.stages, request.microbatches, request.schedule, request.placement) == (4, 8, "gpipe", "spread")
+    assert (request.active_microbatches, request.data_parallel) == (2, 2)
+    assert load_config({"partitions": 4}).request(data_parallel=1).microbatches == 1  # v1's default, not smp's
+
+
 def test_configuration_from_sagemakers_environment_variable() -> None:
     env = {ENV_VAR: json.dumps({"partitions": 2, "microbatches": 4, "pipeline": "interleaved", "ddp": True})}
     cfg = load_config(None, env)

@@ -15,6 +15,7 @@ from torch import nn
 import smp.v1 as smp
 from partitioner.compile import plan_from_graph
 from partitioner.graph import OpGraph
+from partitioner.request import PlanRequest
 from smp.v1 import planning
 from smp.v1.step import split_arguments
 
@@ -249,11 +250,12 @@ def test_memory_weight_caps_the_largest_stage() -> None:
                                              ("p2", 1e-3, 100e6)]):
         g.add_node(name, fwd=fwd, bwd=2 * fwd, bwd_w=fwd, params=params, out_bytes=1000, module=name, index=i)
     g.add_edges_from([("c1", "c2"), ("c2", "p1"), ("p1", "p2")])
-    fast = plan_from_graph(OpGraph(g), stages=2, microbatches=4)
+    request = PlanRequest(stages=2, microbatches=4)
+    fast = plan_from_graph(OpGraph(g), request)
     assert fast.partition.stage_of["p1"] == fast.partition.stage_of["p2"]
-    assert planning.weigh_memory(fast, None, None) is fast and planning.weigh_memory(fast, 0.0, None) is fast
+    assert planning.weigh_memory(fast, request, None) is fast and planning.weigh_memory(fast, request, 0.0) is fast
     for weight in (0.5, 1.0):
-        lean = planning.weigh_memory(fast, weight, None)
+        lean = planning.weigh_memory(fast, request, weight)
         assert lean.partition.stage_of["p1"] != lean.partition.stage_of["p2"]
         assert max(lean.stage_memory) < max(fast.stage_memory)
         assert any(f"memory_weight={weight:g}" in note for note in lean.partition.notes)
@@ -413,6 +415,45 @@ def test_checkpoint_directories_resume(tmp_path: Path, partial: bool) -> None:
         torch.testing.assert_close(s["exp_avg_sq"], expected_opt["state"][i]["exp_avg_sq"], rtol=0, atol=0)
 
 
+def test_activation_checkpointing_recomputes_the_partitions_running_the_module() -> None:
+    """set_activation_checkpointing(head): the partition running the head's ops recomputes its forward ("full"),
+    every loss and weight stay exactly those of the same run without it (one manual assignment for both)."""
+    x, y = data()
+    runs = []
+    for checkpoint in (False, True):
+        model, _ = wrapped({"auto_partition": False}, first=0, second=1)
+        if checkpoint:
+            smp.set_activation_checkpointing(model.module.head)
+        opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+        losses = []
+        for _ in range(3):
+            opt.zero_grad()
+            losses.append(train_step(model, x, y)[1].reduce_mean())
+            opt.step()
+        runs.append((model.pipe.plan, losses, model.state_dict()))
+    (plain, plain_losses, plain_state), (plan, losses, state) = runs
+    part = plan.partition
+    head = {part.stage_of[n] for n in plan.graph.nx if plan.graph[n]["module"].startswith("head")}
+    assert head == {1} and plan.recompute == ["none", "full"] and plain.recompute == ["none", "none"]
+    assert part.stage_of == plain.partition.stage_of
+    assert any("set_activation_checkpointing" in note for note in part.notes)
+    for a, b in zip(losses, plain_losses):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for k, v in state.items():
+        torch.testing.assert_close(v, plain_state[k], rtol=0, atol=0, msg=k)
+
+
+def test_activation_checkpointing_needs_a_module_of_the_model_before_partitioning() -> None:
+    model, _ = wrapped()
+    with pytest.raises(smp.V1Error, match="not part of the DistributedModel"):
+        smp.set_activation_checkpointing(nn.Linear(2, 2))
+    with pytest.raises(smp.V1Error, match="strategy"):
+        smp.set_activation_checkpointing(model.module.head, strategy="every")
+    train_step(model, *data())
+    with pytest.raises(smp.V1Error, match="after the first smp.step call"):
+        smp.set_activation_checkpointing(model.module.head)
+
+
 def test_tensor_parallelism_is_refused_by_name_and_off_is_a_no_op() -> None:
     smp.init({"partitions": 2})
     with smp.model_creation(tensor_parallelism=smp.tp_size() > 1, dtype=torch.float64):
@@ -420,7 +461,6 @@ def test_tensor_parallelism_is_refused_by_name_and_off_is_a_no_op() -> None:
     assert torch.get_default_dtype() == torch.float32
     with smp.tensor_parallelism(enabled=False):
         pass
-    for call in (lambda: smp.tensor_parallelism().__enter__(), smp.get_tp_process_group,
-                 lambda: smp.set_activation_checkpointing(nn.Linear(2, 2))):
-        with pytest.raises(smp.V1Error, match="tensor parallelism|recompute"):
+    for call in (lambda: smp.tensor_parallelism().__enter__(), smp.get_tp_process_group):
+        with pytest.raises(smp.V1Error, match="tensor parallelism"):
             call()

@@ -44,12 +44,11 @@ from smp.v1.info import (
     tp_size,
 )
 from smp.v1.manual import partition
-from smp.v1.model import DistributedModel
+from smp.v1.model import DistributedModel, set_activation_checkpointing
 from smp.v1.optimizer import DistributedOptimizer
 from smp.v1.refused import (
     get_tp_process_group,
     model_creation,
-    set_activation_checkpointing,
     set_tensor_parallelism,
     tensor_parallelism,
     tp_register_with_module,

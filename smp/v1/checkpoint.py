@@ -8,18 +8,16 @@ import pickle
 import shutil
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from smp.v1.comm import barrier
 from smp.v1.errors import V1Error
 from smp.v1.info import dp_rank, pp_rank
+from smp.v1.model import DistributedModel
+from smp.v1.optimizer import DistributedOptimizer
 from smp.v1.state import current
-
-if TYPE_CHECKING:
-    from smp.v1.model import DistributedModel
-    from smp.v1.optimizer import DistributedOptimizer
 
 __all__ = ["save", "load", "partial_path", "save_checkpoint", "resume_from_checkpoint"]
 
@@ -78,7 +76,7 @@ def save_checkpoint(path: str | Path, tag: str, partial: bool = True, model: Dis
     """
     st = current()
     model = model or st.model
-    if model is None:
+    if not isinstance(model, DistributedModel):
         raise V1Error("smp.save_checkpoint needs a DistributedModel")
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
@@ -111,8 +109,9 @@ def resume_from_checkpoint(path: str | Path, tag: str | None = None, partial: bo
         raise V1Error("resume_from_checkpoint(translate_function=...) translates other formats' checkpoints; load "
                       "those with model.load_state_dict instead")
     st = current()
-    model, optimizer = st.model, st.optimizer if load_optimizer else None
-    if model is None:
+    model = st.model
+    optimizer = st.optimizer if load_optimizer and isinstance(st.optimizer, DistributedOptimizer) else None
+    if not isinstance(model, DistributedModel):
         raise V1Error("smp.resume_from_checkpoint needs a DistributedModel")
     root = Path(path)
     if tag is None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from itertools import permutations
 from typing import Any
 
+from partitioner.request import PlanRequest
 from smp.v1.errors import V1Error
 
 __all__ = ["ENV_VAR", "V1Config", "load_config", "HONOURED", "NO_EFFECT", "REFUSED", "SCHEDULES",
@@ -87,6 +88,16 @@ class V1Config:
     memory_weight: float | None = None
     active_microbatches: int | None = None
     timeout: float = DEFAULT_TIMEOUT
+
+    def request(self, data_parallel: int) -> PlanRequest:
+        """What the planner is asked for this configuration with ``data_parallel`` replicas of the pipeline.
+
+        v1's own defaults stay: one microbatch unless ``microbatches`` says otherwise (not
+        smp's :func:`~partitioner.request.default_microbatches`).
+        """
+        return PlanRequest(stages=self.partitions, microbatches=self.microbatches, schedule=self.schedule,
+                           placement=self.placement, active_microbatches=self.active_microbatches,
+                           data_parallel=data_parallel)
 
     @property
     def schedule(self) -> str:

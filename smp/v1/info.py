@@ -12,6 +12,7 @@ from typing import Any
 import torch.distributed as dist
 
 from smp.v1.errors import V1Error
+from smp.v1.model import DistributedModel
 from smp.v1.state import current
 
 __all__ = ["rank", "size", "local_rank", "local_size", "pp_rank", "pp_size", "mp_rank", "mp_size", "dp_rank",
@@ -22,7 +23,7 @@ __all__ = ["rank", "size", "local_rank", "local_size", "pp_rank", "pp_size", "mp
 
 def _coordinate(name: str) -> int:
     st = current()
-    pipe = st.model.pipe if st.model is not None else None
+    pipe = st.model.pipe if isinstance(st.model, DistributedModel) else None
     value = getattr(pipe, name, None)
     return int(value) if isinstance(value, int) else int(getattr(st.topology, name))
 

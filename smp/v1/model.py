@@ -4,21 +4,25 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
+from partitioner.graph import OUTPUT_OP
 from smp.partition import PipelinedModel
 from smp.v1 import planning
 from smp.v1.comm import CommGroup, cpu_copy, gather_objects, group_ranks
 from smp.v1.errors import V1Error
+from smp.v1.run import StepRun
 from smp.v1.state import current
 
-if TYPE_CHECKING:
-    from smp.v1.step import _Run
+__all__ = ["DistributedModel", "PARTIAL_KEY", "set_activation_checkpointing", "CHECKPOINT_STRATEGIES"]
 
-__all__ = ["DistributedModel", "PARTIAL_KEY"]
+#: v1's ways of checkpointing an nn.Sequential (each layer, groups of N, one segment); smp's stage-level
+#: recomputation covers every one of them (docs/smp-v1.md).
+CHECKPOINT_STRATEGIES = ("each", "group_N", "contiguous")
 
 #: The key v1 put in a partial (one partition's) state dict.
 PARTIAL_KEY = "_smp_is_partial"
@@ -77,7 +81,8 @@ class DistributedModel(nn.Module):
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
         self._pipe: PipelinedModel | None = None
-        self._active: _Run | None = None
+        self._output_recomputed = False
+        self._active: StepRun | None = None
         self._hooks: list[Callable[[DistributedModel], None]] = []
         # Parameter names by identity, taken now: after partitioning the model holds placeholders for other
         # ranks' parameters, while an optimizer made earlier still holds (emptied) originals.
@@ -119,6 +124,8 @@ class DistributedModel(nn.Module):
         except torch.OutOfMemoryError as err:
             raise planning.out_of_memory(plan, st, self.device, "placing its partition") from err
         self._pipe = pipe
+        # a recomputing output partition runs its forward without autograd and again before its backward
+        self._output_recomputed = plan.recompute[plan.partition.stage_of[OUTPUT_OP]] != "none"
         for n, p in self.module.named_parameters():  # parameters made at partitioning (a model built without weights)
             self._names.setdefault(id(p), n)
         planning.warn_unreached(plan)
@@ -138,7 +145,7 @@ class DistributedModel(nn.Module):
     # ------------------------------------------------------------ running (from smp.step)
 
     @contextlib.contextmanager
-    def running(self, run: _Run) -> Iterator[None]:
+    def running(self, run: StepRun) -> Iterator[None]:
         """Within the block, ``model(...)`` and ``model.backward`` act for the step call ``run``."""
         if self._active is not None:
             raise V1Error("an smp.step function was called from inside another one; call them one after the other")
@@ -162,6 +169,11 @@ class DistributedModel(nn.Module):
 
     def _loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
         assert self._active is not None
+        if self._output_recomputed and not any(t.requires_grad for t in pytree.tree_leaves(output)
+                                               if isinstance(t, torch.Tensor)):
+            # the engine asks for the loss of the forward without autograd too; it is the rerun's loss that
+            # backpropagates, so the step function replays there, once per microbatch
+            return torch.zeros((), device=self.device)
         return self._active.loss_for(output, index)
 
     def train_step(self, args: tuple, kwargs: dict, m: int) -> None:
@@ -300,3 +312,27 @@ def _merge_partials(parts: list[dict[str, Any]], order: list[str]) -> dict[str, 
                       "dp_rank() == 0)?")
     extra = [k for k in full if k not in order]
     return {**{k: full[k] for k in order}, **{k: full[k] for k in extra}}
+
+
+def set_activation_checkpointing(module: nn.Module, preserve_rng_state: bool = True, pack_args_as_tuple: bool = False,
+                                 strategy: str = "each") -> None:
+    """Recompute ``module``'s activations in the backward: the partitions running its ops recompute their whole
+    forward ("full", see :func:`smp.v1.planning.recompute_checkpointed`). Call it before the first smp.step call.
+
+    The rerun always draws the forward's random numbers again (``preserve_rng_state=False``
+    changes nothing); ``pack_args_as_tuple`` and ``strategy`` only shape v1's own wrappers.
+    """
+    st = current()
+    if not isinstance(module, nn.Module):
+        raise V1Error(f"smp.set_activation_checkpointing() takes a torch.nn.Module, got {type(module).__name__}")
+    if not (strategy in ("each", "contiguous") or (strategy.startswith("group_") and strategy[6:].isdigit()
+                                                     and int(strategy[6:]) > 0)):
+        raise V1Error(f"smp.set_activation_checkpointing(strategy={strategy!r}): \"each\", \"contiguous\" or "
+                      "\"group_N\" (N a whole number > 0)")
+    model = st.model
+    if isinstance(model, DistributedModel):
+        if model.partitioned:
+            raise V1Error("smp.set_activation_checkpointing() after the first smp.step call: the model is partitioned "
+                          "and planned then; call it before")
+        planning.module_paths(model.module, module)  # refused now when it is not the model's
+    st.checkpointed.append(module)

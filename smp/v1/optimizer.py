@@ -42,7 +42,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                           "have: scale the loss with smp.amp.GradScaler instead")
         st = current()
         model = st.model
-        if model is None:
+        if not isinstance(model, DistributedModel):
             raise V1Error("wrap the model in smp.DistributedModel before the optimizer in smp.DistributedOptimizer")
         if st.optimizer is not None:
             raise V1Error("a v1 script wraps one optimizer in smp.DistributedOptimizer; call smp.init() again to "

@@ -1,12 +1,12 @@
-"""Partitioning a v1 model: smp's planner (memory_weight mapped onto a memory cap) or the manual assignment,
-made once on rank 0 and shared; then checked against each rank's device memory."""
+"""Partitioning a v1 model: smp's planner (memory_weight mapped onto a memory cap) or the manual assignment, with
+the stages of checkpointed modules recomputing, made once on rank 0 and shared; then checked against memory."""
 
 from __future__ import annotations
 
 import datetime
 import pickle
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import networkx as nx
@@ -20,13 +20,14 @@ from partitioner.cost import Problem
 from partitioner.errors import PlanningError
 from partitioner.graph import OUTPUT_OP
 from partitioner.plan import Plan
+from partitioner.request import PlanRequest
 from partitioner.units import format_bytes
 from smp.v1 import manual
 from smp.v1.comm import CommGroup, gather_objects, group_ranks
 from smp.v1.errors import V1Error
 from smp.v1.state import State
 
-__all__ = ["partition_plan", "weigh_memory", "check_fits", "out_of_memory", "warn_unreached", "device_memory",
+__all__ = ["partition_plan", "weigh_memory", "recompute_checkpointed", "module_paths", "check_fits", "out_of_memory", "warn_unreached", "device_memory",
            "PLANNING_WAIT"]
 
 #: How long the other ranks wait for rank 0 to trace, profile and plan the model (seconds).
@@ -54,29 +55,26 @@ def partition_plan(module: nn.Module, args: tuple, kwargs: dict, state: State, d
     limit = float(memory[1]) if memory is not None and state.distributed else None
     profile_on = torch.device("cpu") if trace_device == "cpu" else (device if device.type == "cuda" else None)
     # the plan is for every replica of the pipeline (the sample batch is one replica's share)
-    replicas = {"data_parallel": state.topology.dp_size, "placement": cfg.placement,
-                "active_microbatches": cfg.active_microbatches}
+    request = cfg.request(data_parallel=state.topology.dp_size).with_(device=profile_on)
 
     def build() -> Plan:
         with torch.random.fork_rng(devices=[]):  # profiling runs the model; every rank's RNG stays the same
             if cfg.auto_partition:
-                fast = make_plan(module, args, kwargs, stages=cfg.partitions, microbatches=cfg.microbatches,
-                                 schedule=cfg.schedule, memory_limit=limit, device=profile_on, **replicas)
-                return weigh_memory(fast, cfg.memory_weight, limit)
+                asked = request.with_(memory_limit=limit)
+                chosen = weigh_memory(make_plan(module, args, kwargs, asked), asked, cfg.memory_weight)
+                return recompute_checkpointed(chosen, module, state.checkpointed)
             # any quick plan gives the profiled graph and the model's identity; the stages are the user's
-            base = make_plan(module, args, kwargs, stages=cfg.partitions, microbatches=cfg.microbatches,
-                             schedule=cfg.schedule, device=profile_on, method="dp", objective="bottleneck",
-                             **replicas)
+            base = make_plan(module, args, kwargs, request.with_(method="dp", objective="bottleneck"))
         stage_of = manual.stage_of_ops(module, base.graph, cfg.partitions, cfg.default_partition)
-        return manual.manual_plan(base, stage_of, limit)
+        return recompute_checkpointed(manual.manual_plan(base, stage_of, limit), module, state.checkpointed)
 
     return _on_rank0(build, state)
 
 
-def weigh_memory(fast: Plan, weight: float | None, limit: float | None) -> Plan:
+def weigh_memory(fast: Plan, request: PlanRequest, weight: float | None) -> Plan:
     """v1's ``memory_weight`` w as a cap on the largest stage's memory, the fastest plan under it kept.
 
-    The cap is ``peak - w * (peak - floor)``: ``peak`` is the largest stage of the fastest
+    ``fast`` is the plan of ``request`` (whose ``memory_limit`` stays a cap on every stage). The cap is ``peak - w * (peak - floor)``: ``peak`` is the largest stage of the fastest
     plan (w = 0), ``floor`` the least any plan can need (``partitioner.bounds.memory_lower_bound``,
     w = 1). When the planner proves a cap infeasible it is relaxed toward ``peak``.
     """
@@ -93,10 +91,8 @@ def weigh_memory(fast: Plan, weight: float | None, limit: float | None) -> Plan:
         if cap >= peak:
             break
         try:
-            plan = plan_from_graph(fast.graph, stages=fast.pipeline_ranks, microbatches=fast.microbatches,
-                                   schedule=fast.schedule_name, memory_limit=cap if limit is None else min(cap, limit),
-                                   model_info=fast.model, data_parallel=fast.data_parallel, placement=fast.placement,
-                                   active_microbatches=fast.active_microbatches)
+            limit = cap if request.memory_limit is None else min(cap, request.memory_limit)
+            plan = plan_from_graph(fast.graph, request.with_(memory_limit=limit), model_info=fast.model)
         except PlanningError:
             continue
         plan.partition.notes.append(
@@ -106,6 +102,48 @@ def weigh_memory(fast: Plan, weight: float | None, limit: float | None) -> Plan:
     fast.partition.notes.append(f"v1 memory_weight={weight:g}: no plan under a lower memory cap than the fastest "
                                 f"plan's {format_bytes(peak)}; the fastest plan is kept")
     return fast
+
+
+def recompute_checkpointed(plan: Plan, model: nn.Module, modules: Sequence[nn.Module]) -> Plan:
+    """``plan`` with every stage that runs an op of one of ``modules`` (``smp.set_activation_checkpointing``)
+    recomputing its whole forward in the backward ("full"), the other stages as planned; the assignment stays.
+
+    smp recomputes whole stages (docs/memory.md), so "full" on each stage holding a part of
+    the module is the least recomputation that covers every activation of the module.
+    """
+    if not modules:
+        return plan
+    graph, stage_of = plan.graph, plan.partition.stage_of
+    full: set[int] = set()
+    for mod in modules:
+        paths = module_paths(model, mod)
+        ops = [n for n in graph.nx if n != OUTPUT_OP and any(_inside(graph[n]["module"], p) for p in paths)]
+        if not ops:
+            warnings.warn(f"smp.v1: module {paths[0]!r} runs no op in the traced forward; "
+                          "set_activation_checkpointing() changes nothing for it", stacklevel=3)
+        full.update(int(stage_of[n]) for n in ops)
+    recompute = ["full" if s in full else choice for s, choice in enumerate(plan.recompute)]
+    if recompute == list(plan.recompute):
+        return plan
+    redone = plan.resimulate(recompute=recompute)
+    redone.partition.notes[:0] = plan.partition.notes
+    redone.partition.notes.append(f"v1 set_activation_checkpointing: partition{'s' if len(full) > 1 else ''} "
+                                  f"{', '.join(map(str, sorted(full)))} recompute their forward in the backward")
+    return redone
+
+
+def module_paths(model: nn.Module, module: nn.Module) -> list[str]:
+    """Every path of ``module`` inside ``model`` (a shared module has several); an error when it is not there."""
+    paths = [path for path, sub in model.named_modules(remove_duplicate=False) if sub is module]
+    if not paths:
+        raise V1Error(f"smp.set_activation_checkpointing() was given a {type(module).__name__} that is not part of "
+                      "the DistributedModel's module; pass one of its submodules")
+    return paths
+
+
+def _inside(op_module: str, path: str) -> bool:
+    """Whether an op of module ``op_module`` runs inside the module at ``path`` ("" is the whole model)."""
+    return not path or op_module == path or op_module.startswith(path + ".")
 
 
 def _on_rank0(build: Callable[[], Plan], state: State) -> Plan:

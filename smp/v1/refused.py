@@ -1,4 +1,4 @@
-"""v1 calls for features smp does not have (tensor parallelism, activation checkpointing): each says so by name.
+"""v1 calls for a feature smp does not have (tensor parallelism): each says so by name.
 
 ``model_creation`` and ``tensor_parallelism`` still work with tensor parallelism off, as
 v1 scripts call them (``tensor_parallelism=smp.tp_size() > 1``, which is False here).
@@ -15,7 +15,7 @@ import torch
 from smp.v1.errors import V1Error
 
 __all__ = ["tensor_parallelism", "set_tensor_parallelism", "tp_register_with_module", "get_tp_process_group",
-           "set_activation_checkpointing", "model_creation"]
+           "model_creation"]
 
 _NO_TENSOR_PARALLELISM = ("smp has no tensor parallelism: it splits a model into pipeline stages (partitions). "
                           "Remove the call, or pass tensor_parallelism=False")
@@ -43,12 +43,6 @@ def tp_register_with_module(*args: Any, **kwargs: Any) -> None:
 def get_tp_process_group() -> Any:
     """Refused: smp has no tensor-parallel groups."""
     raise V1Error(f"smp.get_tp_process_group(): {_NO_TENSOR_PARALLELISM}")
-
-
-def set_activation_checkpointing(module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
-    """Refused: smp's runtime does not recompute activations."""
-    raise V1Error("smp.set_activation_checkpointing(): smp's runtime keeps each in-flight microbatch's activations "
-                  "and does not recompute them; lower the memory with more partitions or smaller microbatches")
 
 
 @contextlib.contextmanager

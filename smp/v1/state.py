@@ -5,19 +5,16 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from runtime.teardown import destroy_groups_at_exit, release_at_exit
 from smp.v1.config import V1Config, load_config
 from smp.v1.errors import V1Error
 from smp.v1.ranks import Launch, Topology, export_for_torch, from_environment, topology
-
-if TYPE_CHECKING:
-    from smp.v1.model import DistributedModel
-    from smp.v1.optimizer import DistributedOptimizer
 
 __all__ = ["State", "init", "is_initialized", "current"]
 
@@ -28,6 +25,8 @@ class State:
     ``store`` is the rendezvous store (bounded waits that name an absent rank); ``gloo_groups`` and
     ``process_groups`` hold, for the ranks of every model replica (mp group) and of every partition's
     replicas (dp group), a gloo group (object collectives) and a group of the default backend (the script's).
+    ``model`` and ``optimizer`` are the script's DistributedModel and DistributedOptimizer (typed by their base
+    classes: those modules build on this one). ``checkpointed``: the modules ``smp.set_activation_checkpointing`` asked to recompute.
     """
 
     config: V1Config
@@ -37,8 +36,9 @@ class State:
     store: Any = None
     gloo_groups: dict[tuple[int, ...], Any] = field(default_factory=dict)
     process_groups: dict[tuple[int, ...], Any] = field(default_factory=dict)
-    model: DistributedModel | None = None
-    optimizer: DistributedOptimizer | None = None
+    model: nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    checkpointed: list[nn.Module] = field(default_factory=list)
     generation: int = 0
     counters: dict[str, int] = field(default_factory=dict)
 

@@ -11,13 +11,11 @@ function returns is then shared with every rank of the pipeline.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -25,15 +23,11 @@ import torch.utils._pytree as pytree
 from partitioner.microbatch import batch_size
 from smp.v1.comm import cpu_copy, share_from_holder
 from smp.v1.errors import V1Error
+from smp.v1.model import DistributedModel
+from smp.v1.run import ModelCall, StepRun, autocast_as
 from smp.v1.state import current
 
-if TYPE_CHECKING:
-    from smp.v1.model import DistributedModel
-
 __all__ = ["step", "StepOutput", "StepFunction", "split_arguments"]
-
-_AUTOCAST_DEVICES = ("cuda", "cpu")
-
 
 class StepOutput:
     """One tensor the step function returned, per microbatch (v1's ``StepOutput``)."""
@@ -118,124 +112,7 @@ def _split_leaf(leaf: Any, m: int, axis: int, name: str) -> list[Any]:
 # ---------------------------------------------------------------------- one step
 
 
-class _ModelCalled(BaseException):
-    """Raised by ``model(...)`` while capturing: the microbatch's model inputs (a BaseException, so that a step
-    function's own ``except Exception`` lets it through)."""
-
-    def __init__(self, call: _Call) -> None:
-        super().__init__()
-        self.call = call
-
-
-@dataclass
-class _Call:
-    """The inputs one microbatch gave the model, and the autocast state around the call."""
-
-    args: tuple
-    kwargs: dict
-    autocast: tuple[tuple[str, torch.dtype], ...]
-
-
-class _Run:
-    """One call of a step function: its microbatches, and what ``model(...)`` / ``model.backward`` do right now."""
-
-    def __init__(self, fn: StepFunction, micro: list[tuple[tuple, dict]], training: bool, average: bool) -> None:
-        self.fn = fn
-        self.micro = micro
-        self.training = training
-        self.average = average
-        self.capturing = True
-        self.output: Any = None
-        self.called = False
-        self.current = -1
-        self.losses: list[torch.Tensor | None] = [None] * len(micro)
-        self.returns: list[Any] = [None] * len(micro)
-        self.replayed = False
-
-    # ------------------------------------------------------------ what the model does
-
-    def model_called(self, args: tuple, kwargs: dict) -> Any:
-        if self.capturing:
-            state = tuple((d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d))
-            raise _ModelCalled(_Call(args, kwargs, state))
-        if self.called:
-            raise V1Error(f"{self.fn.name} called the DistributedModel twice for one microbatch: smp pipelines one "
-                          "forward per microbatch; combine the calls into one forward")
-        self.called = True
-        return self.output
-
-    def backward(self, tensors: Any, grad_tensors: Any) -> None:
-        if self.capturing:
-            raise V1Error(f"{self.fn.name} called model.backward() before model(...)")
-        if not self.training:
-            raise V1Error(f"{self.fn.name} called model.backward() under torch.no_grad(): run training steps with "
-                          "gradients enabled, evaluation steps without model.backward()")
-        loss = _scalar(tensors, grad_tensors)
-        before = self.losses[self.current]
-        self.losses[self.current] = loss if before is None else before + loss
-
-    # ------------------------------------------------------------ the phases
-
-    def capture(self, i: int) -> _Call:
-        args, kwargs = self.micro[i]
-        try:
-            self.fn.fn(*args, **kwargs)
-        except _ModelCalled as called:
-            return called.call
-        raise V1Error(f"{self.fn.name} returned without calling the DistributedModel: an smp.step function runs "
-                      "the model (model(...)) once per microbatch")
-
-    def replay(self, i: int, output: Any) -> None:
-        self.capturing, self.current, self.output, self.called = False, i, output, False
-        self.replayed = True
-        args, kwargs = self.micro[i]
-        result = self.fn.fn(*args, **kwargs)
-        if not self.called:
-            raise V1Error(f"{self.fn.name} did not call the DistributedModel for microbatch {i} when it ran again "
-                          "with the model's output: its control flow must not depend on running twice")
-        self.returns[i] = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, result)
-
-    def loss_for(self, output: Any, index: torch.Tensor) -> torch.Tensor:
-        """The engine's loss function: microbatch ``index``'s function, replayed on its output."""
-        i = int(index.reshape(-1)[0])
-        self.replay(i, output)
-        loss = self.losses[i]
-        if loss is None:
-            self.fn.warn_no_backward()
-            device = next((t.device for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)), None)
-            # connected to nothing: the stages' backward carries zero gradients (added to, never changing, .grad)
-            return torch.zeros((), device=device, requires_grad=True)
-        return loss if self.average else loss * len(self.micro)
-
-
-def _scalar(tensors: Any, grad_tensors: Any) -> torch.Tensor:
-    """``model.backward(tensors, grad_tensors)`` as one scalar whose gradient is the same (torch.autograd.backward's
-    contract): a scalar loss as it is, tensors with output gradients as sum(t * g)."""
-    ts = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
-    if grad_tensors is None:
-        gs: list[Any] = [None] * len(ts)
-    else:
-        gs = list(grad_tensors) if isinstance(grad_tensors, (list, tuple)) else [grad_tensors]
-        if len(gs) != len(ts):
-            raise V1Error(f"model.backward got {len(ts)} tensors and {len(gs)} gradients")
-    total = None
-    for t, g in zip(ts, gs):
-        if not isinstance(t, torch.Tensor) or not t.requires_grad:
-            raise V1Error("model.backward(loss): the loss does not depend on the DistributedModel's output (it does "
-                          "not require grad); compute it from what model(...) returned")
-        if g is None:
-            if t.numel() != 1:
-                raise V1Error(f"model.backward got a tensor of shape {tuple(t.shape)} without its gradient: pass a "
-                              "scalar loss, or model.backward(outputs, output_gradients)")
-            term = t.reshape(())
-        else:
-            term = (t * g.detach()).sum()
-        total = term if total is None else total + term
-    assert total is not None
-    return total
-
-
-def _merge(calls: list[_Call], m: int, name: str) -> tuple[tuple, dict]:
+def _merge(calls: list[ModelCall], m: int, name: str) -> tuple[tuple, dict]:
     """The microbatches' model inputs as one batch that smp's pipeline splits back into the same microbatches.
 
     A tensor that is the same object in every microbatch (a non-split argument) goes in
@@ -276,13 +153,6 @@ def _merge(calls: list[_Call], m: int, name: str) -> tuple[tuple, dict]:
         raise V1Error(f"{name}: a model keyword argument named 'target' cannot pass through smp's pipeline "
                       "(PipelinedModel.step uses the name); pass it positionally")
     return args, kwargs
-
-
-def _autocast(state: tuple[tuple[str, torch.dtype], ...]) -> contextlib.ExitStack:
-    stack = contextlib.ExitStack()
-    for device, dtype in state:
-        stack.enter_context(torch.autocast(device, dtype=dtype))
-    return stack
 
 
 def _split_output(output: Any, m: int, name: str) -> list[Any]:
@@ -353,16 +223,17 @@ class StepFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         st = current()
         model = st.model
-        if model is None:
+        if not isinstance(model, DistributedModel):
             raise V1Error(f"{self.name} was called before smp.DistributedModel(model) wrapped a model")
         m = st.config.microbatches
         micro = split_arguments(self.signature, args, kwargs, m, self.non_split, self.axes)
-        run = _Run(self, micro, torch.is_grad_enabled(), model.average_grads_across_microbatches)
+        run = StepRun(self.fn, self.name, self.warn_no_backward, micro, torch.is_grad_enabled(),
+                      model.average_grads_across_microbatches)
         with model.running(run):
             calls = [run.capture(i) for i in range(m)]
             model_args, model_kwargs = _merge(calls, m, self.name)
             model.ensure_partitioned(model_args, model_kwargs)
-            with _autocast(calls[0].autocast):
+            with autocast_as(calls[0].autocast):
                 holds, error = self._pipeline(model, run, model_args, model_kwargs, m)
         sendable = cpu_copy(run.returns) if holds and st.distributed else None
         failure = f"{type(error).__name__}: {error}" if error is not None else None
@@ -374,7 +245,7 @@ class StepFunction:
         returns = run.returns if holds else [_to(r, model.device) for r in shared["returns"]]
         return _assemble(returns, self.name)
 
-    def _pipeline(self, model: DistributedModel, run: _Run, args: tuple, kwargs: dict, m: int
+    def _pipeline(self, model: DistributedModel, run: StepRun, args: tuple, kwargs: dict, m: int
                   ) -> tuple[bool, Exception | None]:
         """Run the pipeline: (whether this rank ran the function on the model's outputs, the error that raised)."""
         if run.training:
