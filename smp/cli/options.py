@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from partitioner.request import default_microbatches
 from smp.cli.errors import CLIUsageError
 
 __all__ = [
@@ -118,9 +119,10 @@ def check_cluster(cluster: str | None) -> None:
 def microbatches_for(stages: int, microbatches: int | None, batch_size: int | None) -> tuple[int, str | None]:
     """The microbatch count, and a note for the output when it was chosen for the user.
 
-    Without --batch-size a microbatch is the spec's sample batch and any count works: 2 x
-    stages. With --batch-size B the count must divide B: the largest divisor of B not above
-    2 x stages.
+    The planning request's one rule (:func:`partitioner.request.default_microbatches`): without
+    --batch-size a microbatch is the spec's sample batch and any count works (2 x stages);
+    with --batch-size B the count must divide B: the largest divisor of B not above 2 x stages.
+    One stage: 1.
     """
     positive(batch_size, "--batch-size")
     if microbatches is not None:
@@ -129,9 +131,9 @@ def microbatches_for(stages: int, microbatches: int | None, batch_size: int | No
                                 f"use a batch that is a multiple of {microbatches}, or a count that divides "
                                 f"{batch_size}")
         return microbatches, None
-    if batch_size is None:
-        return 2 * stages, None
-    m = max(d for d in range(1, min(batch_size, 2 * stages) + 1) if batch_size % d == 0)
+    m = default_microbatches(stages, batch_size)
+    if batch_size is None or stages <= 1:
+        return m, None
     return m, (f"--microbatches defaults to {m}: the largest divisor of the batch ({batch_size}) "
                f"not above 2 x {stages} stages")
 

@@ -17,20 +17,15 @@ from smp.cli.output import print_json, progress_bar, rich_console, spinner
 from smp.cli.render import (candidate_table, plan_header, print_plan, render_stage_graph, report,
                             write_timeline)
 from smp.cli.root import app, command
+from smp.plan import PlanRequest, default_microbatches
 
 __all__ = ["plan_cmd", "inspect_cmd", "simulate_cmd", "compare_cmd"]
 
 
-def _make_plan(model: str, *, stages: int, microbatches: int, schedule: str, cluster: str | None,
-               memory_limit: int | None, method: str, time_limit: float | None, batch_size: int | None,
-               seq_len: int | None, timing: str | None, device: str | None, meta: bool, dtype: str | None,
-               repeats: int, virtual_stages: int, show_progress: bool, objective: str = "step_time",
-               recompute: str = "auto", active_microbatches: int | None = None):
-    """A Plan from a model spec (trace + profile + solve) or from an op graph JSON (solve only)."""
-    import smp
-    from smp.models import build_step
-    from smp.plan import plan_from_graph
-
+def _request(model: str, *, cluster: str | None, timing: str | None, device: str | None, meta: bool,
+             dtype: str | None, repeats: int, batch_size: int | None, seq_len: int | None,
+             **fields: Any) -> PlanRequest:
+    """The flags as the one planning request: the profiling ones resolved for a model spec, refused for a graph."""
     check_cluster(cluster)
     if is_graph_file(model):
         ignored = [n for n, v in (("--batch-size", batch_size), ("--seq-len", seq_len), ("--timing", timing),
@@ -39,34 +34,34 @@ def _make_plan(model: str, *, stages: int, microbatches: int, schedule: str, clu
         if ignored:
             raise CLIUsageError(f"{', '.join(ignored)} cannot apply to an op graph that is already profiled "
                                 f"({model}); re-profile with `smp profile` to change them")
-        graph = load_graph(model)
-        with spinner(f"solving ({method})…", show_progress):
-            return plan_from_graph(graph, stages=stages, microbatches=microbatches, schedule=schedule,
-                                   cluster=cluster, memory_limit=memory_limit, method=method,
-                                   time_limit=time_limit, virtual_stages=virtual_stages, objective=objective,
-                                   recompute=recompute, active_microbatches=active_microbatches)
-    device = choice(device, DEVICE_CHOICES, "--device")
+        return PlanRequest.build(cluster=cluster, **fields)
     timing_, profile_name = timing_for(timing, meta, cluster)
-    bundle = build_step(model, microbatches=microbatches, batch_size=batch_size, seq_len=seq_len, meta=meta)
+    return PlanRequest.build(cluster=cluster, timing=timing_, device=choice(device, DEVICE_CHOICES, "--device"),
+                             device_profile=profile_name, dtype=dtype, repeats=repeats, name=model, **fields)
+
+
+def _make_plan(model: str, request: PlanRequest, *, batch_size: int | None, seq_len: int | None, meta: bool,
+               show_progress: bool):
+    """A Plan from a model spec (trace + profile + solve) or from an op graph JSON (solve only)."""
+    import smp
+    from smp.models import build_step
+    from smp.plan import plan_from_graph
+
+    if is_graph_file(model):
+        with spinner(f"solving ({request.method})…", show_progress):
+            return plan_from_graph(load_graph(model), request)
+    bundle = build_step(model, microbatches=request.microbatches, batch_size=batch_size, seq_len=seq_len, meta=meta)
     with progress_bar("profiling", show_progress) as cb:
         def progress(done: int, total: int) -> None:
             if cb is not None:
                 cb(done, total)
 
         # The solve runs after the last op is profiled; the bar then stays at 100% until it returns.
-        return smp.plan(bundle.model, bundle.example_args, bundle.example_kwargs, stages=stages,
-                        microbatches=microbatches, schedule=schedule, cluster=cluster, memory_limit=memory_limit,
-                        method=method, time_limit=time_limit, timing=timing_, device=device,
-                        device_profile=profile_name, dtype=dtype, virtual_stages=virtual_stages,
-                        repeats=repeats, name=model, objective=objective, progress=progress, recompute=recompute,
-                        active_microbatches=active_microbatches)
+        return smp.plan(bundle.model, bundle.example_args, bundle.example_kwargs, request, progress=progress)
 
 
-def _search_plans(model: str, *, devices: int | None, stages: int | None, microbatches: int | None,
-                  schedule: str | None, batch_size: int | None, global_batch: int | None, cluster: str | None,
-                  memory_limit: int | None, method: str, time_limit: float | None, seq_len: int | None,
-                  timing: str | None, device: str | None, meta: bool, dtype: str | None, repeats: int,
-                  virtual_stages: int, show_progress: bool, objective: str, recompute: str):
+def _search_plans(model: str, request: PlanRequest, *, batch_size: int | None, seq_len: int | None, meta: bool,
+                  show_progress: bool):
     """``--devices N`` (replicas x stages x microbatches), ``--microbatches auto``, ``--schedule auto``.
 
     With --devices the spec's sample batch (or --batch-size) is one device's share and the
@@ -79,31 +74,27 @@ def _search_plans(model: str, *, devices: int | None, stages: int | None, microb
     if is_graph_file(model):
         raise CLIUsageError("--devices, --microbatches auto and --schedule auto trace the model to record it in the "
                             f"plans they weigh, so they need a model spec, not the op graph {model}")
-    check_cluster(cluster)
-    device = choice(device, DEVICE_CHOICES, "--device")
-    timing_, profile_name = timing_for(timing, meta, cluster)
+    devices, stages, fixed = request.devices, request.stages, request.microbatches
     if devices is None:
         assert stages is not None
-        bundle = build_step(model, microbatches=(microbatches or 2 * stages) if batch_size is None else 1,
+        built_for = fixed if isinstance(fixed, int) else default_microbatches(stages, None)
+        bundle = build_step(model, microbatches=built_for if batch_size is None else 1,
                             batch_size=batch_size, seq_len=seq_len, meta=meta)
         batch = batch_of(bundle.example_args, bundle.example_kwargs)
-        note = None if batch_size is not None or microbatches is not None else (
-            f"--microbatches auto: the batch is {batch} (2 x {stages} stages x the spec's sample batch; set it with "
-            "--batch-size)")
+        note = None if batch_size is not None or isinstance(fixed, int) else (
+            f"--microbatches auto: the batch is {batch} "
+            f"({f'2 x {stages} stages' if built_for == 2 * stages else built_for} x the spec's sample batch; set it "
+            "with --batch-size)")
     else:
         bundle = build_step(model, microbatches=1, batch_size=batch_size, seq_len=seq_len, meta=meta)
         sample = batch_of(bundle.example_args, bundle.example_kwargs)
-        batch = global_batch or devices * sample
+        batch = request.global_batch or devices * sample
         note = (f"--devices {devices}: a global batch of {batch}"
-                + ("" if global_batch else f" ({devices} devices x the sample batch of {sample}; set it with "
-                                           "--global-batch)"))
+                + ("" if request.global_batch else f" ({devices} devices x the sample batch of {sample}; set it "
+                                                   "with --global-batch)"))
     with progress_bar("weighing shapes", show_progress, unit="shapes") as cb:
-        search = plan_shapes(
-            bundle.model, bundle.example_args, bundle.example_kwargs, devices=devices or stages,
-            global_batch=batch, stages=stages, microbatches=microbatches, schedule=schedule or "auto",
-            cluster=cluster, memory_limit=memory_limit, method=method, time_limit=time_limit, timing=timing_,
-            device=device, device_profile=profile_name, dtype=dtype, virtual_stages=virtual_stages,
-            repeats=repeats, name=model, objective=objective, recompute=recompute, shape_progress=cb)
+        search = plan_shapes(bundle.model, bundle.example_args, bundle.example_kwargs,
+                             request.with_(global_batch=batch), shape_progress=cb)
     return search, note
 
 
@@ -183,26 +174,29 @@ def plan_cmd(
     if (auto_m or auto_s or devices is not None) and active_microbatches is not None:
         raise CLIUsageError("--active-microbatches fixes one schedule's warm-up, and --devices / auto weigh schedules "
                             "and microbatch counts as they are: drop one")
-    if auto_m or auto_s or devices is not None:
+    searching = auto_m or auto_s or devices is not None
+    if searching:
         _, _, _, meth, limit = plan_args(stages or 1, None, None, "1f1b", method, memory_limit, time_limit, repeats)
         if devices is None and count is not None:
             count = microbatches_for(stages or 1, count, batch_size)[0]
-        search, note = _search_plans(
-            model, devices=devices, stages=stages, microbatches=count,
-            schedule=None if auto_s else choice(schedule, SCHEDULE_CHOICES, "--schedule"), batch_size=batch_size,
-            global_batch=global_batch, cluster=cluster, memory_limit=limit, method=meth, time_limit=time_limit,
-            seq_len=seq_len, timing=timing, device=device, meta=meta, dtype=dtype, repeats=repeats,
-            virtual_stages=virtual_stages, show_progress=not json_out, objective=objective, recompute=recompute)
-        p = search.best
+        note = None
+        sched: Any = "auto" if auto_s else choice(schedule, SCHEDULE_CHOICES, "--schedule")
+        m: Any = "auto" if auto_m and devices is None else count
     else:
         assert stages is not None
         m, note, sched, meth, limit = plan_args(stages, count, batch_size, schedule, method, memory_limit,
                                                 time_limit, repeats)
-        p = _make_plan(model, stages=stages, microbatches=m, schedule=sched, cluster=cluster, memory_limit=limit,
-                       method=meth, time_limit=time_limit, batch_size=batch_size, seq_len=seq_len, timing=timing,
-                       device=device, meta=meta, dtype=dtype, repeats=repeats, virtual_stages=virtual_stages,
-                       show_progress=not json_out, objective=objective, recompute=recompute,
-                       active_microbatches=active_microbatches)
+    request = _request(model, cluster=cluster, timing=timing, device=device, meta=meta, dtype=dtype, repeats=repeats,
+                       batch_size=batch_size, seq_len=seq_len, stages=stages, devices=devices,
+                       global_batch=global_batch, microbatches=m, schedule=sched, memory_limit=limit, method=meth,
+                       time_limit=time_limit, virtual_stages=virtual_stages, objective=objective,
+                       recompute=recompute, active_microbatches=active_microbatches)
+    if searching:
+        search, note = _search_plans(model, request, batch_size=batch_size, seq_len=seq_len, meta=meta,
+                                     show_progress=not json_out)
+        p = search.best
+    else:
+        p = _make_plan(model, request, batch_size=batch_size, seq_len=seq_len, meta=meta, show_progress=not json_out)
     files: dict[str, str | None] = {"plan": None, "timeline": None}
     if output is not None:
         files["plan"] = str(p.save(output))
@@ -330,12 +324,12 @@ def compare_cmd(
     if not wanted:
         raise CLIUsageError("--methods names no method")
     # Profile once (the uniform baseline solves instantly and never fails), then solve on the same graph.
-    base = _make_plan(model, stages=stages, microbatches=m, schedule=sched, cluster=cluster, memory_limit=limit,
-                      method="uniform", time_limit=time_limit, batch_size=batch_size, seq_len=seq_len,
-                      timing=timing, device=device, meta=meta, dtype=dtype, repeats=repeats, virtual_stages=2,
-                      show_progress=not json_out, objective="bottleneck")
-    rows = _compare_rows(base, wanted, stages=stages, microbatches=m, schedule=sched, cluster=cluster,
-                         memory_limit=limit, time_limit=time_limit, show_progress=not json_out)
+    request = _request(model, cluster=cluster, timing=timing, device=device, meta=meta, dtype=dtype, repeats=repeats,
+                       batch_size=batch_size, seq_len=seq_len, stages=stages, microbatches=m, schedule=sched,
+                       memory_limit=limit, time_limit=time_limit)
+    base = _make_plan(model, request.with_(method="uniform", objective="bottleneck"), batch_size=batch_size,
+                      seq_len=seq_len, meta=meta, show_progress=not json_out)
+    rows = _compare_rows(base, wanted, request, show_progress=not json_out)
     ok = [r for r in rows if r.get("error") is None and r["fits_memory"]]
     best = min((r["step_time_s"] for r in ok), default=None)
     for r in rows:
@@ -347,8 +341,7 @@ def compare_cmd(
     _print_compare(base, rows, note)
 
 
-def _compare_rows(base, wanted: list[str], *, stages: int, microbatches: int, schedule: str, cluster: str | None,
-                  memory_limit: int | None, time_limit: float | None, show_progress: bool) -> list[dict[str, Any]]:
+def _compare_rows(base, wanted: list[str], request: PlanRequest, *, show_progress: bool) -> list[dict[str, Any]]:
     """One row per method, solved on ``base``'s graph: the baselines as they cut, auto for the step time."""
     from partitioner.errors import PlanningError
     from smp.plan import plan_from_graph
@@ -359,9 +352,8 @@ def _compare_rows(base, wanted: list[str], *, stages: int, microbatches: int, sc
         try:
             with spinner(f"solving with {meth}…", show_progress):
                 p = base if meth == "uniform" else plan_from_graph(
-                    base.graph, stages=stages, microbatches=microbatches, schedule=schedule, cluster=cluster,
-                    memory_limit=memory_limit, method=meth, time_limit=time_limit, model_info=base.model,
-                    objective="step_time" if meth == "auto" else "bottleneck")
+                    base.graph, request.with_(method=meth, objective="step_time" if meth == "auto" else "bottleneck"),
+                    model_info=base.model)
         except PlanningError as err:
             row.update({"error": " ".join(str(err).split())})
             rows.append(row)
