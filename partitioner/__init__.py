@@ -15,7 +15,8 @@ from partitioner.errors import (
 )
 from partitioner.graph import OpGraph
 from partitioner.microbatch import MicrobatchError, split_microbatches
-from partitioner.profile import profile, time_whole_model
+from partitioner.profile import profile
+from partitioner.profile_measured import time_whole_model
 from partitioner.schedule import (
     SCHEDULES,
     Action,
