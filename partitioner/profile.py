@@ -26,7 +26,8 @@ from partitioner.graph import OpGraph
 from partitioner.profile_analytic import analytic_costs
 from partitioner.profile_measured import OneOpAtATime, SweepTimer, to_device
 from partitioner.profile_ops import OpCaller, OpCosts, count_flops, fresh_args, requires_grad, tensor_bytes
-from partitioner.trace import TraceError, flatten_inputs, is_inplace, op_nodes, retarget_device, trace
+from partitioner.program import flatten_inputs, is_inplace, op_nodes, retarget_device
+from partitioner.trace import TraceError, trace
 
 __all__ = ["profile", "TIMINGS"]
 

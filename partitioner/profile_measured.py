@@ -17,7 +17,7 @@ from torch import nn
 
 from partitioner.cuda_timing import GpuTimer
 from partitioner.profile_ops import OpCaller, fresh_args, requires_grad
-from partitioner.trace import is_inplace
+from partitioner.program import is_inplace
 
 __all__ = ["SweepTimer", "OneOpAtATime", "materialized", "to_device", "time_whole_model"]
 

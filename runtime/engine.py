@@ -15,7 +15,7 @@ from partitioner.buckets import gradient_buckets
 from partitioner.ir import Action, ActionKind, Schedule, ScheduleError
 from partitioner.microbatch import split_microbatches
 from partitioner.timeline import Timeline, TimelineEvent
-from partitioner.trace import flatten_inputs
+from partitioner.program import flatten_inputs
 from partitioner.walk import validate, walk
 from runtime.comm import Comm, LocalComm, Pending, PipelineError
 from runtime.materialize import names_by_id

@@ -8,7 +8,7 @@ import torch.utils._pytree as pytree
 from partitioner import OpGraph, ProfileError, TraceError, flatten_inputs, profile, trace
 from partitioner.graph import OUTPUT_OP
 from partitioner.profile_measured import time_whole_model
-from partitioner.trace import op_nodes
+from partitioner.program import op_nodes
 from smp.models import build
 
 ZOO = ["gpt", "bert", "t5", "resnet", "unet", "mlp"]

@@ -18,7 +18,8 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from partitioner.microbatch import batch_size as sample_batch_size
-from partitioner.trace import UserCodeError, user_code_message
+from partitioner.trace import UserCodeError
+from partitioner.user_code import user_code_message
 
 __all__ = [
     "SpecError",
