@@ -39,7 +39,7 @@ from benchmarks._markdown import write_section  # noqa: E402
 from benchmarks.profile_accuracy import per_op_gap, whole_model_cells  # noqa: E402
 from partitioner import profile  # noqa: E402
 from partitioner.devices import load_profile  # noqa: E402
-from partitioner.profile import time_whole_model  # noqa: E402
+from partitioner.profile_measured import time_whole_model  # noqa: E402
 from smp.models import build  # noqa: E402
 
 SECTION = "## On a GPU: per-op timing, the runtime in one process, memory, bf16"

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._markdown import write_section  # noqa: E402
 from partitioner import OpGraph, profile  # noqa: E402
-from partitioner.profile import time_whole_model  # noqa: E402
+from partitioner.profile_measured import time_whole_model  # noqa: E402
 from smp.models import build  # noqa: E402
 
 SECTION = "## Profiling accuracy: in context, one op at a time (meta), analytic"

@@ -15,7 +15,9 @@ from partitioner.errors import (
 )
 from partitioner.graph import OpGraph
 from partitioner.microbatch import MicrobatchError, split_microbatches
-from partitioner.profile import profile, time_whole_model
+from partitioner.profile import profile
+from partitioner.profile_measured import time_whole_model
+from partitioner.program import fingerprint, flatten_inputs, op_nodes
 from partitioner.schedule import (
     SCHEDULES,
     Action,
@@ -36,7 +38,7 @@ from partitioner.schedule import (
 from partitioner.simulate import SimResult, StageCosts, comm_from_transfers, simulate, stage_costs_from
 from partitioner.solve import METHODS, solve
 from partitioner.timeline import Timeline, TimelineEvent, render_timeline
-from partitioner.trace import TraceError, TraceInfo, fingerprint, flatten_inputs, op_nodes, trace
+from partitioner.trace import TraceError, TraceInfo, trace
 from partitioner.walk import Walk, format_program, format_table, validate, walk
 from partitioner.plan import ModelInfo, Plan, PlanError  # noqa: E402 - after the pieces it is made of
 from partitioner.compile import plan_from_graph  # noqa: E402

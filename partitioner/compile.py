@@ -17,10 +17,11 @@ from partitioner.microbatch import batch_size, split_microbatches
 from partitioner.plan import (PLACEMENTS, ModelInfo, Plan, PlanError, replica_layout, schedule_for,
                               simulate_partition)
 from partitioner.profile import profile
+from partitioner.program import fingerprint
 from partitioner.request import PlanRequest
 from partitioner.shapes import ShapeSearch, search_shapes
 from partitioner.solve import solve
-from partitioner.trace import fingerprint, trace
+from partitioner.trace import trace
 
 __all__ = ["plan", "plan_from_graph", "plan_shapes", "profile_model", "tied_groups", "PlanRequest"]
 

@@ -48,7 +48,7 @@ def package_version() -> str:
 class ModelInfo:
     """What a plan was made for: the traced model's identity, its step batch and how it was profiled.
 
-    ``fingerprint`` (:func:`partitioner.trace.fingerprint`) identifies the traced ops and
+    ``fingerprint`` (:func:`partitioner.program.fingerprint`) identifies the traced ops and
     parameter shapes; the runtime refuses a plan whose fingerprint is not the model's.
     ``batch_size`` is the whole batch of one training step (all microbatches).
     """

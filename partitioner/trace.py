@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import inspect
 import io
 import linecache
 import logging
-import operator
-import sysconfig
 import traceback
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,22 +19,15 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
+from partitioner.user_code import is_user_file, user_code_message
 
 __all__ = [
     "trace",
     "TraceInfo",
     "TraceError",
     "UserCodeError",
-    "user_code_message",
-    "raised_by_user_code",
     "untangle_return_dict",
-    "flatten_inputs",
-    "retarget_device",
     "node_module",
-    "node_state_names",
-    "op_nodes",
-    "fingerprint",
-    "is_inplace",
     "FRONTENDS",
 ]
 
@@ -227,37 +216,7 @@ def _bind(model: nn.Module, args: tuple, kwargs: dict) -> inspect.BoundArguments
     return bound
 
 
-def flatten_inputs(gm: fx.GraphModule, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> list[Any]:
-    """The values of ``gm``'s placeholders, in order, for a call ``gm(*args, **kwargs)``."""
-    kwargs = dict(kwargs or {})
-    codegen = gm.graph._codegen
-    if isinstance(codegen, fx.graph._PyTreeCodeGen):
-        in_spec = codegen.pytree_info.in_spec
-        signature = inspect.signature(gm.forward)
-        bound = signature.bind(*args, **kwargs)
-        # Export's in_spec is ((args...), {kwargs}) with the traced split of the two.
-        n_args = _children(in_spec)[0].num_children
-        values = list(bound.arguments.values())
-        names = list(bound.arguments.keys())
-        call_args = tuple(values[:n_args])
-        call_kwargs = dict(zip(names[n_args:], values[n_args:]))
-        return list(torch.fx._pytree.tree_flatten_spec((call_args, call_kwargs), in_spec))
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    signature = inspect.signature(gm.forward)
-    bound = signature.bind(*args, **kwargs)
-    bound.apply_defaults()
-    values = list(bound.arguments.values())
-    if len(values) != len(placeholders):
-        raise TraceError(f"the traced program takes {len(placeholders)} inputs, the call gave {len(values)}")
-    return values
-
-
 # ------------------------------------------------------------------ front ends
-
-
-def _children(spec: Any) -> list[Any]:
-    children = getattr(spec, "children", None)
-    return list(children()) if callable(children) else list(spec.children_specs)
 
 
 def _trace_fx(model: nn.Module, bound: inspect.BoundArguments, leaf_modules: Iterable[type | str]) -> fx.GraphModule:
@@ -321,7 +280,7 @@ def _describe_failure(err: BaseException, model: nn.Module, limit: int = 500) ->
         if isinstance(owner, nn.Module) and id(owner) in modules:
             module_path = modules[id(owner)]
         filename = frame.f_code.co_filename
-        if _is_user_file(filename):
+        if is_user_file(filename):
             user_frame = (filename, lineno, frame.f_code.co_name)
     lines = [line for line in str(err).strip().splitlines() if line.strip()]
     head = lines[0][:limit] if lines else ""
@@ -420,85 +379,6 @@ def _output_mismatch(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: 
     return None
 
 
-# ------------------------------------------------------------------ the user's own errors
-
-# Code that is not the user's: torch and the Python standard library, and smp's own packages.
-_LIBRARY_DIRS = tuple(str(d) + "/" for d in (Path(torch.__file__).resolve().parent,
-                                             Path(sysconfig.get_paths()["stdlib"]).resolve()))
-_SMP_DIRS = tuple(str(Path(__file__).resolve().parent.parent / pkg) + "/" for pkg in ("partitioner", "smp", "runtime"))
-
-
-def _is_user_file(filename: str) -> bool:
-    # "<frozen importlib._bootstrap>", "<string>": no file to point at.
-    return not filename.startswith("<") and not str(Path(filename).resolve()).startswith(_LIBRARY_DIRS + _SMP_DIRS)
-
-
-def raised_by_user_code(err: BaseException) -> bool:
-    """Whether the deepest frame of ``err`` outside torch and the standard library is the user's, not smp's."""
-    frames = [f.f_code.co_filename for f, _ in traceback.walk_tb(err.__traceback__)]
-    own = [f for f in frames if not f.startswith("<") and not str(Path(f).resolve()).startswith(_LIBRARY_DIRS)]
-    return bool(own) and _is_user_file(own[-1])
-
-
-def _shape(value: Any) -> str:
-    return "x".join(map(str, value.shape)) if value.dim() else "scalar"
-
-
-def _tensor_shapes(named: Mapping[str, Any]) -> list[str]:
-    """``name (shape)`` for every tensor in ``named`` (nested containers by path)."""
-    out = []
-    for name, value in named.items():
-        leaves, _ = pytree.tree_flatten_with_path(value)
-        for path, leaf in leaves:
-            if isinstance(leaf, torch.Tensor):
-                out.append(f"{name}{pytree.keystr(path)} {_shape(leaf)}")
-    return out
-
-
-def user_code_message(err: BaseException, what: str, *, model: nn.Module | None = None,
-                      inputs: Mapping[str, Any] | None = None, file: str | None = None) -> str:
-    """One line for an exception raised by the user's code: what raised, the message, where, which shapes.
-
-    ``what`` starts the sentence ("Net raised", "factory 'make' in my.py raised"). The place is
-    the deepest frame in ``file`` when given, else the deepest frame outside torch, the
-    standard library and smp; with a ``model``, the deepest of its modules on the stack is
-    named with the shapes of the tensors its ``forward`` was given; ``inputs`` are listed
-    with their shapes.
-    """
-    lines = [line for line in str(err).strip().splitlines() if line.strip()]
-    text = f"{what} {type(err).__name__}" + (f": {lines[0][:500].rstrip('.')}" if lines else "")
-    module_names = {id(m): name for name, m in model.named_modules()} if model is not None else {}
-    module_at: tuple[str, nn.Module, list[str]] | None = None
-    place: tuple[str, int, str] | None = None
-    frames = list(traceback.walk_tb(err.__traceback__))
-    if isinstance(err, SyntaxError) and err.filename:
-        place = (err.filename, err.lineno or 0, "<module>")
-    for frame, lineno in frames:
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, nn.Module) and id(owner) in module_names and frame.f_code.co_name == "forward":
-            code = frame.f_code
-            arg_names = code.co_varnames[1:code.co_argcount + code.co_kwonlyargcount]
-            given = _tensor_shapes({n: frame.f_locals[n] for n in arg_names if n in frame.f_locals})
-            module_at = (module_names[id(owner)], owner, given)
-        filename = frame.f_code.co_filename
-        if (Path(filename).resolve() == Path(file).resolve()) if file else _is_user_file(filename):
-            place = (filename, lineno, frame.f_code.co_name)
-    if module_at is not None and module_at[0]:
-        path, module, given = module_at
-        desc = repr(module) if "\n" not in repr(module) else type(module).__name__
-        text += f"; in module '{path}' = {desc}" + (f" given {', '.join(given)}" if given else "")
-    if place is not None:
-        filename, lineno, func = place
-        linecache.checkcache(filename)  # the file may have changed since it was last read
-        code_line = linecache.getline(filename, lineno).strip() if lineno else ""
-        text += f"; at {filename}:{lineno} in {func}" + (f": `{code_line}`" if code_line else "")
-    if inputs:
-        shapes = _tensor_shapes(inputs)
-        if shapes:
-            text += f"; sample inputs: {', '.join(shapes)}"
-    return text
-
-
 def untangle_return_dict(model: nn.Module) -> None:
     """Let only the top-level model of a Hugging Face model return tuples (a no-op for any other model).
 
@@ -571,11 +451,6 @@ def _clean_path(path: str) -> str:
     return path.replace("[", ".").replace("]", "").replace("'", "")
 
 
-def node_state_names(node: fx.Node) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(parameter FQNs, buffer FQNs) a node reads, as recorded by ``trace``."""
-    return tuple(node.meta.get("smp_params", ())), tuple(node.meta.get("smp_buffers", ()))
-
-
 def _annotate(gm: fx.GraphModule, model: nn.Module) -> None:
     """Record each op's module path and the parameter/buffer names it reads."""
     param_ids = {id(p) for p in model.parameters()}
@@ -614,32 +489,6 @@ def _annotate(gm: fx.GraphModule, model: nn.Module) -> None:
         node.meta["smp_buffers"] = tuple(dict.fromkeys(buffers))
 
 
-def retarget_device(gm: fx.GraphModule, old: torch.device, new: torch.device) -> int:
-    """Make the ops that name device ``old`` (creating, moving, checking tensors) name ``new``; returns how many.
-
-    A model built on the meta device and traced by torch.export records ``meta`` wherever
-    its code asks for "the model's device" (``torch.arange(..., device=self.device)``,
-    ``x.to(self.device)``, export's own metadata checks), in nested programs too (an autocast
-    region); on a rank that device is the one its stages run on.
-    """
-    def swap(value: Any) -> Any:
-        return new if isinstance(value, torch.device) and value == old else value
-
-    changed = 0
-    for module in gm.modules():
-        if not isinstance(module, fx.GraphModule):
-            continue
-        touched = False
-        for node in module.graph.nodes:
-            args, kwargs = pytree.tree_map(swap, (node.args, node.kwargs))
-            if args != node.args or kwargs != node.kwargs:
-                node.args, node.kwargs = args, kwargs
-                changed += 1
-                touched = True
-        if touched:
-            module.recompile()
-    return changed
-
 
 def _flat_nodes(node: fx.Node) -> list[fx.Node]:
     found: list[fx.Node] = []
@@ -654,67 +503,3 @@ def _resolve_attr(gm: fx.GraphModule, target: str) -> Any:
         if obj is None:
             return None
     return obj
-
-
-_INPLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-                      operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.setitem)
-
-
-def is_inplace(node: fx.Node, gm: fx.GraphModule) -> bool:
-    """Whether ``node`` may write into one of its inputs.
-
-    In-place methods (``x.add_``), functions (``operator.iadd``, ``F.relu(x, inplace=True)``,
-    aten ops whose schema marks a written argument) and modules built with
-    ``inplace=True`` (``nn.ReLU(inplace=True)``). Such an op must not be fed a leaf that
-    requires grad, and must not be run twice on the same input.
-    """
-    if node.op == "call_method":
-        name = str(node.target)
-        return (name.endswith("_") and not name.endswith("__")) or node.kwargs.get("inplace") is True
-    if node.op == "call_function":
-        if node.target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True:
-            return True
-        schema = getattr(node.target, "_schema", None)
-        if schema is not None:
-            return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
-        name = getattr(node.target, "__name__", str(node.target))
-        return name.endswith("_") and not name.endswith("__")
-    if node.op == "call_module":
-        return bool(getattr(gm.get_submodule(str(node.target)), "inplace", False))
-    return False
-
-
-def op_nodes(gm: fx.GraphModule) -> tuple[list[fx.Node], dict[fx.Node, fx.Node]]:
-    """The fx nodes that become ops (OpGraph nodes), and the op each call node belongs to.
-
-    Every call node is an op except ``getitem``, which belongs to the op whose output it
-    picks from: a cut never falls between a tuple and its elements.
-    """
-    ops: list[fx.Node] = []
-    owner: dict[fx.Node, fx.Node] = {}
-    for node in gm.graph.nodes:
-        if node.op not in ("call_module", "call_function", "call_method"):
-            continue
-        if node.target is operator.getitem and isinstance(node.args[0], fx.Node) and node.args[0] in owner:
-            owner[node] = owner[node.args[0]]
-            continue
-        owner[node] = node
-        ops.append(node)
-    return ops, owner
-
-
-def fingerprint(gm: fx.GraphModule, model: nn.Module) -> str:
-    """A hash of the traced program's ops and edges and of the model's parameter shapes.
-
-    Two processes that trace the same model on same-shaped inputs get the same value; a
-    plan records it so that the runtime can refuse a plan made for another model.
-    """
-    ops, owner = op_nodes(gm)
-    lines = []
-    for node in ops:
-        target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-        inputs = sorted({owner[p].name for p in node.all_input_nodes if p in owner and owner[p] is not node})
-        lines.append(f"{node.name}|{node.op}|{target}|{node.meta.get('smp_module', '')}|{','.join(inputs)}")
-    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-        lines.append(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}")
-    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]

@@ -11,7 +11,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from partitioner.trace import is_inplace, node_state_names, op_nodes
+from partitioner.program import is_inplace, node_state_names, op_nodes
 
 __all__ = [
     "SplitError",

@@ -23,7 +23,8 @@ from partitioner.errors import PlanningError
 from partitioner.recompute import is_matmul
 from partitioner.schedule import make_schedule, with_allreduce
 from partitioner.timeline import Timeline, TimelineEvent
-from partitioner.trace import fingerprint, flatten_inputs, retarget_device, trace
+from partitioner.program import fingerprint, flatten_inputs, retarget_device
+from partitioner.trace import trace
 from runtime.comm import Comm, PipelineError
 from runtime.batch import concat_outputs, split_batch
 from runtime.engine import Engine, RuntimeConfigError

@@ -8,7 +8,7 @@ from torch import nn
 
 import smp
 from partitioner import profile
-from partitioner.profile import time_whole_model
+from partitioner.profile_measured import time_whole_model
 from smp.models import build
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -9,7 +9,7 @@ import smp
 from partitioner import trace
 from partitioner.microbatch import MicrobatchError, split_microbatches
 from partitioner.walk import validate
-from partitioner.trace import fingerprint
+from partitioner.program import fingerprint
 from smp.models import build
 from smp.plan import PLAN_SCHEMA_VERSION, PlanError
 

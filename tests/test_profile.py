@@ -7,7 +7,8 @@ import torch.utils._pytree as pytree
 
 from partitioner import OpGraph, ProfileError, TraceError, flatten_inputs, profile, trace
 from partitioner.graph import OUTPUT_OP
-from partitioner.profile import op_nodes, time_whole_model
+from partitioner.profile_measured import time_whole_model
+from partitioner.program import op_nodes
 from smp.models import build
 
 ZOO = ["gpt", "bert", "t5", "resnet", "unet", "mlp"]
@@ -134,14 +135,13 @@ META_MEASURED = ["mlp:layers=4,d_in=256,hidden=512,d_out=256,batch=8",  # fx, on
 def test_a_model_on_meta_is_measured_one_op_at_a_time(spec, monkeypatch):
     if spec.startswith("hf-"):
         pytest.importorskip("transformers")
-    import importlib
     import weakref
 
-    profiling = importlib.import_module("partitioner.profile")  # the package's `profile` is the function
+    import partitioner.profile_measured as measured
 
     alive: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()
     most = [0]
-    materialize = profiling._materialized
+    materialize = measured.materialized
 
     def tracked(tensor, device):
         real = materialize(tensor, device)
@@ -150,7 +150,7 @@ def test_a_model_on_meta_is_measured_one_op_at_a_time(spec, monkeypatch):
             most[0] = max(most[0], sum(t.numel() * t.element_size() for t in alive))
         return real
 
-    monkeypatch.setattr(profiling, "_materialized", tracked)
+    monkeypatch.setattr(measured, "materialized", tracked)
     meta = build(spec, meta=True)
     graph = profile(meta.model, meta.example_args, meta.example_kwargs, repeats=1, warmup=0)
     assert graph.meta["timing"] == "measured" and graph.meta["one_op_at_a_time"] and graph.meta["device"] == "cpu"

@@ -42,7 +42,8 @@ def profile_cmd(
     check_cluster(cluster)
     timing_, profile_name = timing_for(timing, meta, cluster)
     from partitioner.profile import profile
-    from partitioner.trace import fingerprint, trace
+    from partitioner.program import fingerprint
+    from partitioner.trace import trace
     from smp.models import build
 
     bundle = build(model, batch_size=batch_size, seq_len=seq_len, meta=meta)

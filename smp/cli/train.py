@@ -69,7 +69,8 @@ def train_cmd(
 def check_plan_matches(plan_file: Path, spec: str, *, batch_size: int | None, seq_len: int | None,
                        microbatches: int):
     """Load ``plan_file`` and refuse it when it was made for another model (fingerprints differ)."""
-    from partitioner.trace import fingerprint, trace
+    from partitioner.program import fingerprint
+    from partitioner.trace import trace
     from smp.models import build_step
     from smp.plan import Plan, PlanError
 

@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
     try:
         return _train(job)
     except Exception as err:  # noqa: BLE001 - every failure reaches the user as this rank's own message
-        from partitioner.trace import raised_by_user_code, user_code_message
+        from partitioner.user_code import raised_by_user_code, user_code_message
         from smp.cli.errors import user_error
 
         message = user_code_message(err, "your code raised") if raised_by_user_code(err) else user_error(err)

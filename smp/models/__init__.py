@@ -2,30 +2,23 @@
 
 from __future__ import annotations
 
-from smp.models.spec import (
-    BuildContext,
-    Built,
+# First: spec imports the zoo modules in the order `smp models` lists them (importing one registers it).
+from smp.models.spec import (  # isort: skip
     ModelBundle,
-    ModelInfo,
-    Option,
-    SpecError,
     build,
     build_step,
     get_model_info,
     list_models,
     parse_spec,
-    register_model,
     with_batch,
 )
-
-# Importing the zoo modules registers their models; the order here is the order `smp models` lists.
-from smp.models import gpt, bert, t5, resnet, unet, mlp, hf  # noqa: E402,F401  isort: skip
-from smp.models.gpt import GPT  # noqa: E402
-from smp.models.bert import BERT  # noqa: E402
-from smp.models.t5 import T5  # noqa: E402
-from smp.models.resnet import ResNet  # noqa: E402
-from smp.models.unet import UNet  # noqa: E402
-from smp.models.mlp import MLP  # noqa: E402
+from smp.models.bert import BERT
+from smp.models.gpt import GPT
+from smp.models.mlp import MLP
+from smp.models.registry import BuildContext, Built, ModelInfo, Option, SpecError, register_model
+from smp.models.resnet import ResNet
+from smp.models.t5 import T5
+from smp.models.unet import UNet
 
 __all__ = [
     "build",

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from smp.models.spec import SpecError, output_logits
+from smp.models.registry import SpecError
 
 __all__ = [
     "Attention",
@@ -16,6 +17,7 @@ __all__ = [
     "class_cross_entropy",
     "mse_loss",
     "check_heads",
+    "output_logits",
 ]
 
 
@@ -67,6 +69,23 @@ def check_heads(model: str, cfg: dict[str, Any]) -> None:
 
 
 # Loss functions are module-level so a bundle's loss_fn pickles (the runtime ships it to ranks).
+
+
+def output_logits(output: Any) -> torch.Tensor:
+    """The logits tensor inside a model's output (a tensor, a tuple/list, or a dict)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping):
+        if "logits" in output:
+            return output["logits"]
+        return next(iter(output.values()))
+    if isinstance(output, (tuple, list)):
+        return output[0]
+    # transformers ModelOutput is a Mapping subclass in practice; attribute is the fallback.
+    logits = getattr(output, "logits", None)
+    if logits is None:
+        raise TypeError(f"cannot find the logits in a model output of type {type(output).__name__}")
+    return logits
 
 
 def token_cross_entropy(output: Any, target: torch.Tensor) -> torch.Tensor:

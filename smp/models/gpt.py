@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from smp.models.common import Attention, check_heads, token_cross_entropy
-from smp.models.spec import BuildContext, Built, Option, register_model
+from smp.models.registry import BuildContext, Built, Option, register_model
 
 __all__ = ["GPT", "GPTBlock"]
 

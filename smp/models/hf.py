@@ -10,7 +10,7 @@ import torch
 
 from partitioner.trace import untangle_return_dict
 from smp.models.common import token_cross_entropy
-from smp.models.spec import BuildContext, Built, Option, SpecError, register_model
+from smp.models.registry import BuildContext, Built, Option, SpecError, register_model
 
 __all__ = ["require_transformers"]
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from smp.models.common import class_cross_entropy, mse_loss
-from smp.models.spec import BuildContext, Built, Option, register_model
+from smp.models.registry import BuildContext, Built, Option, register_model
 
 __all__ = ["MLP"]
 

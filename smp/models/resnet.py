@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from smp.models.common import class_cross_entropy
-from smp.models.spec import BuildContext, Built, Option, SpecError, register_model
+from smp.models.registry import BuildContext, Built, Option, SpecError, register_model
 
 __all__ = ["ResNet", "BasicBlock", "Bottleneck", "RESNET_DEPTHS"]
 

@@ -1,9 +1,8 @@
-"""Model spec strings (``gpt:layers=24``, ``path/to/file.py:factory``), the zoo registry, and ``build``."""
+"""Model spec strings (``gpt:layers=24``, ``path/to/file.py:factory``) resolved against the zoo, and ``build``."""
 
 from __future__ import annotations
 
 import contextlib
-import difflib
 import hashlib
 import importlib.util
 import inspect
@@ -11,23 +10,24 @@ import os
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
 from partitioner.microbatch import batch_size as sample_batch_size
-from partitioner.trace import UserCodeError, user_code_message
+from partitioner.trace import UserCodeError
+from partitioner.user_code import user_code_message
+from smp.models.common import output_logits
+from smp.models.registry import (BuildContext, ModelInfo, Option, SpecError, ZooEntry, did_you_mean, lookup,
+                                 registered)
+
+# Importing the zoo modules registers their models; the order here is the order `smp models` lists.
+from smp.models import gpt, bert, t5, resnet, unet, mlp, hf  # noqa: F401  isort: skip
 
 __all__ = [
-    "SpecError",
-    "Option",
-    "ModelInfo",
     "ModelBundle",
-    "BuildContext",
-    "Built",
-    "register_model",
     "parse_spec",
     "list_models",
     "get_model_info",
@@ -35,64 +35,6 @@ __all__ = [
     "build_step",
     "with_batch",
 ]
-
-
-class SpecError(ValueError):
-    """A model spec that cannot be parsed or built; the message names the cause and the fix."""
-
-
-# --------------------------------------------------------------------------- data types
-
-
-@dataclass(frozen=True)
-class Option:
-    """One option a zoo model accepts: its name, default, type and a one-line help."""
-
-    name: str
-    default: Any
-    type: type
-    help: str = ""
-    choices: tuple[Any, ...] | None = None
-    # Ints must be >= this bound (None: no bound). Most sizes must be positive.
-    min: int | float | None = None
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What ``smp models`` prints: a zoo entry's name, description, options and presets."""
-
-    name: str
-    description: str
-    options: tuple[Option, ...]
-    presets: Mapping[str, Mapping[str, Any]]
-    aliases: tuple[str, ...] = ()
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return {o.name: o.default for o in self.options}
-
-    def option(self, name: str) -> Option | None:
-        for o in self.options:
-            if o.name == name:
-                return o
-        return None
-
-
-def _loss_from_output(output: Any) -> torch.Tensor:
-    """The logits tensor inside a model's output (a tensor, a tuple/list, or a dict)."""
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, Mapping):
-        if "logits" in output:
-            return output["logits"]
-        return next(iter(output.values()))
-    if isinstance(output, (tuple, list)):
-        return output[0]
-    # transformers ModelOutput is a Mapping subclass in practice; attribute is the fallback.
-    logits = getattr(output, "logits", None)
-    if logits is None:
-        raise TypeError(f"cannot find the logits in a model output of type {type(output).__name__}")
-    return logits
 
 
 @dataclass
@@ -140,106 +82,14 @@ class ModelBundle:
         return self.loss_fn(output, self.target)
 
 
-@dataclass
-class BuildContext:
-    """What a zoo builder gets besides its options: where to put tensors and how to draw sample inputs."""
-
-    meta: bool
-    generator: torch.Generator
-
-    @property
-    def input_device(self) -> torch.device:
-        return torch.device("meta") if self.meta else torch.device("cpu")
-
-    def randint(self, high: int, shape: Sequence[int], low: int = 0) -> torch.Tensor:
-        if self.meta:
-            return torch.empty(tuple(shape), dtype=torch.long, device="meta")
-        return torch.randint(low, high, tuple(shape), generator=self.generator)
-
-    def randn(self, shape: Sequence[int]) -> torch.Tensor:
-        if self.meta:
-            return torch.empty(tuple(shape), device="meta")
-        return torch.randn(tuple(shape), generator=self.generator)
-
-    def rand(self, shape: Sequence[int]) -> torch.Tensor:
-        if self.meta:
-            return torch.empty(tuple(shape), device="meta")
-        return torch.rand(tuple(shape), generator=self.generator)
-
-
-@dataclass
-class Built:
-    """What a zoo builder returns; ``build`` wraps it into a ModelBundle."""
-
-    model: nn.Module
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    target: Any
-    loss_fn: Callable[[Any, Any], torch.Tensor]
-
-
-Builder = Callable[[dict[str, Any], BuildContext], Built]
-
-
-@dataclass(frozen=True)
-class _Entry:
-    info: ModelInfo
-    builder: Builder
-    # Optional check of the resolved options (raises SpecError); e.g. d_model % heads.
-    validate: Callable[[dict[str, Any]], None] | None
-
-
-_REGISTRY: dict[str, _Entry] = {}
-_ALIASES: dict[str, tuple[str, dict[str, Any]]] = {}
-
-
-def register_model(
-    name: str,
-    description: str,
-    options: Sequence[Option],
-    presets: Mapping[str, Mapping[str, Any]] | None = None,
-    validate: Callable[[dict[str, Any]], None] | None = None,
-) -> Callable[[Builder], Builder]:
-    """Decorator: add a builder to the zoo under ``name``.
-
-    Every preset also becomes an alias ``name-preset`` (``gpt-1b`` == ``gpt:size=1b``).
-    The ``size`` option is added automatically when presets exist; the option defaults
-    are what ``size`` does not override.
-    """
-    presets = dict(presets or {})
-    opts = list(options)
-    if presets and not any(o.name == "size" for o in opts):
-        # Listed right after `batch` (the sample options), before tuning knobs like dropout.
-        names = [o.name for o in opts]
-        at = names.index("batch") + 1 if "batch" in names else len(opts)
-        opts.insert(at, Option("size", None, str, "named preset: " + "|".join(presets), choices=tuple(presets)))
-
-    def deco(fn: Builder) -> Builder:
-        aliases = tuple(f"{name}-{p}" for p in presets)
-        info = ModelInfo(name, description, tuple(opts), presets, aliases)
-        _REGISTRY[name] = _Entry(info, fn, validate)
-        for p, alias in zip(presets, aliases):
-            _ALIASES[alias] = (name, {"size": p})
-        return fn
-
-    return deco
-
-
-def _ensure_zoo_loaded() -> None:
-    # The zoo modules register themselves on import; importing the package imports them.
-    import smp.models  # noqa: F401
-
-
 def list_models() -> list[ModelInfo]:
     """Every zoo entry, in registration order."""
-    _ensure_zoo_loaded()
-    return [e.info for e in _REGISTRY.values()]
+    return [e.info for e in registered()]
 
 
 def get_model_info(name: str) -> ModelInfo:
     """The zoo entry called ``name`` (or an alias such as ``gpt-1b``); SpecError listing the known names if none."""
-    _ensure_zoo_loaded()
-    return _lookup(name)[0].info
+    return lookup(name)[0].info
 
 
 # --------------------------------------------------------------------------- parsing
@@ -327,24 +177,6 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
 # --------------------------------------------------------------------------- resolution
 
 
-def _suggest(word: str, candidates: Sequence[str]) -> str:
-    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _lookup(name: str) -> tuple[_Entry, dict[str, Any]]:
-    if name in _REGISTRY:
-        return _REGISTRY[name], {}
-    if name in _ALIASES:
-        real, preset = _ALIASES[name]
-        return _REGISTRY[real], dict(preset)
-    known = list(_REGISTRY)
-    raise SpecError(
-        f"unknown model {name!r}; known models: {', '.join(known)}"
-        f"{_suggest(name, known + list(_ALIASES))}. "
-        "For your own model use 'path/to/file.py:factory'."
-    )
-
 
 def _accepted(info: ModelInfo) -> str:
     return ", ".join(o.name for o in info.options)
@@ -401,7 +233,7 @@ def _coerce(info: ModelInfo, opt: Option, value: Any) -> Any:
     return out
 
 
-def _resolve(entry: _Entry, raw: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+def _resolve(entry: ZooEntry, raw: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
     """Defaults, then the preset named by ``size``, then the spec's own options, then keyword overrides."""
     info = entry.info
     names = {o.name for o in info.options}
@@ -409,7 +241,7 @@ def _resolve(entry: _Entry, raw: Mapping[str, Any], overrides: Mapping[str, Any]
         if key not in names:
             raise SpecError(
                 f"unknown option {key!r} for model {info.name!r}; accepted: {_accepted(info)}"
-                f"{_suggest(key, sorted(names))}"
+                f"{did_you_mean(key, sorted(names))}"
             )
     config = dict(info.defaults)
     size_opt = info.option("size")
@@ -476,8 +308,7 @@ def build(
         if batch_size is not None:
             bundle = with_batch(bundle, batch_size)
     else:
-        _ensure_zoo_loaded()
-        entry, alias_opts = _lookup(name)
+        entry, alias_opts = lookup(name)
         overrides: dict[str, Any] = {}
         if batch_size is not None:
             if entry.info.option("batch") is None:
@@ -643,7 +474,7 @@ def _bundle_from_factory_result(result: Any, spec: str, path: str, factory: str,
 
 def _default_loss(output: Any, target: Any) -> torch.Tensor:
     """Loss for user models that bring none: MSE to ``target`` if given, else the mean of the output."""
-    out = _loss_from_output(output)
+    out = output_logits(output)
     if target is None:
         return out.float().mean()
     return nn.functional.mse_loss(out.float(), target.float())
@@ -664,7 +495,7 @@ def _build_from_file(
         what = "is not callable" if fn is not None else "not found"
         raise SpecError(
             f"factory {factory!r} {what} in {path_text!r}; functions there: {', '.join(available) or '(none)'}"
-            f"{_suggest(factory, available)}"
+            f"{did_you_mean(factory, available)}"
         )
     kwargs = {k: _guess_value(v) for k, v in raw.items()}
     try:
@@ -680,7 +511,3 @@ def _build_from_file(
         raise UserCodeError(user_code_message(exc, f"factory {factory!r} in {path_text!r} raised",
                                               file=str(path))) from exc
     return _bundle_from_factory_result(result, spec, path_text, factory, kwargs)
-
-
-# Public name for the zoo modules' loss functions.
-output_logits = _loss_from_output
