@@ -16,7 +16,7 @@ from torch import nn
 
 from partitioner.compile import plan as make_plan
 from partitioner.ir import Edge, ScheduleKind, StageGraph
-from partitioner.microbatch import MicrobatchError, split_microbatches
+from partitioner.microbatch import MicrobatchError
 from partitioner.plan import Plan, PlanError
 from partitioner.request import PlanRequest
 from partitioner.errors import PlanningError
@@ -26,7 +26,7 @@ from partitioner.timeline import Timeline, TimelineEvent
 from partitioner.program import fingerprint, flatten_inputs, retarget_device
 from partitioner.trace import trace
 from runtime.comm import Comm, PipelineError
-from runtime.batch import concat_outputs, split_batch
+from runtime.batch import Microbatches, join_outputs
 from runtime.engine import Engine, RuntimeConfigError
 from runtime.program import Ownership, Program
 from runtime.layout import ReplicaLayout
@@ -242,7 +242,7 @@ class PipelinedModel:
             self._plan = self._make_plan(args, kwargs)
         plan = self._plan
         # traced on one microbatch: an export-traced program is specialised to the shapes it runs on
-        micro_args, micro_kwargs = _first_microbatch(args, kwargs, plan.microbatches)
+        micro_args, micro_kwargs = self._cut(args, kwargs).inputs[0]
         on_meta = any(t.is_meta for t in [*self.module.parameters(), *self.module.buffers()])
         was_training = self.module.training
         programs: dict[bool, Program] = {}
@@ -354,23 +354,24 @@ class PipelinedModel:
         The loss of a microbatch is ``loss_fn(output, target)`` on its slice of ``target``, or
         ``loss_fn(output, None)`` when no target is given (a loss that needs none).
         """
+        self._ensure(args, kwargs)
+        return self.step_microbatches(self._cut(args, kwargs, target))
+
+    def step_microbatches(self, micro: Microbatches) -> torch.Tensor:
+        """:meth:`step` on microbatches the caller already holds (``runtime.batch.Microbatches``, as many as
+        the plan's), e.g. one per call of a step function; the pipeline must be partitioned (a first step, or
+        :meth:`prepare`)."""
         if self.loss_fn is None:
             raise RuntimeConfigError("step() trains and needs a loss: pass loss_fn=... to smp.partition "
                                      "(a function (output, target) -> scalar tensor)")
-        eng = self._ensure(args, kwargs)
+        eng = self._engine_for(micro)
         if self.broadcast_buffers and self.dp_size > 1:
             self._broadcast_buffers()
-        m = self._plan.microbatches  # type: ignore[union-attr]
-        micro = self._split(eng, args, kwargs, m)
-        targets = None
-        if target is not None:  # without one, loss_fn(output, None) (e.g. a loss that is the output's mean)
-            try:
-                targets = [piece[0][0] for piece in split_microbatches((target,), None, m)]
-            except MicrobatchError as err:
-                raise RuntimeConfigError(f"the target cannot be split like the batch: {err}") from None
+        flat = micro.flat(eng.program.gm)
+        targets = list(micro.targets) if micro.targets is not None else None
         scaler = self.grad_scaler
         if scaler is None:
-            loss, _ = eng.run(micro, targets, self.loss_fn, training=True)
+            loss, _ = eng.run(flat, targets, self.loss_fn, training=True)
             assert loss is not None
             return loss
         # fp16: this step's gradients are made scaled, apart from any the caller accumulated before it
@@ -379,7 +380,7 @@ class PipelinedModel:
         for p in params:
             p.grad = None
         eng.loss_scale = scaler.scale
-        loss, _ = eng.run(micro, targets, self.loss_fn, training=True)
+        loss, _ = eng.run(flat, targets, self.loss_fn, training=True)
         assert loss is not None
         fresh = [p.grad for p in params if p.grad is not None]
         self.last_step_skipped = scaler.unscale_and_check(fresh, self._any_rank)
@@ -413,25 +414,41 @@ class PipelinedModel:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Forward-only pipelined pass (no gradients). The output is returned on the rank holding the
         output stage (every rank in a single process); the other ranks get None."""
-        eng = self._ensure(args, kwargs)
-        m = self._plan.microbatches  # type: ignore[union-attr]
-        micro = self._split(eng, args, kwargs, m)
-        with torch.no_grad():
-            _, outputs = eng.run(micro, None, None, training=False)
-        output = concat_outputs(outputs) if outputs else None
+        self._ensure(args, kwargs)
+        outputs = self.forward_microbatches(self._cut(args, kwargs))
+        output = join_outputs(outputs) if outputs else None
         if self.broadcast_output and self.distributed:
             box = [output]
-            dist.broadcast_object_list(box, src=self.layout.pp_ranks[eng.out_rank], group=self.layout.pp_group)
+            dist.broadcast_object_list(box, src=self.layout.pp_ranks[self._engine.out_rank],  # type: ignore[union-attr]
+                                       group=self.layout.pp_group)
             output = box[0]
         return output
 
     forward = __call__
 
-    def _split(self, eng: Engine, args: tuple, kwargs: dict, m: int) -> list[list[Any]]:
+    def forward_microbatches(self, micro: Microbatches) -> list[Any] | None:
+        """Each microbatch's output of a forward-only pass (no gradients) on the rank holding the output stage
+        (every rank in one process); None on the others. The pipeline must be partitioned."""
+        eng = self._engine_for(micro)
+        with torch.no_grad():
+            _, outputs = eng.run(micro.flat(eng.program.gm), None, None, training=False)
+        return outputs or None
+
+    def _cut(self, args: tuple, kwargs: dict, target: Any = None) -> Microbatches:
+        """The batch cut into the plan's microbatches (runtime.batch, the one place that cuts)."""
         try:
-            return split_batch(eng.program.gm, args, kwargs, m)
+            return Microbatches.cut(args, kwargs, self._plan.microbatches, target)  # type: ignore[union-attr]
         except MicrobatchError as err:
             raise RuntimeConfigError(str(err)) from None
+
+    def _engine_for(self, micro: Microbatches) -> Engine:
+        """The engine of the current mode, for as many microbatches as the plan's."""
+        if self._setup is None:
+            raise RuntimeConfigError("running microbatches needs the model partitioned: run prepare(*batch) first")
+        m = self._plan.microbatches  # type: ignore[union-attr]
+        if len(micro) != m:
+            raise RuntimeConfigError(f"{len(micro)} microbatches given, and the plan runs {m} a step")
+        return self._ensure((), {})
 
     # ------------------------------------------------------------------ parameters and state
 
@@ -678,10 +695,3 @@ def _model_device(model: nn.Module) -> torch.device:
         if not t.is_meta:
             return t.device
     return torch.device("cpu")
-
-
-def _first_microbatch(args: tuple, kwargs: dict, m: int) -> tuple[tuple, dict]:
-    try:
-        return split_microbatches(args, kwargs, m)[0]
-    except MicrobatchError as err:
-        raise RuntimeConfigError(str(err)) from None

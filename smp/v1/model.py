@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from partitioner.graph import OUTPUT_OP
+from runtime.batch import Microbatches
 from smp.partition import PipelinedModel
 from smp.v1 import planning
 from smp.v1.comm import CommGroup, cpu_copy, gather_objects, group_ranks
@@ -176,19 +178,22 @@ class DistributedModel(nn.Module):
             return torch.zeros((), device=self.device)
         return self._active.loss_for(output, index)
 
-    def train_step(self, args: tuple, kwargs: dict, m: int) -> None:
-        """Forward and backward of every microbatch through the pipeline; gradients accumulate in the parameters."""
+    def train_step(self, micro: Microbatches) -> None:
+        """Forward and backward of every microbatch through the pipeline; gradients accumulate in the parameters.
+
+        Each microbatch's target is its index: the loss replays the step function on that microbatch's output."""
         pipe = self.need_pipe("a training step")
         try:
-            pipe.step(*args, target=torch.arange(m), **kwargs)
+            pipe.step_microbatches(replace(micro, targets=torch.arange(len(micro)).split(1)))
         except torch.OutOfMemoryError as err:
             raise planning.out_of_memory(pipe.plan, current(), self.device, "during a training step") from err
 
-    def forward_only(self, args: tuple, kwargs: dict) -> Any:
-        """The pipelined forward of every microbatch (no gradients); the output on the rank holding it, else None."""
+    def forward_only(self, micro: Microbatches) -> list[Any] | None:
+        """The pipelined forward of every microbatch (no gradients): each one's output on the rank holding them,
+        else None."""
         pipe = self.need_pipe("an evaluation step")
         try:
-            return pipe(*args, **kwargs)
+            return pipe.forward_microbatches(micro)
         except torch.OutOfMemoryError as err:
             raise planning.out_of_memory(pipe.plan, current(), self.device, "during an evaluation step") from err
 

@@ -21,6 +21,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from partitioner.microbatch import batch_size
+from runtime.batch import Microbatches
 from smp.v1.comm import cpu_copy, share_from_holder
 from smp.v1.errors import V1Error
 from smp.v1.model import DistributedModel
@@ -112,60 +113,58 @@ def _split_leaf(leaf: Any, m: int, axis: int, name: str) -> list[Any]:
 # ---------------------------------------------------------------------- one step
 
 
-def _merge(calls: list[ModelCall], m: int, name: str) -> tuple[tuple, dict]:
-    """The microbatches' model inputs as one batch that smp's pipeline splits back into the same microbatches.
+def _microbatches(calls: list[ModelCall], name: str) -> Microbatches:
+    """The microbatches' model inputs as captured, handed to the pipeline as they are (runtime.batch).
 
-    A tensor that is the same object in every microbatch (a non-split argument) goes in
-    once; the others are concatenated along dim 0, which must then be the batch's.
+    smp runs one traced program for every microbatch: the calls must pass inputs of one
+    structure, tensors where the first passes a tensor, and the same non-tensor values.
     """
-    if m == 1:
-        return calls[0].args, calls[0].kwargs
     flat = [pytree.tree_flatten((c.args, c.kwargs)) for c in calls]
     spec = flat[0][1]
     if any(f[1] != spec for f in flat[1:]):
         raise V1Error(f"{name} calls the model with differently structured inputs in different microbatches")
+    for j, first in enumerate(flat[0][0]):
+        column = [f[0][j] for f in flat]
+        if any(isinstance(v, torch.Tensor) for v in column):
+            if not all(isinstance(v, torch.Tensor) for v in column):
+                raise V1Error(f"{name}: model input {j} is a tensor in some microbatches only")
+        elif any(v != first for v in column):
+            raise V1Error(f"{name}: model input {j} ({first!r}, ...) differs between microbatches; smp runs one "
+                          "program for all of them, so non-tensor inputs must be the same")
+    return Microbatches(tuple((c.args, c.kwargs) for c in calls))
+
+
+def _joined(micro: Microbatches, name: str) -> tuple[tuple, dict]:
+    """The microbatches as one batch that smp's planner cuts back into the same microbatches (planning only).
+
+    A tensor that is the same object in every microbatch (a non-split argument) goes in
+    once; the others are concatenated along dim 0, which must then be the batch's.
+    """
+    if len(micro) == 1:
+        return micro.inputs[0]
+    flat = [pytree.tree_flatten(piece) for piece in micro.inputs]
+    spec = flat[0][1]
     merged: list[Any] = []
     concatenated: list[torch.Tensor] = []
     for j, first in enumerate(flat[0][0]):
         column = [f[0][j] for f in flat]
-        if all(v is first for v in column):
+        if all(v is first for v in column) or not isinstance(first, torch.Tensor):
             merged.append(first)
-        elif all(isinstance(v, torch.Tensor) and v.dim() > 0 for v in column):
+        elif all(v.dim() > 0 for v in column):
             merged.append(torch.cat(column, dim=0))
             concatenated.append(merged[-1])
-        elif any(isinstance(v, torch.Tensor) for v in column):
+        else:
             raise V1Error(f"{name}: model input {j} is a tensor without a batch dimension that differs between "
                           "microbatches; smp cannot split it")
-        elif all(v == first for v in column):
-            merged.append(first)
-        else:
-            raise V1Error(f"{name}: model input {j} ({first!r}, ...) differs between microbatches; smp runs one "
-                          "program for all of them, so non-tensor inputs must be the same")
     args, kwargs = pytree.tree_unflatten(merged, spec)
     size = batch_size(args, kwargs)
     stray = [t for t in concatenated if t.shape[0] != size]
     if stray or not concatenated:
-        raise V1Error(f"{name}: smp's pipeline splits every model input along dim 0 by the first input's batch "
+        raise V1Error(f"{name}: smp's planner cuts every model input along dim 0 by the first input's batch "
                       f"size ({size}); the model's inputs do not all have that batch size once the microbatches are "
                       "joined. Give the model its batch-sized tensor first, and split every per-example input along "
                       "dim 0 (input_split_axes)")
-    if "target" in kwargs:
-        raise V1Error(f"{name}: a model keyword argument named 'target' cannot pass through smp's pipeline "
-                      "(PipelinedModel.step uses the name); pass it positionally")
     return args, kwargs
-
-
-def _split_output(output: Any, m: int, name: str) -> list[Any]:
-    """The forward's output (microbatches joined on dim 0) back into the microbatches' outputs."""
-    leaves, spec = pytree.tree_flatten(output)
-    columns = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor) and leaf.dim() == 0 and m > 1:
-            raise V1Error(f"{name}: the model returns a 0-dim tensor; smp's forward-only pipeline joins the "
-                          "microbatches' outputs on dim 0 and keeps one such value, so each microbatch's cannot "
-                          "be told apart. Return it with a batch dimension")
-        columns.append(list(torch.chunk(leaf, m, dim=0)) if isinstance(leaf, torch.Tensor) and m > 1 else [leaf] * m)
-    return [pytree.tree_unflatten([c[i] for c in columns], spec) for i in range(m)]
 
 
 def _to(value: Any, device: torch.device | None) -> Any:
@@ -231,10 +230,11 @@ class StepFunction:
                       model.average_grads_across_microbatches)
         with model.running(run):
             calls = [run.capture(i) for i in range(m)]
-            model_args, model_kwargs = _merge(calls, m, self.name)
-            model.ensure_partitioned(model_args, model_kwargs)
+            micro = _microbatches(calls, self.name)
+            if not model.partitioned:  # planned on the batch the microbatches make together
+                model.ensure_partitioned(*_joined(micro, self.name))
             with autocast_as(calls[0].autocast):
-                holds, error = self._pipeline(model, run, model_args, model_kwargs, m)
+                holds, error = self._pipeline(model, run, micro)
         sendable = cpu_copy(run.returns) if holds and st.distributed else None
         failure = f"{type(error).__name__}: {error}" if error is not None else None
         shared = share_from_holder(f"the results of {self.name}", {"returns": sendable, "failure": failure}, holds, st)
@@ -245,17 +245,16 @@ class StepFunction:
         returns = run.returns if holds else [_to(r, model.device) for r in shared["returns"]]
         return _assemble(returns, self.name)
 
-    def _pipeline(self, model: DistributedModel, run: StepRun, args: tuple, kwargs: dict, m: int
-                  ) -> tuple[bool, Exception | None]:
+    def _pipeline(self, model: DistributedModel, run: StepRun, micro: Microbatches) -> tuple[bool, Exception | None]:
         """Run the pipeline: (whether this rank ran the function on the model's outputs, the error that raised)."""
         if run.training:
-            model.train_step(args, kwargs, m)
+            model.train_step(micro)
             return run.replayed, None
-        output = model.forward_only(args, kwargs)
-        if output is None:  # another rank holds the model's output
+        outputs = model.forward_only(micro)
+        if outputs is None:  # another rank holds the model's output
             return False, None
         try:
-            for i, piece in enumerate(_split_output(output, m, self.name)):
+            for i, piece in enumerate(outputs):
                 run.replay(i, piece)
         except Exception as err:  # noqa: BLE001 - the other ranks must learn it first; it is raised here as it was
             return True, err
