@@ -25,7 +25,8 @@ from partitioner.cluster import Cluster  # noqa: E402
 from partitioner.cost import Problem  # noqa: E402
 from partitioner.solve import solve  # noqa: E402
 from partitioner.solve import crossings  # noqa: E402
-from partitioner.solve.crossings import _SCALE, CUT_BUDGET, CutCrossings, crossing_lower_bound  # noqa: E402
+from partitioner.solve.cpsat_model import NS_PER_SECOND as _SCALE  # noqa: E402
+from partitioner.solve.crossings import CUT_BUDGET, CutCrossings, crossing_lower_bound  # noqa: E402
 from partitioner.solve.groups import group_lower_bound  # noqa: E402
 
 

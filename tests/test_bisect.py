@@ -15,7 +15,7 @@ from partitioner.errors import ColocationError, MemoryLimitError
 from partitioner.solve import solve
 from partitioner.solve.bisect import FIRST_DROP, FIRST_STEP, TARGET_GAP, bisect_bound
 from partitioner.solve.colocate import colocation_blocks
-from partitioner.solve.cpsat import _Model, proof_solver
+from partitioner.solve.cpsat_model import PlacementModel, proof_solver
 
 from _problems import colocated_problems, problems
 
@@ -210,7 +210,7 @@ def test_the_cut_sums_hold_every_valid_plan(case):
     if not plans:
         return
     upper = max(prob.bottleneck(a) for a in plans)
-    model = _Model(prob, ())
+    model = PlacementModel(prob, ())
     model.objective(upper, upper, 0.0)
     model.m.clear_objective()
     model.cut_sums()

@@ -19,7 +19,8 @@ from partitioner.refine import refine_step_time, simulated_step_time
 from partitioner.solve.baselines import BASELINES, baseline_assign
 from partitioner.solve.bisect import bisect_bound
 from partitioner.solve.colocate import Blocks, colocation_blocks
-from partitioner.solve.cpsat import cpsat_size, cpsat_solve
+from partitioner.solve.cpsat import cpsat_solve
+from partitioner.solve.cpsat_model import cpsat_size
 from partitioner.solve.crossings import crossing_lower_bound
 from partitioner.solve.dp import DP_SEARCH_WORK, dp_solve, least_memory
 from partitioner.solve.groups import GROUPS, group_lower_bound
@@ -34,7 +35,7 @@ METHODS = ("auto", "dp", "cpsat", *BASELINES)
 OBJECTIVES = ("bottleneck", "step_time")
 #: ``auto`` runs CP-SAT after the DP only on graphs up to this many ops ...
 AUTO_CPSAT_MAX_NODES = 2000
-#: ... and this many model variables (:func:`~partitioner.solve.cpsat.cpsat_size`): on clusters of 8-GPU nodes
+#: ... and this many model variables (:func:`~partitioner.solve.cpsat_model.cpsat_size`): on clusters of 8-GPU nodes
 #: 2,000 ops at 16 stages and 1,000 at 32 (about 106-115k) are in, 1,000 at 64 out (the 1,000-op layered DAG:
 #: 221k; there 15 deterministic seconds of CP-SAT took 124 wall seconds and found no plan).
 AUTO_CPSAT_MAX_VARS = 150_000

@@ -34,8 +34,8 @@ import numpy as np
 
 from partitioner.cost import Problem
 
-__all__ = ["MoveResult", "tabu_search", "tabu_phases", "MOVE_WORK", "MOVE_EVALUATIONS", "TABU_TENURE",
-           "SECOND_TENURE"]
+__all__ = ["MoveResult", "tabu_search", "tabu_phases", "lexicographically_smaller", "MOVE_WORK", "MOVE_EVALUATIONS",
+           "TABU_TENURE", "SECOND_TENURE"]
 
 #: Candidate evaluations at most ...
 MOVE_EVALUATIONS = 2000
@@ -62,7 +62,7 @@ class MoveResult:
     wall_stopped: bool
 
 
-def _smaller(a: Sequence[float], b: Sequence[float]) -> bool:
+def lexicographically_smaller(a: Sequence[float], b: Sequence[float]) -> bool:
     """``a`` < ``b`` lexicographically (both sorted from the largest), beyond rounding."""
     for x, y in zip(a, b):
         if x < y * (1 - _REL):
@@ -132,9 +132,9 @@ def tabu_search(prob: Problem, assign: Sequence[int], *, frozen: Collection[int]
             if not prob.fits(mem):
                 continue
             key = sorted(t, reverse=True)
-            if step - moved_at.get(v, -tenure) <= tenure and not _smaller(key, best):
+            if step - moved_at.get(v, -tenure) <= tenure and not lexicographically_smaller(key, best):
                 continue  # tabu, and not a new best
-            if pick is None or _smaller(key, pick[0]):
+            if pick is None or lexicographically_smaller(key, pick[0]):
                 pick = (key, v, to, t)
         if pick is None:
             if not moved_at:
@@ -146,7 +146,8 @@ def tabu_search(prob: Problem, assign: Sequence[int], *, frozen: Collection[int]
         ops_on[to] += 1
         a[v] = to
         moved_at[v] = step
-        if _smaller(key, best) and key[0] <= best[0]:  # never a larger bottleneck, not even by rounding
+        # never a larger bottleneck, not even by rounding
+        if lexicographically_smaller(key, best) and key[0] <= best[0]:
             best, best_assign = key, a.copy()
     return MoveResult(best_assign.tolist(), float(best[0]), float(start), used, wall_stopped)
 
