@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks._graphs import graph_for  # noqa: E402
 from partitioner.cluster import Cluster  # noqa: E402
-from partitioner.cost import Problem  # noqa: E402
+from partitioner.problem import Problem  # noqa: E402
 from partitioner.solve.cpsat_model import PlacementModel as _Model, proof_solver  # noqa: E402
 
 

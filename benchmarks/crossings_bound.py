@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks._graphs import graph_for  # noqa: E402
 from partitioner.bounds import named_lower_bounds  # noqa: E402
 from partitioner.cluster import Cluster  # noqa: E402
-from partitioner.cost import Problem  # noqa: E402
+from partitioner.problem import Problem  # noqa: E402
 from partitioner.solve import solve  # noqa: E402
 from partitioner.solve import crossings  # noqa: E402
 from partitioner.solve.cpsat_model import NS_PER_SECOND as _SCALE  # noqa: E402

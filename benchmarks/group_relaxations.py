@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks._graphs import graph_for  # noqa: E402
 from partitioner.cluster import Cluster  # noqa: E402
-from partitioner.cost import Problem  # noqa: E402
+from partitioner.problem import Problem  # noqa: E402
 from partitioner.solve import solve  # noqa: E402
 from partitioner.solve.groups import group_lower_bound  # noqa: E402
 

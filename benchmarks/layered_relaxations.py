@@ -38,8 +38,9 @@ from ortools.sat.python import cp_model  # noqa: E402
 
 from benchmarks._graphs import graph_for  # noqa: E402
 from partitioner.cluster import Cluster  # noqa: E402
-from partitioner.cost import Problem  # noqa: E402
-from partitioner.solve.cpsat_model import NS_PER_SECOND as _SCALE, least_end_price as _price, proof_solver, weighted as _weighted  # noqa: E402,E501
+from partitioner.problem import Problem  # noqa: E402
+from partitioner.solve.cpsat_model import (NS_PER_SECOND as _SCALE, least_end_price as _price,  # noqa: E402
+                                           proof_solver, weighted as _weighted)
 from partitioner.solve.crossings import _FLOAT, CutCrossings  # noqa: E402
 
 

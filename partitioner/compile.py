@@ -12,13 +12,14 @@ import torch
 from torch import nn
 
 from partitioner.cluster import Cluster, Link
-from partitioner.cost import DEFAULT_STATE_FACTOR, Partition
+from partitioner.cost import Partition
 from partitioner.errors import ShapePruned
 from partitioner.graph import OpGraph
 from partitioner.ir import ScheduleKind
 from partitioner.microbatch import batch_size, split_microbatches
 from partitioner.plan import (PLACEMENTS, ModelInfo, Plan, PlanError, replica_layout, schedule_for,
                               simulate_partition)
+from partitioner.problem import DEFAULT_STATE_FACTOR
 from partitioner.profile import profile
 from partitioner.schedule import check_active_microbatches
 from partitioner.shapes import ShapeSearch, search_shapes

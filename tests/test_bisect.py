@@ -9,9 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from partitioner import synthetic
+from partitioner.bounds import named_bounds
 from partitioner.cluster import Cluster
-from partitioner.cost import Problem, graph_order
 from partitioner.errors import ColocationError, MemoryLimitError
+from partitioner.problem import Problem, graph_order
 from partitioner.solve import solve
 from partitioner.solve.bisect import FIRST_DROP, FIRST_STEP, TARGET_GAP, bisect_bound
 from partitioner.solve.colocate import colocation_blocks
@@ -39,7 +40,7 @@ def test_the_bisection_brackets_the_optimum_with_colocation_and_fractional_memor
     prob = Problem(g, p, order=blocks.order, recompute="auto", **opts)  # as solve() and brute_force() build it
     plans = [prob.assignment(s.stage_of) for s in starts if s.memory_ok]
     upper = max(prob.bottleneck(a) for a in plans if not prob.check(a))  # a baseline may leave a stage empty
-    lower = max(prob.named_bounds().values())
+    lower = max(named_bounds(prob).values())
     if not 0 < lower < upper:
         return  # proven already, or nothing to start from
     positions = SOLVE_MODULE._block_positions(blocks)

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from partitioner import synthetic
 from partitioner.bounds import named_lower_bounds
 from partitioner.cluster import Cluster
-from partitioner.cost import Problem
+from partitioner.problem import Problem
 from partitioner.solve import solve
 from partitioner.solve.cpsat_model import NS_PER_SECOND
 from partitioner.solve.crossings import CutCrossings, crossing_lower_bound

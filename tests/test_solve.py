@@ -14,9 +14,10 @@ from ortools.sat.python import cp_model
 
 from partitioner import synthetic
 from partitioner.cluster import Cluster
-from partitioner.cost import Problem, evaluate, graph_order
+from partitioner.cost import evaluate
 from partitioner.errors import ColocationError, MemoryLimitError, StageCountError
 from partitioner.graph import OUTPUT_OP
+from partitioner.problem import Problem, graph_order
 from partitioner.solve import solve
 from partitioner.solve.baselines import cuts_to_assign
 from partitioner.solve.cpsat import CPResult, cpsat_solve

@@ -11,8 +11,8 @@ from ortools.sat.python import cp_model
 
 from partitioner import synthetic
 from partitioner.cluster import Cluster
-from partitioner.cost import Problem
 from partitioner.errors import MemoryLimitError
+from partitioner.problem import Problem
 from partitioner.solve import solve, windows_budget
 from partitioner.solve.baselines import baseline_assign
 from partitioner.solve.cpsat_model import PlacementModel

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 from ortools.sat.python import cp_model
 
-from partitioner.cost import Problem
+from partitioner.problem import Problem
 from partitioner.solve.cpsat_model import BUILD_LOCK, PlacementModel, proof_solver
 
 __all__ = ["BISECT_RTOL", "Check", "BisectResult", "bisect_bound"]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from ortools.sat.python import cp_model
 
-from partitioner.cost import Problem
+from partitioner.problem import Problem
 from partitioner.solve.cpsat_model import BUILD_LOCK, PlacementModel, proof_solver
 
 __all__ = ["CPResult", "cpsat_solve"]

@@ -38,7 +38,7 @@ import numpy as np
 from ortools.sat.python import cp_model
 from ortools.sat.python.cp_model import LinearExpr
 
-from partitioner.cost import Problem
+from partitioner.problem import Problem
 
 __all__ = ["PlacementModel", "BUILD_LOCK", "NS_PER_SECOND", "cpsat_size", "least_end_price", "proof_solver",
            "weighted"]

@@ -43,7 +43,7 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from partitioner.bounds import closures, masked_sum
-from partitioner.cost import Problem
+from partitioner.problem import Problem
 from partitioner.solve.cpsat_model import NS_PER_SECOND, least_end_price, proof_solver, weighted
 
 __all__ = ["CrossingBound", "CutCrossings", "crossing_lower_bound", "closure_work"]

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from partitioner.cost import Problem
+from partitioner.problem import Problem
 from partitioner.solve.cpsat_model import NS_PER_SECOND, least_end_price, proof_solver
 
 __all__ = ["GROUPS", "GroupBound", "group_lower_bound"]

@@ -8,7 +8,7 @@ plan and moves one op at a time between the bottleneck stage and a neighbour: on
 bottleneck's ops whose producers are all earlier (to the stage before) or whose
 consumers are all later (to the stage after), or a neighbour's op that may join the
 bottleneck (it may shed a transfer). Every candidate is priced exactly
-(:meth:`~partitioner.cost.Problem.stage_costs`) and must fit memory; the best one is
+(:meth:`~partitioner.problem.Problem.stage_costs`) and must fit memory; the best one is
 taken even when it is worse, and an op just moved may not move again for
 ``TABU_TENURE`` steps unless that finds a new best plan (tabu search, Glover, "Tabu
 Search — Part I", ORSA Journal on Computing 1989; the moves are those of
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from partitioner.cost import Problem
+from partitioner.problem import Problem
 
 __all__ = ["MoveResult", "tabu_search", "tabu_phases", "lexicographically_smaller", "MOVE_WORK", "MOVE_EVALUATIONS",
            "TABU_TENURE", "SECOND_TENURE"]

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from ortools.sat.python import cp_model
 from ortools.sat.python.cp_model import LinearExpr
 
-from partitioner.cost import Problem
+from partitioner.problem import Problem
 from partitioner.solve.cpsat_model import weighted
 
 __all__ = ["WindowModel"]

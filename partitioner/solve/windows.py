@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
-from partitioner.cost import Problem
+from partitioner.problem import Problem
 from partitioner.solve.cpsat_model import BUILD_LOCK, PlacementModel, proof_solver, weighted
 from partitioner.solve.moves import lexicographically_smaller
 from partitioner.solve.window_model import WindowModel
