@@ -36,7 +36,7 @@ def main() -> None:
 
     from partitioner import synthetic
     from partitioner.cluster import Cluster
-    from partitioner.cost import Problem
+    from partitioner.problem import Problem
     from partitioner.solve.baselines import baseline_assign
 
     rows = []

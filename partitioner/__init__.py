@@ -2,7 +2,7 @@
 
 from partitioner import synthetic
 from partitioner.cluster import Cluster, Device, Link
-from partitioner.cost import DEFAULT_STATE_FACTOR, Partition, StageStats, Transfer, evaluate
+from partitioner.cost import Partition, StageStats, Transfer, evaluate
 from partitioner.devices import DeviceSpec, list_profiles, load_profile
 from partitioner.errors import (
     ClusterError,
@@ -15,6 +15,7 @@ from partitioner.errors import (
 )
 from partitioner.graph import OpGraph
 from partitioner.microbatch import MicrobatchError, split_microbatches
+from partitioner.problem import DEFAULT_STATE_FACTOR
 from partitioner.profile import profile
 from partitioner.profile_measured import time_whole_model
 from partitioner.program import fingerprint, flatten_inputs, op_nodes

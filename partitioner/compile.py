@@ -9,13 +9,14 @@ from typing import Any
 from torch import nn
 
 from partitioner.cluster import Cluster
-from partitioner.cost import DEFAULT_STATE_FACTOR, Partition
+from partitioner.cost import Partition
 from partitioner.errors import ShapePruned
 from partitioner.graph import OpGraph
 from partitioner.ir import ScheduleKind
 from partitioner.microbatch import batch_size, split_microbatches
 from partitioner.plan import (PLACEMENTS, ModelInfo, Plan, PlanError, replica_layout, schedule_for,
                               simulate_partition)
+from partitioner.problem import DEFAULT_STATE_FACTOR
 from partitioner.profile import profile
 from partitioner.program import fingerprint
 from partitioner.request import PlanRequest

@@ -1,4 +1,4 @@
-"""The cost model: what any op -> stage assignment costs, per stage and overall (see docs/cost-model.md)."""
+"""What an op -> stage assignment costs, reported per stage and overall (see docs/cost-model.md)."""
 
 from __future__ import annotations
 
@@ -6,36 +6,19 @@ import functools
 import math
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import networkx as nx
 import numpy as np
 
-from partitioner.bounds import ConsumerChains, named_lower_bounds
+from partitioner.bounds import strongest_bound
 from partitioner.cluster import Cluster
-from partitioner.errors import InvalidAssignmentError, PlanningError, StageCountError
-from partitioner.graph import KERNEL_FIELDS, OUTPUT_OP, OpGraph
-from partitioner.ir import ScheduleKind
-from partitioner.recompute import CHOICES, check_mode, op_recompute, peak_recomputing
-from partitioner.schedule import check_active_microbatches, peak_in_flight
+from partitioner.errors import InvalidAssignmentError
+from partitioner.graph import OpGraph
+from partitioner.problem import DEFAULT_STATE_FACTOR, DEFAULT_WORKSPACE_FACTOR, Problem
 from partitioner.units import format_bytes
 
-__all__ = [
-    "Transfer", "StageStats", "StageTerms", "Partition", "Problem", "evaluate", "graph_order", "DEFAULT_STATE_FACTOR",
-    "DEFAULT_WORKSPACE_FACTOR", "format_bytes",
-]
-
-#: Bytes kept per parameter byte when training: the weights, their gradients and Adam's
-#: two moments, all in the parameters' dtype (fp32 training, or the fp32 part of mixed
-#: precision counted at the stored dtype) -> 1 + 1 + 2.
-DEFAULT_STATE_FACTOR = 4.0
-
-#: Bytes the optimizer's step allocates for a while per parameter byte it updates: AdamW's
-#: foreach implementation (torch's default on GPUs) builds one temporary list of the
-#: parameters' size (sqrt of the second moment), measured in tests/test_memory_model.py.
-#: The step runs after the last backward, when the stashed activations are gone, so a
-#: stage's peak is its state + max(activations, workspace). 0 for a fused optimizer.
-DEFAULT_WORKSPACE_FACTOR = 1.0
+__all__ = ["Transfer", "StageStats", "Partition", "partition", "evaluate", "module_range", "OPTIMAL_RTOL"]
 
 #: A plan is called optimal when a proven lower bound is within this fraction of its value
 #: (one part per million: CP-SAT's integer scaling rounds each term by under 1e-9 of it).
@@ -238,440 +221,74 @@ class Partition:
         return "\n".join(rows)
 
 
-# ---------------------------------------------------------------------- the problem, in arrays
 
-
-def graph_order(graph: OpGraph | nx.DiGraph) -> tuple[nx.DiGraph, list[Hashable]]:
-    """The networkx graph and a deterministic topological order of its nodes.
-
-    An OpGraph's program order (``index``); for a plain DiGraph, ``index`` when every node
-    has one and it is topological, else networkx's lexicographic topological sort by name.
-    """
-    if isinstance(graph, OpGraph):
-        return graph.nx, graph.topological_order()
-    if not isinstance(graph, nx.DiGraph):
-        raise PlanningError(f"expected an OpGraph or a networkx.DiGraph, got {type(graph).__name__}")
-    if not nx.is_directed_acyclic_graph(graph):
-        raise PlanningError(f"the op graph has a cycle {nx.find_cycle(graph)}; a pipeline needs a DAG")
-    g = graph
-    if g.number_of_nodes() and all("index" in d for _, d in g.nodes(data=True)):
-        order = sorted(g.nodes, key=lambda n: (g.nodes[n]["index"], str(n)))
-        pos = {n: i for i, n in enumerate(order)}
-        if all(pos[u] < pos[v] for u, v in g.edges):
-            return g, order
-    return g, list(nx.lexicographical_topological_sort(g, key=str))
-
-
-class StageTerms(NamedTuple):
-    """One stage's cost under its recomputation choice (see :meth:`Problem.stage_report`)."""
-
-    choice: str
-    time: float
-    memory: float
-    kept: float  # bytes kept per microbatch in flight, the stage's cut included
-    remade: float  # bytes one microbatch's recomputation re-creates
-    recompute_time: float  # seconds of forward run again inside one backward
-    workspace: float = 0.0  # bytes the optimizer's step allocates (instead of the activations)
-
-
-def _shared_readers(g: nx.DiGraph, order: Sequence[Hashable]) -> tuple[dict[str, int], list[tuple[int, tuple[str, ...]]]]:
-    """(each shared parameter's first reader, by the name it was counted under; each later reader in
-    order with the names of the shared parameters it reads)."""
-    first: dict[str, int] = {}
-    later: list[tuple[int, tuple[str, ...]]] = []
-    for i, v in enumerate(order):
-        data = g.nodes[v]
-        shared = set(data.get("shared_params", ()) or ())
-        for name in data.get("param_names", ()) or ():
-            if name not in shared:
-                first.setdefault(name, i)
-        if data.get("shared_from"):
-            later.append((i, tuple(data["shared_from"])))
-    return first, later
-
-
-class Problem:
-    """A graph, a stage count and the cost options, flattened into arrays over a topological order.
-
-    Every solver and :func:`evaluate` read costs from here, so there is one cost model.
-    Position ``i`` is the i-th node of ``order``; ``succ[i]`` are consumer positions.
-    ``recompute``: "none", "selective" or "full" on every stage, "auto" (each stage takes
-    the fastest choice that fits its memory, see :meth:`stage_report`), or one choice per stage.
-    """
-
-    def __init__(self, graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None = None,
-                 microbatches: int = 1, schedule: str = "1f1b", training: bool = True,
-                 memory_limit: float | None = None, state_factor: float = DEFAULT_STATE_FACTOR,
-                 workspace_factor: float = DEFAULT_WORKSPACE_FACTOR, order: Sequence[Hashable] | None = None,
-                 ranks: int | None = None,
-                 recompute: str | Sequence[str] = "none", active_microbatches: int | None = None):
-        g, default_order = graph_order(graph)
-        self.graph = graph
-        self.g = g
-        self.order: list[Hashable] = list(order) if order is not None else default_order
-        n = len(self.order)
-        if n == 0:
-            raise PlanningError("the op graph is empty; trace a model with at least one op")
-        if order is not None:
-            if set(self.order) != set(g.nodes) or len(set(self.order)) != n:
-                raise PlanningError("the given order must list every node of the graph exactly once")
-        self.pos: dict[Hashable, int] = {v: i for i, v in enumerate(self.order)}
-        if order is not None and any(self.pos[u] >= self.pos[v] for u, v in g.edges):
-            raise PlanningError("the given order is not topological (some edge points backward)")
-        if not isinstance(stages, int) or stages < 1:
-            raise StageCountError(f"stages must be a positive integer, got {stages!r}")
-        if stages > n:
-            raise StageCountError(f"{stages} stages but the graph has only {n} ops: every stage needs "
-                                  f"at least one op; use at most {n} stages or a finer graph")
-        if microbatches < 1:
-            raise PlanningError(f"microbatches must be >= 1, got {microbatches}")
-        if state_factor < 1:
-            raise PlanningError(f"state_factor must be >= 1 (parameters themselves), got {state_factor}")
-        if not workspace_factor >= 0:
-            raise PlanningError(f"workspace_factor must be >= 0 (0: a fused optimizer), got {workspace_factor}")
-        self.n, self.p = n, stages
-        self.cluster = (cluster or Cluster.free(stages)).for_stages(stages)
-        self.microbatches, self.training = microbatches, training
-        self.schedule = ScheduleKind.parse(schedule).value
-        try:
-            check_active_microbatches(self.schedule, active_microbatches)
-        except ValueError as err:
-            raise PlanningError(str(err)) from None
-        self.active_microbatches = active_microbatches
-        self.state_factor = float(state_factor)
-        self.workspace_factor = float(workspace_factor)
-        self.memory_limit_arg = memory_limit
-
-        def attr(key: str, default: float = 0.0) -> np.ndarray:
-            return np.array([float(g.nodes[v].get(key, default) or 0.0) for v in self.order])
-
-        self.fwd, self.bwd, self.bwd_w = attr("fwd"), attr("bwd"), attr("bwd_w")
-        self.params, self.buffers, self.out_bytes = attr("params"), attr("buffers"), attr("out_bytes")
-        for name, arr in (("fwd", self.fwd), ("bwd", self.bwd), ("params", self.params),
-                          ("out_bytes", self.out_bytes), ("buffers", self.buffers), ("bwd_w", self.bwd_w)):
-            if (arr < 0).any() or not np.isfinite(arr).all():
-                bad = self.order[int(np.argmax((arr < 0) | ~np.isfinite(arr)))]
-                raise PlanningError(f"node {bad!r} has {name}={g.nodes[bad].get(name)}; costs must be "
-                                    "finite and >= 0 (re-profile the model)")
-        # Activation memory per microbatch: what autograd keeps for the backward (the profiler's
-        # saved_bytes) when training on a graph that has it, else the op outputs (a proxy).
-        saved = isinstance(graph, OpGraph) and graph.meta.get("activations") == "saved_bytes" and training
-        self.act_bytes = attr("saved_bytes") if saved else self.out_bytes
-        # With exact activations, memory also depends on the cut: a stage keeps the tensors it
-        # receives until its backward, and the whole of each tensor it sends (the backward's
-        # roots), of which only the part some consumer saves is in the producer's saved bytes.
-        self.keeps_received = bool(saved)
-        # The storage a sent output lives in (an op's own, or the one it views).
-        self.root = [self.pos.get(g.nodes[v].get("view_of") or v, i) for i, v in enumerate(self.order)]
-        self._roots = np.array(self.root, dtype=np.int64)
-        self._edges: tuple[np.ndarray, np.ndarray] | None = None
-        # What each recomputation choice keeps, re-creates and runs again, per op.
-        self.rec = op_recompute(self.fwd, attr("flops"), self.act_bytes,
-                                attr("saved_output_bytes") if saved else self.out_bytes,
-                                attr("storage_bytes") if saved else self.out_bytes, exact=saved,
-                                kernel=tuple(attr(k, -1.0) for k in KERNEL_FIELDS))  # type: ignore[arg-type]
-        self.modules = [str(g.nodes[v].get("module", "") or "") for v in self.order]
-        # The model's output node (OpGraph.OUTPUT_OP) is no op: a stage must hold a real one.
-        self.is_output = [g.nodes[v].get("op") == OUTPUT_OP for v in self.order]
-        self.work = self.fwd + (self.bwd if training else 0.0)
-        self.succ: list[list[int]] = [sorted(self.pos[w] for w in g.successors(v)) for v in self.order]
-        self.pred: list[list[int]] = [sorted(self.pos[w] for w in g.predecessors(v)) for v in self.order]
-        self.speed = np.array(self.cluster.speeds, dtype=float)
-        # Activation and gradient both cross a cut when training.
-        self.directions = 2 if training else 1
-        self.bw = np.full((stages, stages), math.inf)
-        self.lat = np.zeros((stages, stages))
-        for a in range(stages):
-            for t in range(a + 1, stages):
-                lk = self.cluster.link(a, t)
-                self.bw[a, t], self.lat[a, t] = lk.bandwidth, lk.latency
-        # Microbatches each stage holds at its peak, read off the schedule's own order
-        # (interleaved: ``ranks`` pipeline ranks hold the ``stages`` stages round robin).
-        self.ranks = ranks
-        self.in_flight = peak_in_flight(self.schedule, stages, microbatches, num_ranks=ranks, training=training,
-                                        active_microbatches=active_microbatches)
-        self.recomputing = peak_recomputing(self.schedule, stages, microbatches, num_ranks=ranks, training=training)
-        factor = self.state_factor if training else 1.0
-        self.held_factor = factor
-        # A parameter read on several stages (a tied embedding and LM head) is held, with
-        # its gradient and optimizer state, by every stage that reads it; ``params`` counts
-        # it once on its first reader, ``shared_bytes`` on each later one. For the solvers
-        # two readers on one stage are counted twice: conservative, and it keeps memory per
-        # node. Every feasibility check (stage_report, fits, the recomputation choice) is the
-        # solvers'; a plan's reported memory (``partition``) counts it once (``shared_counted_twice``).
-        self.shared = attr("shared_bytes")
-        self.held = self.params + self.shared
-        self.fixed_mem = self.held * factor + self.buffers  # per node, independent of the stage
-        # The optimizer's step workspace: a stage's peak is fixed + max(activations, workspace),
-        # so fitting is two sums within the limit: with the activations (node_memory), and
-        # ``step_mem`` (state and workspace) at the step.
-        self.step_workspace_per_held = self.workspace_factor if training else 0.0
-        self.step_workspace = self.held * self.step_workspace_per_held
-        self.step_mem = self.fixed_mem + self.step_workspace
-        self._first_reader, self._later_readers = _shared_readers(g, self.order)
-        self._named_bounds: dict[str, float] | None = None
-        self._consumer_chains: ConsumerChains | None = None
-        if memory_limit is not None:
-            if not memory_limit > 0:
-                raise PlanningError(f"memory_limit must be > 0 bytes, got {memory_limit}")
-            self.mem_limit: list[float | None] = [float(memory_limit)] * stages
-        else:
-            self.mem_limit = [d.memory for d in self.cluster.devices]
-        self.recompute_mode, self.choices = self._stage_choices(recompute)
-        # Per op, the least time it costs on any stage (recomputation included): what bounds may count.
-        union = sorted({c for opts in self.choices for c in opts}, key=CHOICES.index)
-        self.least_work = self.work + np.min([self.rec.seconds[c] for c in union], axis=0)
-
-    def _stage_choices(self, recompute: str | Sequence[str]) -> tuple[str, list[tuple[str, ...]]]:
-        """(the mode, each stage's allowed recomputation choices, fastest first)."""
-        mode = check_mode(recompute, self.p)
-        if isinstance(mode, tuple):
-            if not self.training and any(c != "none" for c in mode):
-                raise PlanningError("recomputation applies to training only; plan inference with recompute='none'")
-            return "given", [(c,) for c in mode]
-        if not self.training:
-            if mode not in ("auto", "none"):
-                raise PlanningError(f"recompute={mode!r} applies to training only; plan inference with "
-                                    "recompute='none' (or 'auto')")
-            return mode, [("none",)] * self.p
-        if mode == "auto":  # where memory is unlimited the fastest choice, none, is the only one worth taking
-            return mode, [CHOICES if lim is not None else CHOICES[:1] for lim in self.mem_limit]
-        return mode, [(mode,)] * self.p
-
-    # ---------------------------------------------------------------- pieces
-
-    def transfer_seconds(self, a: int, t: int, nbytes: float) -> float:
-        """One direction of one tensor from stage a to stage t."""
-        if nbytes <= 0 or a == t:
-            return 0.0
-        return nbytes / self.bw[a, t] + self.lat[a, t]
-
-    def node_memory(self, i: int, s: int, choice: str = "none") -> float:
-        """Op ``i``'s own share of stage ``s``'s memory during the pipeline under ``choice`` (the cut's tensors
-        come on top); at the optimizer's step its share is ``step_mem[i]`` (both must fit)."""
-        return (self.fixed_mem[i] + self.in_flight[s] * self.rec.kept[choice][i]
-                + self.recomputing[s] * self.rec.remade[choice][i])
-
-    # ---------------------------------------------------------------- fast costs
-
-    def stage_costs(self, assign: Sequence[int], choices: Sequence[str] | None = None
-                    ) -> tuple[list[float], list[float]]:
-        """Per-stage time and memory of ``assign`` (stage per position); no validity checks."""
-        terms = self.stage_report(assign, choices)
-        return [t.time for t in terms], [t.memory for t in terms]
-
-    def stage_report(self, assign: Sequence[int], choices: Sequence[str] | None = None) -> list[StageTerms]:
-        """Each stage's time and memory under its recomputation choice.
-
-        Without ``choices`` each stage takes, among its allowed choices (fastest first), the
-        first that fits its memory limit (the fastest that fits: a stage's choice changes
-        nothing on other stages), or the one needing least memory when none fits.
-        """
-        p = self.p
-        a = np.asarray(assign, dtype=np.int64)
-        options = self.choices if choices is None else [(c,) for c in check_mode(choices, p)]
-        used = {c for opts in options for c in opts}
-        speed, infl, rinfl = self.speed, self.in_flight, self.recomputing
-        comp = np.bincount(a, weights=self.work, minlength=p)
-        fixed = np.bincount(a, weights=self.fixed_mem, minlength=p)
-        workspace = np.bincount(a, weights=self.step_workspace, minlength=p)
-        per = {c: (np.bincount(a, weights=self.rec.kept[c], minlength=p),
-                   np.bincount(a, weights=self.rec.remade[c], minlength=p),
-                   np.bincount(a, weights=self.rec.seconds[c], minlength=p)) for c in used}
-        # One transfer per (producer, consuming stage) pair, paid by both ends: the pairs of
-        # the edges that leave their producer's stage, deduplicated (numpy: this runs for
-        # every plan a search prices).
-        eu, ev = self._sending_edges()
-        src, dst = a[eu], a[ev]
-        crossing = dst != src
-        pairs = np.unique(eu[crossing] * p + dst[crossing])
-        senders, to = pairs // p, pairs % p
-        frm = a[senders]
-        nbytes = self.out_bytes[senders]
-        cost = self.directions * (nbytes / self.bw[frm, to] + self.lat[frm, to])
-        t = comp / speed + np.bincount(frm, weights=cost, minlength=p) + np.bincount(to, weights=cost, minlength=p)
-        recv = np.bincount(to, weights=nbytes, minlength=p)
-        sent = self.kept_for_sending(a, np.unique(senders), used)
-        out = []
-        for s in range(p):
-            pick = None
-            for c in options[s]:
-                kept_s, remade_s, seconds_s = per[c]
-                kept = float(kept_s[s]) + (recv[s] if self.rec.received[c] else 0.0) + sent[c][s]
-                remade = float(remade_s[s])
-                memory = float(fixed[s]) + max(infl[s] * kept + rinfl[s] * remade, float(workspace[s]))
-                rec_t = float(seconds_s[s]) / speed[s]
-                term = StageTerms(c, float(t[s] + rec_t), float(memory), float(kept), remade, rec_t,
-                                  float(workspace[s]))
-                if self.mem_limit[s] is None or memory <= self.mem_limit[s] * (1 + 1e-12):
-                    pick = term
-                    break
-                if pick is None or memory < pick.memory:
-                    pick = term
-            out.append(pick)
-        return out
-
-    def named_bounds(self) -> dict[str, float]:
-        """The closed-form lower bounds by name (:func:`partitioner.bounds.named_lower_bounds`): the
-        problem's alone, so computed once (the solvers each start from them, and a search prices
-        hundreds of partitions of one problem; at 9,000 ops they take about 1 s)."""
-        if self._named_bounds is None:
-            self._named_bounds = named_lower_bounds(self)
-        return dict(self._named_bounds)
-
-    def consumer_chains(self) -> ConsumerChains:
-        """The chains of consumers of each tensor read on several stages (:class:`partitioner.bounds.ConsumerChains`),
-        read by the ``broadcast`` bound and the ideal DP: built once (about 0.25 s at 9,000 ops)."""
-        if self._consumer_chains is None:
-            self._consumer_chains = ConsumerChains(self)
-        return self._consumer_chains
-
-    def strongest_bound(self) -> tuple[str, float]:
-        """(name, value) of the strongest of :meth:`named_bounds`."""
-        return max(self.named_bounds().items(), key=lambda kv: kv[1])
-
-    def shared_counted_twice(self, assign: Sequence[int]) -> np.ndarray:
-        """Per stage, the shared parameter bytes ``held`` counts again for a later reader on a stage that
-        already holds them (its first reader, or an earlier reader, is there): held once, not twice.
-
-        A reader of several shared parameters is let off only when the stage holds all of
-        them (its ``shared_bytes`` is one sum): conservative otherwise."""
-        twice = np.zeros(self.p)
-        holding = {name: {assign[i]} for name, i in self._first_reader.items()}
-        for i, names in self._later_readers:
-            s = assign[i]
-            if all(s in holding.get(name, ()) for name in names):
-                twice[s] += self.shared[i]
-            else:
-                for name in names:
-                    holding.setdefault(name, set()).add(s)
-        return twice
-
-    def _sending_edges(self) -> tuple[np.ndarray, np.ndarray]:
-        """(producers, consumers) of every edge whose producer outputs bytes, as arrays (built once)."""
-        if self._edges is None:
-            pairs = [(u, v) for u, succ in enumerate(self.succ) if self.out_bytes[u] > 0 for v in succ]
-            self._edges = (np.array([u for u, _ in pairs], dtype=np.int64), np.array([v for _, v in pairs], dtype=np.int64))
-        return self._edges
-
-    def kept_for_sending(self, assign: Sequence[int], sent: Iterable[int],
-                         choices: Iterable[str] = ("none",)) -> dict[str, list[float]]:
-        """Per choice and stage, the bytes a stage keeps because it sends them (the backward's roots) beyond
-        what the choice keeps anyway.
-
-        Each storage once: several sent views of one tensor keep one storage, and a view of
-        a tensor received from an earlier stage keeps nothing more (the received copy is counted).
-        """
-        a = np.asarray(assign, dtype=np.int64)
-        views = np.fromiter(sent, dtype=np.int64)
-        roots = self._roots[views]
-        kept = np.unique(roots[a[roots] == a[views]])  # storages sent by a view on their own stage
-        return {c: np.bincount(a[kept], weights=np.asarray(self.rec.sent[c], dtype=float)[kept],
-                               minlength=self.p).tolist() for c in choices}
-
-    def bottleneck(self, assign: Sequence[int]) -> float:
-        return max(self.stage_costs(assign)[0])
-
-    def fits(self, mem: Sequence[float]) -> bool:
-        return all(lim is None or m <= lim * (1 + 1e-12) for m, lim in zip(mem, self.mem_limit))
-
-    def check(self, assign: Sequence[int]) -> list[str]:
-        """Why ``assign`` is not a valid pipeline assignment (empty list when it is)."""
-        problems = []
-        used = {s for s, out in zip(assign, self.is_output) if not out}
-        empty = [s for s in range(self.p) if s not in used]
-        if empty:
-            problems.append(f"stages {empty} have no ops")
-        bad = [(self.order[u], self.order[v]) for u in range(self.n) for v in self.succ[u]
-               if assign[u] > assign[v]]
-        if bad:
-            u, v = bad[0]
-            problems.append(f"{len(bad)} edges flow backward, e.g. {u!r} (stage {assign[self.pos[u]]}) -> "
-                            f"{v!r} (stage {assign[self.pos[v]]})")
-        return problems
-
-    # ---------------------------------------------------------------- the full report
-
-    def partition(self, assign: Sequence[int], *, method: str = "manual",
-                  solve_seconds: float = 0.0, choices: Sequence[str] | None = None) -> Partition:
-        p, k = self.p, self.directions
-        speed = self.speed
-        ops: list[list[int]] = [[] for _ in range(p)]
-        for i, s in enumerate(assign):
-            ops[s].append(i)
-        transfers: list[Transfer] = []
-        cin_b, cout_b = [0.0] * p, [0.0] * p
-        cin_t, cout_t = [0.0] * p, [0.0] * p
-        for u, succ in enumerate(self.succ):
-            b = float(self.out_bytes[u])
-            if b <= 0 or not succ:
-                continue
-            a = assign[u]
-            dsts = sorted({assign[v] for v in succ} - {a})
-            for dst in dsts:
-                sec = self.transfer_seconds(a, dst, b)
-                transfers.append(Transfer(a, dst, str(self.order[u]), b, sec))
-                cout_b[a] += b
-                cin_b[dst] += b
-                cout_t[a] += k * sec
-                cin_t[dst] += k * sec
-        terms = self.stage_report(assign, choices)
-        twice = self.shared_counted_twice(assign)
-        stats = []
-        for s in range(p):
-            idx, term = ops[s], terms[s]
-            # The pipeline's peak or the step's, each with a tied weight held once.
-            rinfl = self.recomputing[s] if term.choice != "none" else 0
-            during = term.memory - max(self.in_flight[s] * term.kept + rinfl * term.remade, term.workspace)
-            workspace = term.workspace - self.step_workspace_per_held * twice[s]
-            state = during - self.held_factor * twice[s]
-            fwd = float(self.fwd[idx].sum()) / speed[s]
-            bwd = float(self.bwd[idx].sum()) / speed[s] if self.training else 0.0
-            bwd_w = float(self.bwd_w[idx].sum()) / speed[s] if self.training else 0.0
-            compute = float(self.work[idx].sum()) / speed[s]
-            stats.append(StageStats(
-                index=s, device=s, ops=[str(self.order[i]) for i in idx],
-                modules=module_range(tuple(self.modules[i] for i in idx)),
-                fwd=fwd, bwd=bwd, bwd_w=bwd_w, compute=compute,
-                comm_in_bytes=cin_b[s], comm_out_bytes=cout_b[s],
-                comm_in_time=cin_t[s], comm_out_time=cout_t[s],
-                time=compute + term.recompute_time + cin_t[s] + cout_t[s],
-                params=float(self.held[idx].sum() - twice[s]), buffers=float(self.buffers[idx].sum()),
-                activations=term.kept, in_flight=self.in_flight[s],
-                memory=state + max(self.in_flight[s] * term.kept + rinfl * term.remade, workspace),
-                memory_limit=self.mem_limit[s], recompute=term.choice, recompute_time=term.recompute_time,
-                recompute_bytes=term.remade, recomputing=rinfl, workspace=workspace))
-        times = [st.time for st in stats]
-        worst = int(np.argmax(times))
-        part = Partition(
-            stage_of={self.order[i]: int(s) for i, s in enumerate(assign)},
-            stages=stats, transfers=transfers, bottleneck=times[worst], bottleneck_stage=worst,
-            lower_bound=0.0, optimal=False, gap=1.0, method=method, solve_seconds=solve_seconds,
-            cluster=self.cluster.to_dict(), microbatches=self.microbatches, schedule=self.schedule,
-            training=self.training, memory_limit=self.memory_limit_arg, state_factor=self.state_factor,
-            workspace_factor=self.workspace_factor, recompute_mode=self.recompute_mode if choices is None else "given",
-            active_microbatches=self.active_microbatches)
-        name, bound = self.strongest_bound()
-        part.with_report(lower_bound=bound, bound_by=name)
-        over = [st.index for st in stats if not st.fits]
-        if over:
-            part.notes.append(f"stages {over} exceed their memory limit")
-        return part
-
-
-    def assignment(self, stage_of: Mapping[Hashable, int]) -> list[int]:
-        """Positions -> stage from a node -> stage mapping (keys may be names as strings)."""
-        missing = [v for v in self.order if v not in stage_of and str(v) not in stage_of]
-        if missing:
-            raise InvalidAssignmentError(f"{len(missing)} ops have no stage, e.g. {missing[:3]}; "
-                                         "stage_of must map every node of the graph")
-        assign = []
-        for v in self.order:
-            s = stage_of[v] if v in stage_of else stage_of[str(v)]
-            if not isinstance(s, (int, np.integer)) or not 0 <= s < self.p:
-                raise InvalidAssignmentError(f"op {v!r} has stage {s!r}; stages are integers 0..{self.p - 1}")
-            assign.append(int(s))
-        return assign
+def partition(prob: Problem, assign: Sequence[int], *, method: str = "manual", solve_seconds: float = 0.0,
+              choices: Sequence[str] | None = None) -> Partition:
+    """The full report of ``assign`` (stage per position) on ``prob``: every stage's cost, the transfers, and the
+    strongest closed-form bound (``choices``: each stage's recomputation, else each stage's own pick)."""
+    p, k = prob.p, prob.directions
+    speed = prob.speed
+    ops: list[list[int]] = [[] for _ in range(p)]
+    for i, s in enumerate(assign):
+        ops[s].append(i)
+    transfers: list[Transfer] = []
+    cin_b, cout_b = [0.0] * p, [0.0] * p
+    cin_t, cout_t = [0.0] * p, [0.0] * p
+    for u, succ in enumerate(prob.succ):
+        b = float(prob.out_bytes[u])
+        if b <= 0 or not succ:
+            continue
+        a = assign[u]
+        dsts = sorted({assign[v] for v in succ} - {a})
+        for dst in dsts:
+            sec = prob.transfer_seconds(a, dst, b)
+            transfers.append(Transfer(a, dst, str(prob.order[u]), b, sec))
+            cout_b[a] += b
+            cin_b[dst] += b
+            cout_t[a] += k * sec
+            cin_t[dst] += k * sec
+    terms = prob.stage_report(assign, choices)
+    twice = prob.shared_counted_twice(assign)
+    stats = []
+    for s in range(p):
+        idx, term = ops[s], terms[s]
+        # The pipeline's peak or the step's, each with a tied weight held once.
+        rinfl = prob.recomputing[s] if term.choice != "none" else 0
+        during = term.memory - max(prob.in_flight[s] * term.kept + rinfl * term.remade, term.workspace)
+        workspace = term.workspace - prob.step_workspace_per_held * twice[s]
+        state = during - prob.held_factor * twice[s]
+        fwd = float(prob.fwd[idx].sum()) / speed[s]
+        bwd = float(prob.bwd[idx].sum()) / speed[s] if prob.training else 0.0
+        bwd_w = float(prob.bwd_w[idx].sum()) / speed[s] if prob.training else 0.0
+        compute = float(prob.work[idx].sum()) / speed[s]
+        stats.append(StageStats(
+            index=s, device=s, ops=[str(prob.order[i]) for i in idx],
+            modules=module_range(tuple(prob.modules[i] for i in idx)),
+            fwd=fwd, bwd=bwd, bwd_w=bwd_w, compute=compute,
+            comm_in_bytes=cin_b[s], comm_out_bytes=cout_b[s],
+            comm_in_time=cin_t[s], comm_out_time=cout_t[s],
+            time=compute + term.recompute_time + cin_t[s] + cout_t[s],
+            params=float(prob.held[idx].sum() - twice[s]), buffers=float(prob.buffers[idx].sum()),
+            activations=term.kept, in_flight=prob.in_flight[s],
+            memory=state + max(prob.in_flight[s] * term.kept + rinfl * term.remade, workspace),
+            memory_limit=prob.mem_limit[s], recompute=term.choice, recompute_time=term.recompute_time,
+            recompute_bytes=term.remade, recomputing=rinfl, workspace=workspace))
+    times = [st.time for st in stats]
+    worst = int(np.argmax(times))
+    part = Partition(
+        stage_of={prob.order[i]: int(s) for i, s in enumerate(assign)},
+        stages=stats, transfers=transfers, bottleneck=times[worst], bottleneck_stage=worst,
+        lower_bound=0.0, optimal=False, gap=1.0, method=method, solve_seconds=solve_seconds,
+        cluster=prob.cluster.to_dict(), microbatches=prob.microbatches, schedule=prob.schedule,
+        training=prob.training, memory_limit=prob.memory_limit_arg, state_factor=prob.state_factor,
+        workspace_factor=prob.workspace_factor, recompute_mode=prob.recompute_mode if choices is None else "given",
+        active_microbatches=prob.active_microbatches)
+    name, bound = strongest_bound(prob)
+    part.with_report(lower_bound=bound, bound_by=name)
+    over = [st.index for st in stats if not st.fits]
+    if over:
+        part.notes.append(f"stages {over} exceed their memory limit")
+    return part
 
 
 def module_range(modules: Sequence[str]) -> str:
@@ -735,6 +352,7 @@ def _span(run: Sequence[int]) -> str:
     return f"{run[0]}" if len(run) == 1 else f"{run[0]}–{run[-1]}"
 
 
+
 def evaluate(graph: OpGraph | nx.DiGraph, stage_of: Mapping[Hashable, int], *,
              cluster: Cluster | None = None, microbatches: int = 1, schedule: str = "1f1b",
              training: bool = True, memory_limit: float | None = None,
@@ -766,4 +384,4 @@ def evaluate(graph: OpGraph | nx.DiGraph, stage_of: Mapping[Hashable, int], *,
     if problems:
         raise InvalidAssignmentError("not a valid pipeline assignment: " + "; ".join(problems)
                                      + ". Every stage needs an op and data may only flow to the same or a later stage.")
-    return prob.partition(assign, method=method)
+    return partition(prob, assign, method=method)

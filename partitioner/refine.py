@@ -21,8 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from partitioner.cost import Partition, Problem
+from partitioner.cost import Partition, partition
 from partitioner.ir import ScheduleKind
+from partitioner.problem import Problem
 from partitioner.schedule import make_schedule, stage_graph_from_transfers
 from partitioner.simulate import simulate, stage_costs_from
 
@@ -81,7 +82,7 @@ def refine_step_time(prob: Problem, assign: Sequence[int], *, ranks: int | None 
     def step_of(candidate: list[int], exact: bool = False) -> float | None:
         nonlocal left
         left -= 1
-        part = prob.partition(candidate)
+        part = partition(prob, candidate)
         if not part.memory_ok:
             return None
         if exact or short == prob.microbatches:

@@ -21,9 +21,10 @@ from collections.abc import Hashable, Iterable, Sequence
 import networkx as nx
 
 from partitioner.cluster import Cluster
-from partitioner.cost import DEFAULT_STATE_FACTOR, DEFAULT_WORKSPACE_FACTOR, Partition, Problem, evaluate
+from partitioner.cost import Partition, evaluate, partition
 from partitioner.errors import MemoryLimitError
 from partitioner.graph import OpGraph
+from partitioner.problem import DEFAULT_STATE_FACTOR, DEFAULT_WORKSPACE_FACTOR, Problem
 
 __all__ = [
     "chain", "random_dag", "layered_dag", "transformer", "unet", "encoder_decoder", "inception",
@@ -387,8 +388,8 @@ def brute_force(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | 
         rec(0)
     if best is None:
         raise MemoryLimitError("brute force: no valid assignment fits the memory limit", needed=None)
-    part = prob.partition(best, method="brute_force" if order is None else "brute_force(order)",
-                          choices=best_choices)
+    part = partition(prob, best, method="brute_force" if order is None else "brute_force(order)",
+                     choices=best_choices)
     if order is None:
         part.with_report(lower_bound=part.bottleneck, optimal=True)
     return part

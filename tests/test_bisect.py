@@ -9,13 +9,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from partitioner import synthetic
+from partitioner.bounds import named_bounds
 from partitioner.cluster import Cluster
-from partitioner.cost import Problem, graph_order
 from partitioner.errors import ColocationError, MemoryLimitError
+from partitioner.problem import Problem, graph_order
 from partitioner.solve import solve
 from partitioner.solve.bisect import FIRST_DROP, FIRST_STEP, TARGET_GAP, bisect_bound
 from partitioner.solve.colocate import colocation_blocks
-from partitioner.solve.cpsat import _Model, proof_solver
+from partitioner.solve.cpsat_model import PlacementModel, proof_solver
 
 from _problems import colocated_problems, problems
 
@@ -39,7 +40,7 @@ def test_the_bisection_brackets_the_optimum_with_colocation_and_fractional_memor
     prob = Problem(g, p, order=blocks.order, recompute="auto", **opts)  # as solve() and brute_force() build it
     plans = [prob.assignment(s.stage_of) for s in starts if s.memory_ok]
     upper = max(prob.bottleneck(a) for a in plans if not prob.check(a))  # a baseline may leave a stage empty
-    lower = max(prob.named_bounds().values())
+    lower = max(named_bounds(prob).values())
     if not 0 < lower < upper:
         return  # proven already, or nothing to start from
     positions = SOLVE_MODULE._block_positions(blocks)
@@ -210,7 +211,7 @@ def test_the_cut_sums_hold_every_valid_plan(case):
     if not plans:
         return
     upper = max(prob.bottleneck(a) for a in plans)
-    model = _Model(prob, ())
+    model = PlacementModel(prob, ())
     model.objective(upper, upper, 0.0)
     model.m.clear_objective()
     model.cut_sums()

@@ -180,7 +180,7 @@ def test_vectorised_pricing_matches_the_transfer_loop(n, p, rng):
     # stage_report prices the transfers with numpy; the loop it replaced is the reference,
     # on random DAGs with views of other ops' storage, over heterogeneous links ("full"
     # recomputation: every sent storage counts, so the storages kept are compared too).
-    from partitioner.cost import Problem
+    from partitioner.problem import Problem
 
     g = nx.DiGraph()
     for i in range(n):

@@ -10,9 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from partitioner import synthetic
 from partitioner.bounds import named_lower_bounds
 from partitioner.cluster import Cluster
-from partitioner.cost import Problem
+from partitioner.problem import Problem
 from partitioner.solve import solve
-from partitioner.solve.crossings import _SCALE, CutCrossings, crossing_lower_bound
+from partitioner.solve.cpsat_model import NS_PER_SECOND
+from partitioner.solve.crossings import CutCrossings, crossing_lower_bound
 from partitioner.solve.groups import group_lower_bound
 
 from _problems import problems
@@ -37,12 +38,12 @@ def test_every_plan_pays_the_ends_its_cuts_count_and_no_cap_it_meets_is_proven(c
         return
     test = CutCrossings(prob)
     plans.sort(key=prob.bottleneck)  # the most balanced first: their caps are the hardest to keep
-    work = [math.floor(float(w) * _SCALE) for w in prob.least_work]
+    work = [math.floor(float(w) * NS_PER_SECOND) for w in prob.least_work]
     for a in plans[:10] + plans[10:: max(1, len(plans) // 10)]:
         cap = prob.bottleneck(a)
         times = prob.stage_costs(a)[0]
-        paid = sum(float(speed) * t for speed, t in zip(prob.speed, times)) * _SCALE
-        counted = float(prob.least_work.sum()) * _SCALE
+        paid = sum(float(speed) * t for speed, t in zip(prob.speed, times)) * NS_PER_SECOND
+        counted = float(prob.least_work.sum()) * NS_PER_SECOND
         own = []  # per cut, the price of the ends counted at the plan's own cut
         for s in range(1, p):
             before = [v for v in range(prob.n) if a[v] < s]
@@ -53,7 +54,7 @@ def test_every_plan_pays_the_ends_its_cuts_count_and_no_cap_it_meets_is_proven(c
             crossing = {u for u in before for c in prob.succ[u] if a[c] >= s}
             own.append(sum(e for u, e in zip(test.senders, test.ends(s, cap)) if u in crossing))
         counted += float(prob.speed.min()) * sum(own)
-        assert counted <= paid * (1 + 1e-9), (a, counted / _SCALE, paid / _SCALE)
+        assert counted <= paid * (1 + 1e-9), (a, counted / NS_PER_SECOND, paid / NS_PER_SECOND)
         # the windows narrowed by the ends the plan pays at its other cuts still hold each of its cuts
         for s, (lo, hi) in enumerate(test.narrowed(cap, own), start=1):
             assert lo <= sum(work[v] for v in range(prob.n) if a[v] < s) <= hi, (a, s, lo, hi)
@@ -68,7 +69,8 @@ def test_every_plan_pays_the_ends_its_cuts_count_and_no_cap_it_meets_is_proven(c
             sends = test.ends_by_side(t + 1, cap)[1] if t < p - 1 else []
             ends = sum(e for u, e in zip(test.senders, receives) if u in crossing[t]) + \
                 sum(e for u, e in zip(test.senders, sends) if u in crossing[t + 1])
-            assert held + float(prob.speed[t]) * ends <= float(prob.speed[t]) * time_t * _SCALE * (1 + 1e-9), (a, t)
+            room = float(prob.speed[t]) * time_t * NS_PER_SECOND * (1 + 1e-9)
+            assert held + float(prob.speed[t]) * ends <= room, (a, t)
         weighed = []  # every window the test weighs a cut in, narrowed or not, holds the plan's cut
         if test.model is not None:  # (no tensor is sent: nothing to weigh)
             least = test.model.least
@@ -175,7 +177,7 @@ def test_a_cuts_least_ends_are_never_above_those_of_an_ideal_in_its_window():
     lo, hi = test.window(1, cap)
     ends = test.ends(1, cap)
     least, _ = test.model.least(ends, lo, hi, (1, test.real - 1), 1.0, 60, 0)
-    work = [math.floor(float(w) * _SCALE) for w in prob.least_work]
+    work = [math.floor(float(w) * NS_PER_SECOND) for w in prob.least_work]
     ideals = [set(c) for k in range(1, prob.n) for c in itertools.combinations(range(prob.n), k)
               if all(u in c for v in c for u in prob.pred[v]) and lo <= sum(work[v] for v in c) <= hi]
     exact = min(sum(e for u, e in zip(test.senders, ends) if u in ideal and any(c not in ideal for c in prob.succ[u]))

@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from partitioner import synthetic
 from partitioner.bounds import named_lower_bounds
 from partitioner.cluster import Cluster
-from partitioner.cost import Problem
 from partitioner.errors import MemoryLimitError
+from partitioner.problem import Problem
 from partitioner.solve import solve
 from partitioner.solve.groups import GroupBound, group_lower_bound
 

@@ -7,8 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import smp
-from partitioner.cost import DEFAULT_STATE_FACTOR, DEFAULT_WORKSPACE_FACTOR, evaluate
+from partitioner.cost import evaluate
 from partitioner.errors import MemoryLimitError
+from partitioner.problem import DEFAULT_STATE_FACTOR, DEFAULT_WORKSPACE_FACTOR
 from partitioner.solve import solve
 from partitioner.synthetic import brute_force
 from runtime.memory import AllocationMeter, OptimizerStepMeter

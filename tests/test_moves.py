@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from partitioner import synthetic
 from partitioner.cluster import Cluster
-from partitioner.cost import Problem
 from partitioner.errors import MemoryLimitError
+from partitioner.problem import Problem
 from partitioner.solve import solve
 from partitioner.solve.baselines import baseline_assign
 from partitioner.solve.moves import SECOND_TENURE, TABU_TENURE, tabu_phases, tabu_search

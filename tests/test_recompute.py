@@ -10,10 +10,11 @@ from hypothesis import strategies as st
 from partitioner import synthetic
 from partitioner.cluster import Cluster
 from partitioner.compile import plan_from_graph
-from partitioner.cost import evaluate, graph_order
+from partitioner.cost import evaluate
 from partitioner.errors import MemoryLimitError, PlanningError
 from partitioner.graph import OpGraph
 from partitioner.plan import Plan, schedule_for
+from partitioner.problem import graph_order
 from partitioner.recompute import peak_recomputing
 from partitioner.simulate import simulate, stage_costs_from
 from partitioner.solve import solve

@@ -14,12 +14,14 @@ from ortools.sat.python import cp_model
 
 from partitioner import synthetic
 from partitioner.cluster import Cluster
-from partitioner.cost import Problem, evaluate, graph_order
+from partitioner.cost import evaluate
 from partitioner.errors import ColocationError, MemoryLimitError, StageCountError
 from partitioner.graph import OUTPUT_OP
+from partitioner.problem import Problem, graph_order
 from partitioner.solve import solve
 from partitioner.solve.baselines import cuts_to_assign
-from partitioner.solve.cpsat import CPResult, _Model, cpsat_solve, proof_solver
+from partitioner.solve.cpsat import CPResult, cpsat_solve
+from partitioner.solve.cpsat_model import PlacementModel, proof_solver
 from partitioner.solve.dp import _Budget, _completion_bounds, _seeds, _shift_cuts, dp_solve
 from partitioner.solve.ideals import ideal_dp
 
@@ -321,7 +323,7 @@ def test_every_plan_is_a_complete_hint_that_the_model_holds_with_its_own_bottlen
     values = [max(prob.stage_costs(a)[0]) for a in plans]
     best = min(values)
     for a, value in list(zip(plans, values))[::max(1, len(plans) // 12)]:
-        model = _Model(prob, [])
+        model = PlacementModel(prob, [])
         model.objective(value, value, best)
         model.hint(list(a))
         solver = proof_solver(budget=5.0, wall_left=60.0, workers=1, seed=0)

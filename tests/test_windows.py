@@ -11,12 +11,12 @@ from ortools.sat.python import cp_model
 
 from partitioner import synthetic
 from partitioner.cluster import Cluster
-from partitioner.cost import Problem
 from partitioner.errors import MemoryLimitError
+from partitioner.problem import Problem
 from partitioner.solve import solve, windows_budget
 from partitioner.solve.baselines import baseline_assign
-from partitioner.solve.cpsat import _Model
-from partitioner.solve.moves import _smaller, tabu_phases
+from partitioner.solve.cpsat_model import PlacementModel
+from partitioner.solve.moves import lexicographically_smaller, tabu_phases
 from partitioner.solve.window_model import WindowModel
 from partitioner.solve.windows import (SLOWEST, _search_window, _search_window_alone, _windows, slowest,
                                        window_search)
@@ -52,7 +52,7 @@ def test_windows_keep_plans_valid_and_never_pass_the_optimum(whole, case):
     assert res.value == pytest.approx(prob.bottleneck(res.assign), rel=1e-12)
     assert res.start_value == pytest.approx(prob.bottleneck(assign), rel=1e-12)
     new, old = _sorted(prob, res.assign), _sorted(prob, assign)
-    assert new == old if res.taken == 0 else _smaller(new, old)  # each plan taken is lexicographically smaller
+    assert new == old if res.taken == 0 else lexicographically_smaller(new, old)  # each plan taken is smaller
     assert res.tried >= 1 and 2 <= res.widest <= p - 1
     try:
         best = synthetic.brute_force(g, p, **opts)
@@ -96,7 +96,7 @@ def test_the_window_alone_finds_the_whole_models_optimum(case, recompute):
     if assign is None:
         return
     bottleneck = prob.bottleneck(assign)
-    model = _Model(prob, [])
+    model = PlacementModel(prob, [])
     model.objective(bottleneck, bottleneck, 0.0)
     loads = model.stage_loads()
     for k in range(2, p):

@@ -9,23 +9,25 @@ from dataclasses import dataclass, field
 import networkx as nx
 import numpy as np
 
-from partitioner.bounds import memory_lower_bound
+from partitioner.bounds import memory_lower_bound, named_bounds
 from partitioner.cluster import Cluster
-from partitioner.cost import (DEFAULT_STATE_FACTOR, DEFAULT_WORKSPACE_FACTOR, OPTIMAL_RTOL, Partition, Problem,
-                              format_bytes, graph_order)
+from partitioner.cost import OPTIMAL_RTOL, Partition, partition
 from partitioner.errors import MemoryLimitError, PlanningError
 from partitioner.graph import OpGraph
+from partitioner.problem import DEFAULT_STATE_FACTOR, DEFAULT_WORKSPACE_FACTOR, Problem, graph_order
 from partitioner.refine import refine_step_time, simulated_step_time
 from partitioner.solve.baselines import BASELINES, baseline_assign
 from partitioner.solve.bisect import bisect_bound
 from partitioner.solve.colocate import Blocks, colocation_blocks
-from partitioner.solve.cpsat import cpsat_size, cpsat_solve
+from partitioner.solve.cpsat import cpsat_solve
+from partitioner.solve.cpsat_model import cpsat_size
 from partitioner.solve.crossings import crossing_lower_bound
 from partitioner.solve.dp import DP_SEARCH_WORK, dp_solve, least_memory
 from partitioner.solve.groups import GROUPS, group_lower_bound
 from partitioner.solve.ideals import MAX_IDEALS, ideal_dp
 from partitioner.solve.moves import SECOND_TENURE, TABU_TENURE, tabu_phases
 from partitioner.solve.windows import window_search
+from partitioner.units import format_bytes
 
 __all__ = ["solve", "METHODS", "OBJECTIVES", "AUTO_CPSAT_MAX_NODES", "AUTO_CPSAT_MAX_VARS", "DEFAULT_TIME_LIMIT",
            "DP_SEARCH_WORK", "cpsat_budget", "windows_budget", "wall_limit_for"]
@@ -34,7 +36,7 @@ METHODS = ("auto", "dp", "cpsat", *BASELINES)
 OBJECTIVES = ("bottleneck", "step_time")
 #: ``auto`` runs CP-SAT after the DP only on graphs up to this many ops ...
 AUTO_CPSAT_MAX_NODES = 2000
-#: ... and this many model variables (:func:`~partitioner.solve.cpsat.cpsat_size`): on clusters of 8-GPU nodes
+#: ... and this many model variables (:func:`~partitioner.solve.cpsat_model.cpsat_size`): on clusters of 8-GPU nodes
 #: 2,000 ops at 16 stages and 1,000 at 32 (about 106-115k) are in, 1,000 at 64 out (the 1,000-op layered DAG:
 #: 221k; there 15 deterministic seconds of CP-SAT took 124 wall seconds and found no plan).
 AUTO_CPSAT_MAX_VARS = 150_000
@@ -179,7 +181,7 @@ def solve(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None =
                    active_microbatches=active_microbatches)
     blocks.check_stages(prob.p, lonely=[i for i, out in enumerate(prob.is_output) if out])
     if method in BASELINES:
-        part = prob.partition(baseline_assign(prob, method, _allowed_cuts(prob, blocks)), method=method)
+        part = partition(prob, baseline_assign(prob, method, _allowed_cuts(prob, blocks)), method=method)
     else:
         part = _optimise(prob, blocks, method, budget, deadline, workers)
     if objective == "step_time":
@@ -198,7 +200,7 @@ def _optimise(prob: Problem, blocks: Blocks, method: str, budget: float, deadlin
               workers: int) -> Partition:
     """dp, the ideal DP and CP-SAT, each only while the plan is unproven; the best plan with the best bound."""
     search = _Search(prob)
-    for name, value in prob.named_bounds().items():
+    for name, value in named_bounds(prob).items():
         search.bound(name, value)
     limits = prob.mem_limit
     if limits and all(x is not None for x in limits) and \
@@ -236,7 +238,7 @@ def _optimise(prob: Problem, blocks: Blocks, method: str, budget: float, deadlin
     if search.assign is None:
         raise _memory_error(prob, _allowed_cuts(prob, blocks), proven=search.infeasible)
     label = search.found_by if method != "auto" else f"auto/{search.found_by}"
-    part = prob.partition(search.assign, method=label)
+    part = partition(prob, search.assign, method=label)
     for name, value in search.bounds.items():
         part.with_report(lower_bound=value, bound_by=name)
     return part.with_report(notes=search.notes)
@@ -472,7 +474,7 @@ def _refine(prob: Problem, blocks: Blocks, part: Partition, ranks: int | None) -
     for name, assign in candidates.items():
         if len(set(assign)) < prob.p:
             continue  # a baseline left a stage empty: not a pipeline of p stages
-        cand = prob.partition(assign)
+        cand = partition(prob, assign)
         if cand.memory_ok:
             steps[name] = simulated_step_time(cand, ranks=ranks)
     if not steps:
@@ -487,7 +489,7 @@ def _refine(prob: Problem, blocks: Blocks, part: Partition, ranks: int | None) -
     notes.append(f"step-time refinement: {before * 1e3:.4g} ms -> {after * 1e3:.4g} ms" if after < before
                  else "step-time refinement: no single-op move shortens the simulated step")
     label = part.method + ("" if start == part.method else f"→{start}") + ("+sim" if after < before else "")
-    out = prob.partition(refined, method=label)
+    out = partition(prob, refined, method=label)
     out.with_report(lower_bound=part.lower_bound, bound_by=part.bound_by, notes=[*part.notes, *notes])
     out.objective, out.simulated_step = "step_time", after
     out.bottleneck_plan = {"method": part.method, "bottleneck": part.bottleneck,

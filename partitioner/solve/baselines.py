@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from partitioner.cost import Problem
+from partitioner.problem import Problem
 
 __all__ = ["BASELINES", "baseline_assign", "minmax_cuts", "cuts_to_assign"]
 

@@ -11,7 +11,7 @@ without the linear relaxation (``linearization_level`` 0) "no plan under 0.44 ms
 bound is raised by bisection between the best bound so far and the plan: each check is the
 CP-SAT model of :mod:`partitioner.solve.cpsat` with the bottleneck's domain cut at the cap, no
 objective, and the redundant sums over the stages on each side of every cut
-(:meth:`~partitioner.solve.cpsat._Model.cut_sums`), which let propagation weigh an op as soon as it
+(:meth:`~partitioner.solve.cpsat_model.PlacementModel.cut_sums`), which let propagation weigh an op as soon as it
 is placed on one side of a cut (proofs on the 100-op layered DAG at 8 stages in 0.42-0.83 of the
 deterministic time, on T5-small at 8 stages 0.41-0.68; at 16 stages 0.83-0.97 on average over three
 seeds, and more wall seconds per deterministic second; docs/optimizer.md, "Bisection");
@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 
 from ortools.sat.python import cp_model
 
-from partitioner.cost import Problem
-from partitioner.solve.cpsat import _BUILDING, _Model, proof_solver
+from partitioner.problem import Problem
+from partitioner.solve.cpsat_model import BUILD_LOCK, PlacementModel, proof_solver
 
 __all__ = ["BISECT_RTOL", "Check", "BisectResult", "bisect_bound"]
 
@@ -107,8 +107,8 @@ def bisect_bound(prob: Problem, groups: Sequence[Sequence[int]] = (), *, lower: 
     if wall_limit <= 0:
         res.wall_stopped = True  # not even the model is built: that alone takes seconds at 2,000 ops
         return res
-    with _BUILDING:
-        model = _Model(prob, groups)
+    with BUILD_LOCK:
+        model = PlacementModel(prob, groups)
         model.objective(upper, upper, lower)
         model.cut_sums()
     model.m.clear_objective()

@@ -43,9 +43,8 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from partitioner.bounds import closures, masked_sum
-from partitioner.cost import Problem
-from partitioner.solve.cpsat import _weighted, proof_solver
-from partitioner.solve.groups import _SCALE, _price
+from partitioner.problem import Problem
+from partitioner.solve.cpsat_model import NS_PER_SECOND, least_end_price, proof_solver, weighted
 
 __all__ = ["CrossingBound", "CutCrossings", "crossing_lower_bound", "closure_work"]
 
@@ -93,10 +92,10 @@ class _Cuts:
                 m.add_bool_or([x[u].Not(), x[c], lit])  # u before the cut, a consumer after it
             self.cross.append(lit)
         self.weight = m.new_int_var(0, sum(work), "work")
-        m.add(_weighted([(w, x[v]) for v, w in enumerate(work)] + [(-1, self.weight)]) == 0)
+        m.add(weighted([(w, x[v]) for v, w in enumerate(work)] + [(-1, self.weight)]) == 0)
         real = [x[v] for v in range(prob.n) if not prob.is_output[v]]
         self.held = m.new_int_var(0, len(real), "held")  # every stage holds an op other than the output node
-        m.add(_weighted([(1, lit) for lit in real] + [(-1, self.held)]) == 0)
+        m.add(weighted([(1, lit) for lit in real] + [(-1, self.held)]) == 0)
 
     def least(self, prices: list[int], lo: int, hi: int, ops: tuple[int, int], budget: float, wall_left: float,
               seed: int) -> tuple[int, float]:
@@ -108,7 +107,7 @@ class _Cuts:
         for var, (a, b) in ((self.weight, (lo, hi)), (self.held, ops)):
             dom = proto.variables[var.index].domain
             dom[0], dom[1] = a, b
-        self.m.minimize(_weighted(list(zip(prices, self.cross))))
+        self.m.minimize(weighted(list(zip(prices, self.cross))))
         solver = proof_solver(budget=budget, wall_left=wall_left, workers=1, seed=seed)
         # OR-Tools 9.15's probing, with the dual reductions after it, certified 8.0 ms "optimal" on this model
         # where an ideal in the window crosses 3.6 (tests/test_crossings.py); without it the least is right
@@ -133,14 +132,14 @@ class CutCrossings:
         self.speed = prob.speed.astype(float)
         self.before = [0.0, *np.cumsum(self.speed).tolist()]  # before[s]: the speeds of stages 0 .. s-1
         self.total = float(prob.least_work.sum())
-        work = np.array([math.floor(float(w) * _SCALE) for w in prob.least_work], dtype=np.int64)
+        work = np.array([math.floor(float(w) * NS_PER_SECOND) for w in prob.least_work], dtype=np.int64)
         alpha, delta = closure_work(prob, work)
         self.senders = [u for u in range(prob.n) if prob.out_bytes[u] > 0 and prob.succ[u]]
         self.alpha = alpha
         self.least_delta = [min(delta[c] for c in prob.succ[u]) for u in self.senders]
         self.real = int(sum(not out for out in prob.is_output))
         # One end's least price across each cut (at least the least over its links, a < s <= t)
-        self.prices = [[_price(prob, u, slice(0, s), slice(s, p)) for u in self.senders] for s in range(1, p)]
+        self.prices = [[least_end_price(prob, u, slice(0, s), slice(s, p)) for u in self.senders] for s in range(1, p)]
         self.model = _Cuts(prob, work.tolist(), self.senders) if self.senders else None
 
     def window(self, s: int, cap: float) -> tuple[int, int]:
@@ -160,8 +159,8 @@ class CutCrossings:
         before, p = self.before, self.prob.p
         # Descendants' work a skipped stage s leaves after it, ancestors' work a tensor made before stage s-1 fits
         # in; the last stage cannot be skipped, nothing is made before the first
-        skips = cap * (before[p] - before[s + 1]) * _SCALE * (1 + _FLOAT) + 1 if s < p - 1 else -math.inf
-        earlier = cap * before[s - 1] * _SCALE * (1 + _FLOAT) + 1 if s > 1 else -math.inf
+        skips = cap * (before[p] - before[s + 1]) * NS_PER_SECOND * (1 + _FLOAT) + 1 if s < p - 1 else -math.inf
+        earlier = cap * before[s - 1] * NS_PER_SECOND * (1 + _FLOAT) + 1 if s > 1 else -math.inf
         prices = self.prices[s - 1]
         return ([price * int(delta > skips) for price, delta in zip(prices, self.least_delta)],
                 [price * int(self.alpha[u] > earlier) for price, u in zip(prices, self.senders)])
@@ -211,9 +210,9 @@ class CutCrossings:
         paid = np.concatenate([[0], np.cumsum(ends)]).tolist()  # paid[k]: the ends of cuts 1 .. k
         out = []
         for s in range(1, p):
-            fewest = (self.total - cap * (speeds[p] - speeds[s])) * _SCALE  # work before the cut, widened below
+            fewest = (self.total - cap * (speeds[p] - speeds[s])) * NS_PER_SECOND  # work before the cut, widened below
             lo = math.floor(fewest - abs(fewest) * _FLOAT) - self.prob.n - 1  # (whatever its sign)
-            hi = math.ceil(cap * speeds[s] * _SCALE * (1 + _FLOAT)) + 1
+            hi = math.ceil(cap * speeds[s] * NS_PER_SECOND * (1 + _FLOAT)) + 1
             out.append((max(0, lo + math.floor(slowest * (paid[-1] - paid[s]))),
                         max(0, hi - math.floor(slowest * paid[s - 1]))))
         return out
@@ -221,8 +220,8 @@ class CutCrossings:
     def exceeds(self, cap: float, ends: list[int]) -> bool:
         """Whether the work and these ends (integers, at some of the cuts) exceed what the stages hold under
         ``cap``: Σ speed_t T_t >= W + min speed x the ends, and each T_t <= cap."""
-        held = self.total * _SCALE + float(self.speed.min()) * sum(ends)
-        return held > cap * self.before[self.prob.p] * _SCALE * (1 + _FLOAT)
+        held = self.total * NS_PER_SECOND + float(self.speed.min()) * sum(ends)
+        return held > cap * self.before[self.prob.p] * NS_PER_SECOND * (1 + _FLOAT)
 
 
 def crossing_lower_bound(prob: Problem, *, lower: float, upper: float, budget: float, wall_limit: float,

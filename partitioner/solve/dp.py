@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from partitioner.cost import Problem
+from partitioner.problem import Problem
 from partitioner.recompute import CHOICES
 from partitioner.solve.baselines import BASELINES, baseline_assign, cuts_to_assign, minmax_cuts
 from partitioner.bounds import trivial_lower_bound

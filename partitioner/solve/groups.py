@@ -38,14 +38,13 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from partitioner.cost import Problem
-from partitioner.solve.cpsat import proof_solver
+from partitioner.problem import Problem
+from partitioner.solve.cpsat_model import NS_PER_SECOND, least_end_price, proof_solver
 
 __all__ = ["GROUPS", "GroupBound", "group_lower_bound"]
 
 #: How many groups of consecutive stages by default (fewer when there are fewer stages).
 GROUPS = 4
-_SCALE = 1e9  # seconds to integer nanoseconds
 _SPEED = 1000  # speeds to integer thousandths
 
 
@@ -95,17 +94,17 @@ def group_lower_bound(prob: Problem, *, budget: float, wall_limit: float, groups
                 m.Add(inside[j - 1][u] <= inside[j][u])
     sent = [u for u in range(prob.n) if prob.out_bytes[u] > 0 and prob.succ[u]]
     ops = [v for v in range(prob.n) if not prob.is_output[v]]
-    work = [math.floor(float(w) * _SCALE) for w in prob.least_work]
+    work = [math.floor(float(w) * NS_PER_SECOND) for w in prob.least_work]
     total = sum(work)
     per_group = []  # (its speed sum, its slowest speed, its work, what it pays), integers
     for j in range(g):
         lo, hi = cuts[j], cuts[j + 1]
         pays = []
         for k in range(j + 1, g):  # sends: one copy to each later group that reads the tensor
-            pays += [(_price(prob, u, slice(lo, hi), slice(cuts[k], cuts[k + 1])),
+            pays += [(least_end_price(prob, u, slice(lo, hi), slice(cuts[k], cuts[k + 1])),
                       _sends(m, inside, j, k, u, prob.succ[u])) for u in sent]
         if j > 0:  # receives from the earlier groups
-            pays += [(_price(prob, u, slice(0, lo), slice(lo, hi)), _receives(m, inside, j, u, prob.succ[u]))
+            pays += [(least_end_price(prob, u, slice(0, lo), slice(lo, hi)), _receives(m, inside, j, u, prob.succ[u]))
                      for u in sent]
         held = sum(work[v] * (inside[j + 1][v] - inside[j][v]) for v in range(prob.n))
         # every stage holds an op other than the model's output node
@@ -133,18 +132,11 @@ def group_lower_bound(prob: Problem, *, budget: float, wall_limit: float, groups
     det = float(solver.response_proto.deterministic_time)
     done = status in (cp_model.OPTIMAL, cp_model.INFEASIBLE)
     found = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
-    bound = max(0.0, (solver.BestObjectiveBound() - 1) / _SCALE) if found else 0.0
+    bound = max(0.0, (solver.BestObjectiveBound() - 1) / NS_PER_SECOND) if found else 0.0
     # The best grouped plan found: no bound this model reports (its proven bound less a unit) can exceed it
-    relaxed = solver.ObjectiveValue() / _SCALE if found else math.inf
+    relaxed = solver.ObjectiveValue() / NS_PER_SECOND if found else math.inf
     return GroupBound(bound, tuple(cuts[:-1]), solver.StatusName(status), det, not done and det < budget * 0.99,
                       relaxed)
-
-
-def _price(prob: Problem, u: int, frm: slice, to: slice) -> int:
-    """The least a transfer of u's output between those stages costs one end, in integer nanoseconds."""
-    bw = float(prob.bw[frm, to].max())
-    lat = float(prob.lat[frm, to].min())
-    return math.floor(prob.directions * (float(prob.out_bytes[u]) / bw + lat) * _SCALE)
 
 
 def _sends(m: cp_model.CpModel, inside: list, j: int, k: int, u: int, consumers: list[int]) -> cp_model.IntVar:

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from partitioner.bounds import cheapest_links, ConsumerChains, trivial_lower_bound
-from partitioner.cost import Problem
+from partitioner.bounds import cheapest_links, consumer_chains, ConsumerChains, trivial_lower_bound
+from partitioner.problem import Problem
 from partitioner.solve.dp import link_prices, node_runs
 
 __all__ = ["IdealResult", "ideal_dp", "MAX_IDEALS", "MAX_PAIRS"]
@@ -516,7 +516,7 @@ def ideal_dp(prob: Problem, *, upper: float = math.inf, max_ideals: int = MAX_ID
     if not lattice.enumerate(max_ideals):
         return None
     fastest = float(prob.speed.max())
-    chains = prob.consumer_chains()
+    chains = consumer_chains(prob)
     limit = max(min(max(trivial_lower_bound(prob), 1e-300) * 1.25, upper), 1e-300)  # a band of 0 divides by 0
     # Past this every segment is in the band and every consumer chain's hull fits it (the chains
     # weigh least_work, recomputation included): a wider band changes nothing.

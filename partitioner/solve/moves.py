@@ -8,7 +8,7 @@ plan and moves one op at a time between the bottleneck stage and a neighbour: on
 bottleneck's ops whose producers are all earlier (to the stage before) or whose
 consumers are all later (to the stage after), or a neighbour's op that may join the
 bottleneck (it may shed a transfer). Every candidate is priced exactly
-(:meth:`~partitioner.cost.Problem.stage_costs`) and must fit memory; the best one is
+(:meth:`~partitioner.problem.Problem.stage_costs`) and must fit memory; the best one is
 taken even when it is worse, and an op just moved may not move again for
 ``TABU_TENURE`` steps unless that finds a new best plan (tabu search, Glover, "Tabu
 Search — Part I", ORSA Journal on Computing 1989; the moves are those of
@@ -32,10 +32,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from partitioner.cost import Problem
+from partitioner.problem import Problem
 
-__all__ = ["MoveResult", "tabu_search", "tabu_phases", "MOVE_WORK", "MOVE_EVALUATIONS", "TABU_TENURE",
-           "SECOND_TENURE"]
+__all__ = ["MoveResult", "tabu_search", "tabu_phases", "lexicographically_smaller", "MOVE_WORK", "MOVE_EVALUATIONS",
+           "TABU_TENURE", "SECOND_TENURE"]
 
 #: Candidate evaluations at most ...
 MOVE_EVALUATIONS = 2000
@@ -62,7 +62,7 @@ class MoveResult:
     wall_stopped: bool
 
 
-def _smaller(a: Sequence[float], b: Sequence[float]) -> bool:
+def lexicographically_smaller(a: Sequence[float], b: Sequence[float]) -> bool:
     """``a`` < ``b`` lexicographically (both sorted from the largest), beyond rounding."""
     for x, y in zip(a, b):
         if x < y * (1 - _REL):
@@ -132,9 +132,9 @@ def tabu_search(prob: Problem, assign: Sequence[int], *, frozen: Collection[int]
             if not prob.fits(mem):
                 continue
             key = sorted(t, reverse=True)
-            if step - moved_at.get(v, -tenure) <= tenure and not _smaller(key, best):
+            if step - moved_at.get(v, -tenure) <= tenure and not lexicographically_smaller(key, best):
                 continue  # tabu, and not a new best
-            if pick is None or _smaller(key, pick[0]):
+            if pick is None or lexicographically_smaller(key, pick[0]):
                 pick = (key, v, to, t)
         if pick is None:
             if not moved_at:
@@ -146,7 +146,8 @@ def tabu_search(prob: Problem, assign: Sequence[int], *, frozen: Collection[int]
         ops_on[to] += 1
         a[v] = to
         moved_at[v] = step
-        if _smaller(key, best) and key[0] <= best[0]:  # never a larger bottleneck, not even by rounding
+        # never a larger bottleneck, not even by rounding
+        if lexicographically_smaller(key, best) and key[0] <= best[0]:
             best, best_assign = key, a.copy()
     return MoveResult(best_assign.tolist(), float(best[0]), float(start), used, wall_stopped)
 

@@ -31,8 +31,8 @@ from collections.abc import Sequence
 from ortools.sat.python import cp_model
 from ortools.sat.python.cp_model import LinearExpr
 
-from partitioner.cost import Problem
-from partitioner.solve.cpsat import _weighted
+from partitioner.problem import Problem
+from partitioner.solve.cpsat_model import weighted
 
 __all__ = ["WindowModel"]
 
@@ -153,16 +153,16 @@ class WindowModel:
                      for s in self.terms if s not in self.window}
         for s, ints in self.loads.items():
             if s in self.window:
-                m.add(_weighted([*ints, (-1, top)]) <= 0)
+                m.add(weighted([*ints, (-1, top)]) <= 0)
             else:
-                m.add(_weighted(ints) <= cap - self.base[s])
+                m.add(weighted(ints) <= cap - self.base[s])
         for j, s in enumerate(self.stages):
             limit = prob.mem_limit[s]
             if limit is None:
                 continue
             need = [prob.node_memory(v, s, self.choice[s]) for v in self.ops]
             q = _UNITS / max(float(limit), 1e-300)
-            m.add(_weighted([(int(math.floor(b * q)), self.x[i][j]) for i, b in enumerate(need)])
+            m.add(weighted([(int(math.floor(b * q)), self.x[i][j]) for i, b in enumerate(need)])
                   <= math.floor(_UNITS * (1 + 1e-12)))
         m.minimize(top)
 

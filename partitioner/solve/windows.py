@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
-from partitioner.cost import Problem
-from partitioner.solve.cpsat import _BUILDING, _Model, _weighted, proof_solver
-from partitioner.solve.moves import _smaller
+from partitioner.problem import Problem
+from partitioner.solve.cpsat_model import BUILD_LOCK, PlacementModel, proof_solver, weighted
+from partitioner.solve.moves import lexicographically_smaller
 from partitioner.solve.window_model import WindowModel
 
 __all__ = ["WindowResult", "window_search", "slowest", "WINDOW_BUDGET", "SLOWEST", "SLOWEST_SHARE", "ALONE_WIDEST"]
@@ -109,10 +109,10 @@ def window_search(prob: Problem, assign: Sequence[int], groups: Sequence[Sequenc
     if wall_limit <= 0:  # not even the model is built: that alone takes seconds at 2,000 ops
         res.wall_stopped = True
         return res
-    model: _Model | None = None
+    model: PlacementModel | None = None
     if whole:
-        with _BUILDING:
-            model = _Model(prob, groups)
+        with BUILD_LOCK:
+            model = PlacementModel(prob, groups)
             model.objective(res.value, res.value, 0.0)
     loads = model.stage_loads() if model is not None else []
     left = budget
@@ -151,7 +151,8 @@ def window_search(prob: Problem, assign: Sequence[int], groups: Sequence[Sequenc
             continue
         new_sorted, fits = _sorted_times(prob, new)
         together = all(len({new[i] for i in group}) == 1 for group in groups)
-        if fits and together and not prob.check(new) and _smaller(new_sorted, sorted(times, reverse=True)):
+        smaller = lexicographically_smaller(new_sorted, sorted(times, reverse=True))
+        if fits and together and not prob.check(new) and smaller:
             plan, plans = new, plans + 1
             res.taken += 1
     res.assign = plan
@@ -183,7 +184,7 @@ def _search_window_alone(prob: Problem, plan: list[int], window: range, groups: 
     return det, model.assignment(solver), finished
 
 
-def _search_window(prob: Problem, model: _Model, loads: list, plan: list[int], window: range, bottleneck: float,
+def _search_window(prob: Problem, model: PlacementModel, loads: list, plan: list[int], window: range, bottleneck: float,
                    *, budget: float, wall_left: float, workers: int, seed: int
                    ) -> tuple[float, list[int] | None, bool]:
     """CP-SAT on the window's ops: (deterministic seconds, the re-placement found or None, whether CP-SAT
@@ -207,7 +208,7 @@ def _search_window(prob: Problem, model: _Model, loads: list, plan: list[int], w
     top = m.new_int_var(0, bneck[1], "window")
     for s in window:
         if loads[s]:
-            m.add(_weighted([*loads[s], (-1, top)]) <= 0)
+            m.add(weighted([*loads[s], (-1, top)]) <= 0)
     m.minimize(top)
     solver, status, det, finished = _solve(m, window, budget=budget, wall_left=wall_left, workers=workers, seed=seed)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):

@@ -10,9 +10,10 @@ from dataclasses import replace
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from partitioner.cost import evaluate, graph_order
+from partitioner.cost import evaluate
 from partitioner.graph import OUTPUT_OP, OpGraph
 from partitioner.plan import Plan, schedule_for, simulate_partition
+from partitioner.problem import graph_order
 from smp.v1.errors import V1Error
 from smp.v1.state import current, is_initialized
 

@@ -16,10 +16,10 @@ from torch import nn
 from partitioner.bounds import memory_lower_bound
 from partitioner.compile import plan as make_plan
 from partitioner.compile import plan_from_graph
-from partitioner.cost import Problem
 from partitioner.errors import PlanningError
 from partitioner.graph import OUTPUT_OP
 from partitioner.plan import Plan
+from partitioner.problem import Problem
 from partitioner.request import PlanRequest
 from partitioner.units import format_bytes
 from smp.v1 import manual
