@@ -60,7 +60,7 @@ def test_every_plan_pays_the_ends_its_cuts_count_and_no_cap_it_meets_is_proven(c
             assert lo <= sum(work[v] for v in range(prob.n) if a[v] < s) <= hi, (a, s, lo, hi)
         assert not test.exceeds(cap, own), (a, cap)
         # each stage pays its work, the receives counted at the cut before it and the sends counted at the cut
-        # after it, each end at its least price (benchmarks/layered_relaxations.py chains the stages on this)
+        # after it, each end at its least price (docs/optimizer.md, "What was tried and measured")
         crossing = [{u for u in range(prob.n) if a[u] < s and any(a[c] >= s for c in prob.succ[u])}
                     for s in range(p + 1)]
         for t, time_t in enumerate(times):

@@ -44,8 +44,8 @@ AUTO_CPSAT_MAX_VARS = 150_000
 AUTO_BUDGET_FACTOR = 2.0
 #: ... of which CP-SAT's optimisation gets this share of ``time_limit``: it raises no bound where it proves
 #: nothing, and with the step-priced model the bisection given the time does better on the gap (at 30: a quarter
-#: against half, T5-small x 16 1.081 -> 1.039, the 100-op layered DAG 1.063 -> 1.048; benchmarks/results/
-#: planner-cpsat-half.log against planner.log; docs/optimizer.md, "Bisection") ...
+#: against half, T5-small x 16 1.081 -> 1.039, the 100-op layered DAG 1.063 -> 1.048; the runs' logs:
+#: `git show 3ddb428:benchmarks/results/planner-cpsat-half.log`, `...:planner.log`) ...
 CPSAT_BUDGET_SHARE = 0.25
 #: ... but at least this many deterministic seconds, or all of ``time_limit`` when less: its proofs in the
 #: planner benchmark take up to 5.49 (GPT-2 base at 16 stages), T5-small's at 4 stages 2.87 ...

@@ -47,7 +47,7 @@ WINDOW_BUDGET = 5.0
 #: Windows hold one of this many slowest stages, or of this share of the stages where that is more: on plans
 #: with many near-equal bottlenecks (the 1,000-op layered DAG at 64 stages, 20 stages within 1.5% of it) the
 #: three slowest stages' windows run out (1.6847 -> 1.6521 ms in 45 deterministic seconds; a sixth, 10 stages,
-#: 1.6047 in 15; 20 stages the same plan; benchmarks/results/window-alone-scratch.log).
+#: 1.6047 in 15; 20 stages the same plan; `git show 3ddb428:benchmarks/results/window-alone-scratch.log`).
 SLOWEST = 3
 SLOWEST_SHARE = 1 / 6
 #: The widest window searched on a model of its own ops alone: its transfers inside the window take a Boolean per
