@@ -16,17 +16,14 @@ from partitioner.ir import Action, ActionKind, Schedule, ScheduleError
 from partitioner.timeline import Timeline, TimelineEvent
 from partitioner.walk import validate, walk
 from runtime.comm import Comm, LocalComm, Pending, PipelineError
+from runtime.errors import RuntimeConfigError
 from runtime.precision import Precision
 from runtime.program import Ownership, Program
 from runtime.recompute import forward_for_recompute, recompute
 from runtime.split import OUTPUT_KEY, SplitError, SplitProgram, ValueMeta, propagate_meta, split_program
 from runtime.stash import EdgeKey, Stash, StashMeter
 
-__all__ = ["Engine", "RuntimeConfigError"]
-
-
-class RuntimeConfigError(ValueError):
-    """The runtime cannot start as configured (world size, plan, loss); raised before any work."""
+__all__ = ["Engine"]
 
 
 @dataclass

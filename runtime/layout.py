@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from partitioner.plan import PLACEMENTS
-from runtime.engine import RuntimeConfigError as LayoutError
+from runtime.errors import RuntimeConfigError as LayoutError
 
 __all__ = ["ReplicaLayout"]
 

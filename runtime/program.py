@@ -9,11 +9,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from partitioner.ir import Schedule
+from partitioner.ir import Edge, Schedule, StageGraph
+from partitioner.plan import Plan
+from partitioner.program import fingerprint
+from partitioner.recompute import is_matmul
+from partitioner.schedule import make_schedule, with_allreduce
+from runtime.errors import RuntimeConfigError
 from runtime.materialize import names_by_id
-from runtime.split import stage_state_names
+from runtime.split import carry_stages, cut_edges, stage_state_names, state_meta_of
 
-__all__ = ["Program", "Ownership"]
+__all__ = ["Program", "Ownership", "program_for"]
 
 
 @dataclass
@@ -34,6 +39,39 @@ class Program:
     frontend: str
     recompute: Sequence[str] = ()
     matmul_nodes: frozenset[str] = frozenset()
+
+
+def program_for(plan: Plan, gm: torch.fx.GraphModule, model: nn.Module, data_parallel: int,
+                train: Program | None = None) -> Program:
+    """How ``gm`` (``model`` traced in one mode) runs under ``plan`` on ``data_parallel`` replicas.
+
+    The plan's own program when ``gm`` is the model it was made for (its schedule, with the
+    gradient all-reduces placed for these replicas when the plan was made for others). An
+    eval-mode trace that is another graph (export records dropout and batch norm's mode) runs
+    on the training program ``train``'s stages, every parameter where it already is, under
+    the plan's schedule kind made for its cut edges: :class:`SplitError` when its ops cannot
+    be placed so. A training trace that is not the plan's model is refused.
+    """
+    frontend = gm.meta["smp_trace"].frontend
+    got = fingerprint(gm, model)
+    if got == plan.model.fingerprint:
+        fx_to_op = plan.fx_to_op
+        nodes = plan.graph.nx.nodes
+        matmul = frozenset(n for n, op in fx_to_op.items() if is_matmul(float(nodes[op].get("flops", 0) or 0)))
+        schedule = plan.schedule if plan.schedule.data_parallel == data_parallel else \
+            with_allreduce(plan.schedule, data_parallel)
+        return Program(gm, plan.fx_stage_of, fx_to_op, schedule, state_meta_of(gm), frontend,
+                       recompute=tuple(plan.recompute), matmul_nodes=matmul)
+    if train is None:
+        raise RuntimeConfigError(
+            f"this plan was made for another model (plan fingerprint {plan.model.fingerprint}, this model "
+            f"{got}; plan for {plan.model.name!r}): the ops, their wiring or the parameter shapes differ. "
+            "Re-plan for this model (smp.partition(model, plan=None) or `smp plan`).")
+    stage_of = carry_stages(train.gm, plan.fx_stage_of, gm, plan.num_stages)
+    graph = StageGraph(plan.num_stages, tuple(Edge(a, b, t) for a, b, t in cut_edges(gm, stage_of)))
+    schedule = make_schedule(plan.schedule_name, graph, plan.microbatches, num_ranks=plan.pipeline_ranks,
+                             data_parallel=data_parallel, active_microbatches=plan.active_microbatches)
+    return Program(gm, stage_of, {}, schedule, state_meta_of(gm), frontend)
 
 
 class Ownership:

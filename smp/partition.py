@@ -15,27 +15,26 @@ import torch.distributed as dist
 from torch import nn
 
 from partitioner.compile import plan as make_plan
-from partitioner.ir import Edge, ScheduleKind, StageGraph
+from partitioner.errors import PlanningError
+from partitioner.ir import ScheduleKind
 from partitioner.microbatch import MicrobatchError
 from partitioner.plan import Plan, PlanError
+from partitioner.program import flatten_inputs, retarget_device
 from partitioner.request import PlanRequest
-from partitioner.errors import PlanningError
-from partitioner.recompute import is_matmul
-from partitioner.schedule import make_schedule, with_allreduce
 from partitioner.timeline import Timeline, TimelineEvent
-from partitioner.program import fingerprint, flatten_inputs, retarget_device
 from partitioner.trace import trace
-from runtime.comm import Comm, PipelineError
 from runtime.batch import Microbatches, join_outputs
-from runtime.engine import Engine, RuntimeConfigError
-from runtime.program import Ownership, Program
-from runtime.layout import ReplicaLayout
 from runtime.checkpoint import CheckpointError, load_pipeline, open_weights, save_pipeline
+from runtime.comm import Comm, PipelineError
+from runtime.engine import Engine
+from runtime.errors import RuntimeConfigError
 from runtime.gradients import global_grad_norm
+from runtime.layout import ReplicaLayout
+from runtime.materialize import MaterializeError, materialize
 from runtime.memory import OptimizerStepMeter, rank_memory
 from runtime.precision import PipelineGradScaler, Precision
-from runtime.materialize import MaterializeError, materialize
-from runtime.split import SplitError, carry_stages, cut_edges, state_meta_of
+from runtime.program import Ownership, Program, program_for
+from runtime.split import SplitError
 from runtime.teardown import release_at_exit
 
 __all__ = ["partition", "PipelinedModel", "PipelineError", "RuntimeConfigError"]
@@ -262,10 +261,13 @@ class PipelinedModel:
                         continue
                     if on_meta:  # "the model's device" is this rank's device, not meta
                         retarget_device(gm, torch.device("meta"), self.device)
-                    program = self._program(plan, gm, programs.get(True), errors, mode)
-                    if program is not None:
-                        programs[mode] = program
-                        flat[mode] = flatten_inputs(gm, micro_args, micro_kwargs)
+                    try:  # eval mode may run another graph on the training program's stages
+                        programs[mode] = program_for(plan, gm, self.module, self.layout.dp_size,
+                                                     train=None if mode else programs.get(True))
+                    except SplitError as err:
+                        errors[mode] = str(err)
+                        continue
+                    flat[mode] = flatten_inputs(gm, micro_args, micro_kwargs)
         finally:
             self.module.train(was_training)
         ownership = Ownership(self.module, programs[True], [p.gm for p in programs.values()],
@@ -279,37 +281,6 @@ class PipelinedModel:
         comm = Comm(self.pp_rank, self.timeout, [plan.schedule.stages_of(r) for r in range(plan.pipeline_ranks)],
                     global_ranks=self.layout.pp_ranks) if self.distributed else None
         return _SetUp(programs, errors, ownership, comm, self.device, flat)
-
-    def _program(self, plan: Plan, gm: Any, train: Program | None, errors: dict[bool, str], mode: bool
-                 ) -> Program | None:
-        """How ``gm`` (the model traced in ``mode``) runs: on the plan's stages, or on stages carried over to it."""
-        frontend = gm.meta["smp_trace"].frontend
-        got = fingerprint(gm, self.module)
-        if got == plan.model.fingerprint:
-            fx_to_op = plan.fx_to_op
-            nodes = plan.graph.nx.nodes
-            matmul = frozenset(n for n, op in fx_to_op.items() if is_matmul(float(nodes[op].get("flops", 0) or 0)))
-            # the plan's own programs when made for these replicas (its all-reduce placement included)
-            schedule = plan.schedule if plan.schedule.data_parallel == self.layout.dp_size else \
-                with_allreduce(plan.schedule, self.layout.dp_size)
-            return Program(gm, plan.fx_stage_of, fx_to_op, schedule,
-                           state_meta_of(gm), frontend, recompute=tuple(plan.recompute), matmul_nodes=matmul)
-        if mode or train is None:
-            raise RuntimeConfigError(
-                f"this plan was made for another model (plan fingerprint {plan.model.fingerprint}, this model "
-                f"{got}; plan for {plan.model.name!r}): the ops, their wiring or the parameter shapes differ. "
-                "Re-plan for this model (smp.partition(model, plan=None) or `smp plan`).")
-        # Eval mode traced into another program (export records dropout and batch norm's
-        # mode): run it on the training plan's stages, every parameter where it already is.
-        try:
-            stage_of = carry_stages(train.gm, plan.fx_stage_of, gm, plan.num_stages)
-        except SplitError as err:
-            errors[mode] = str(err)
-            return None
-        graph = StageGraph(plan.num_stages, tuple(Edge(a, b, t) for a, b, t in cut_edges(gm, stage_of)))
-        schedule = make_schedule(plan.schedule_name, graph, plan.microbatches, num_ranks=plan.pipeline_ranks,
-                                 data_parallel=self.layout.dp_size, active_microbatches=plan.active_microbatches)
-        return Program(gm, stage_of, {}, schedule, state_meta_of(gm), frontend)
 
     def _make_plan(self, args: tuple, kwargs: dict) -> Plan:
         request = self.request.with_(stages=self.stages, training=True, data_parallel=self.layout.dp_size,

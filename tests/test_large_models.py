@@ -11,7 +11,7 @@ from torch import nn
 
 import smp
 from runtime.checkpoint import CheckpointError, consolidate, open_weights, save_sharded
-from runtime.engine import RuntimeConfigError
+from runtime.errors import RuntimeConfigError
 from smp.deferred import delay_param_initialization
 from smp.models.gpt import GPT
 

@@ -15,7 +15,7 @@ from partitioner.ir import Action, Schedule, ScheduleError
 from partitioner.microbatch import split_microbatches
 from partitioner.simulate import simulate
 from partitioner.walk import validate
-from runtime.engine import RuntimeConfigError
+from runtime.errors import RuntimeConfigError
 
 from _user_models import RandomDag, TwoTowers, dict_mean_loss, two_towers_loss
 

@@ -9,7 +9,7 @@ import torch
 
 import smp
 from partitioner.trace import trace
-from runtime.engine import RuntimeConfigError
+from runtime.errors import RuntimeConfigError
 from runtime.layout import ReplicaLayout
 from runtime.split import split_program
 from smp.models import build
