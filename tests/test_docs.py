@@ -1,4 +1,4 @@
-"""Docs that cannot drift: docs/cli.md's console blocks still match what the commands print.
+"""Docs that cannot drift: docs/cli.md's console blocks and README.md's synthetic-graph example still hold.
 
 docs/cli.md's commands are re-run through docs/console.py (the script that pasted their output) in a
 scratch folder, and each output is compared with the page's in structure, not in numbers:
@@ -19,7 +19,7 @@ block's files: `smp models`, the 1B GPT planned on the meta device for 8 H100s (
 solver label), and four user errors. Marked slow (CI runs them): every other block, in page order,
 in one scratch folder: the profiles, the measured plans, inspect, simulate, compare, calibrate,
 the `--devices` search, the memory-limit and plan-file errors and the three `smp train` runs
-(about 8 minutes on that machine when it is quiet).
+(5.4 minutes on that machine with other jobs running).
 """
 
 from __future__ import annotations
@@ -158,3 +158,17 @@ def test_normalised_keeps_labels_and_drops_numbers() -> None:
     assert normalised("bottleneck 1.01e+03 MiB, 64 KiB 0 s") == normalised("bottleneck 58.8 GiB, 1 B 12 µs")
     assert normalised("solver auto/cpsat→blocks+sim") != normalised("solver auto/moves→blocks+sim")
 
+
+def python_block(page: Path, heading: str) -> str:
+    """The first ```python block of the page's section with that heading."""
+    lines = page.read_text().splitlines()
+    start = lines.index(heading)
+    end = next((k for k in range(start + 1, len(lines)) if lines[k].startswith("## ")), len(lines))
+    blocks = [b for b in console.parse(lines[start:end]) if b.lang == "python"]
+    assert blocks, f"no python block under {heading!r} in {page.name}"
+    return "\n".join(blocks[0].lines)
+
+
+def test_readme_synthetic_example_runs() -> None:
+    code = python_block(ROOT / "README.md", "## Testing cut quality on synthetic graphs")
+    exec(compile(code, "README.md (synthetic graphs)", "exec"), {})
