@@ -4,9 +4,10 @@
 
 Every ``$ command`` line of a ```console block runs, in page order, with bash in one scratch
 directory (``/tmp/docrun``, holding a copy of ``examples/``), stdout and stderr together, the
-repository's ``.venv/bin`` first on PATH; the lines under it are replaced by what it printed,
-and by ``[exit N]`` where the page showed an exit code. Two HTML comments prepare what a block
-needs without showing it:
+folder of the Python running this script first on PATH (so ``smp`` is that environment's) and
+this checkout first on PYTHONPATH (so the commands run this checkout's code, from a worktree
+too); the lines under it are replaced by what it printed, and by ``[exit N]`` where the page
+showed an exit code. Two HTML comments prepare what a block needs without showing it:
 
 - ``<!-- file: NAME -->`` right before a fenced block: the block's text is written to NAME
   before anything runs (e.g. the ``bad.py`` the error examples load);
@@ -16,6 +17,7 @@ needs without showing it:
 ``--only TEXT`` re-runs only the blocks whose commands contain TEXT (the others keep their text,
 and nothing they would create is made); ``--check`` prints what would change and writes nothing.
 Outputs with measured times differ from run to run: that is what the page should show.
+tests/test_docs.py re-runs the blocks through ``rerun_blocks`` and checks their structure.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import re
 import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +41,7 @@ FILE = re.compile(r"^<!-- file: (\S+) -->\s*$")
 BEFORE = re.compile(r"^<!-- before: (.+) -->\s*$")
 EXIT = re.compile(r"^\[exit \d+\]$")
 TIMEOUT_S = 900
+COLUMNS = 160  # the terminal width the commands see: rich wraps and pads to it
 
 
 @dataclass
@@ -84,41 +89,52 @@ def commands(block: Block) -> list[tuple[str, bool]]:
     return found
 
 
-def run(command: str, env: dict[str, str]) -> tuple[str, int]:
+def environment() -> dict[str, str]:
+    """The commands' environment: this interpreter's bin folder on PATH, this checkout on PYTHONPATH."""
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, PATH=path, PYTHONPATH=pythonpath, COLUMNS=str(COLUMNS), PYTHONUNBUFFERED="1")
+
+
+def run(command: str, env: dict[str, str], workdir: Path) -> tuple[str, int]:
     """What the command prints (stdout and stderr, in order) and its exit code."""
-    proc = subprocess.run(["bash", "-c", command], cwd=WORKDIR, env=env, stdout=subprocess.PIPE,
+    proc = subprocess.run(["bash", "-c", command], cwd=workdir, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S)
     return proc.stdout.rstrip("\n"), proc.returncode
+
+
+def rerun_blocks(blocks: list[Block], selected: Callable[[Block], bool], workdir: Path = WORKDIR) -> None:
+    """Re-run the selected console blocks in page order in a fresh workdir; each one's ``fresh`` is its new text."""
+    shutil.rmtree(workdir, ignore_errors=True)
+    shutil.copytree(ROOT / "examples", workdir / "examples")
+    for b in blocks:
+        if b.file:
+            (workdir / b.file).write_text("\n".join(b.lines) + "\n")
+    env = environment()
+    for b in blocks:
+        if b.lang != "console" or not selected(b):
+            continue
+        for prep in b.before:
+            run(prep, env, workdir)
+        text: list[str] = []
+        for command, show_exit in commands(b):
+            print(f"$ {command}", file=sys.stderr, flush=True)
+            start = time.perf_counter()
+            printed, code = run(command, env, workdir)
+            print(f"  ({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
+            # rich pads table rows to the console width: the padding is not output worth keeping
+            text += [f"$ {command}", *(line.rstrip() for line in printed.splitlines())] + (
+                [f"[exit {code}]"] if show_exit else [])
+        b.fresh = text
 
 
 def rerun(page: Path, only: str | None) -> str:
     """The page with its console blocks' outputs replaced by fresh ones."""
     lines = page.read_text().splitlines()
     blocks = parse(lines)
-    shutil.rmtree(WORKDIR, ignore_errors=True)
-    shutil.copytree(ROOT / "examples", WORKDIR / "examples")
-    for b in blocks:
-        if b.file:
-            (WORKDIR / b.file).write_text("\n".join(b.lines) + "\n")
-    env = dict(os.environ, PATH=f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ['PATH']}", COLUMNS="160",
-               PYTHONUNBUFFERED="1")
-    consoles = [b for b in blocks if b.lang == "console"]
-    for b in consoles:
-        cmds = commands(b)
-        if only and not any(only in c for c, _ in cmds):
-            continue
-        for prep in b.before:
-            run(prep, env)
-        text: list[str] = []
-        for command, show_exit in cmds:
-            print(f"$ {command}", file=sys.stderr, flush=True)
-            printed, code = run(command, env)
-            # rich pads table rows to the console width: the padding is not output worth keeping
-            text += [f"$ {command}", *(line.rstrip() for line in printed.splitlines())] + (
-                [f"[exit {code}]"] if show_exit else [])
-        b.fresh = text
+    rerun_blocks(blocks, lambda b: not only or any(only in c for c, _ in commands(b)))
     out = list(lines)
-    for b in reversed(consoles):  # from the end, so that earlier indices stay valid
+    for b in reversed(blocks):  # from the end, so that earlier indices stay valid
         if b.fresh is not None:
             out[b.start + 1:b.end] = b.fresh
     return "\n".join(out) + "\n"

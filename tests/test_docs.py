@@ -1,0 +1,174 @@
+"""Docs that cannot drift: docs/cli.md's console blocks and README.md's synthetic-graph example still hold.
+
+docs/cli.md's commands are re-run through docs/console.py (the script that pasted their output) in a
+scratch folder, and each output is compared with the page's in structure, not in numbers:
+
+- a block whose output does not depend on this machine is compared line by line, with every number
+  (and its time or size unit, and a model fingerprint) replaced by a placeholder and runs of spaces
+  collapsed: a changed label, word, table column or line is a failure (e.g. the solver label
+  `auto/cpsat→blocks+sim` where the command now prints `auto/moves→blocks+sim`);
+- a block with measured figures (its text says "measured", or it uses the calibrated
+  `this-machine` profile) keeps its table headers (in order) and the first words of its other
+  lines (as a set: which stage, op or solver wins, and how stdout and stderr interleave, change
+  from run to run);
+- in both, the commands and their exit codes must be the page's exactly.
+
+Re-run every time (about 55 s on the 2-core development machine: 5 s to start each command, 14 s
+for `smp models`, 17 s for the 1B plan): the blocks in FAST, deterministic and needing no other
+block's files: `smp models`, the 1B GPT planned on the meta device for 8 H100s (the block with the
+solver label), and four user errors. Marked slow (CI runs them): every other block, in page order,
+in one scratch folder: the profiles, the measured plans, inspect, simulate, compare, calibrate,
+the `--devices` search, the memory-limit and plan-file errors and the three `smp train` runs
+(5.4 minutes on that machine with other jobs running).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "cli.md"
+
+
+def _load_console() -> ModuleType:
+    """docs/console.py, which is a script, not a package module."""
+    spec = importlib.util.spec_from_file_location("docs_console", ROOT / "docs" / "console.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve the module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+console = _load_console()
+
+#: The commands re-run on every test run: deterministic, cheap, and independent of other blocks.
+FAST = (
+    "smp models",
+    "smp plan gpt:size=1b --meta --stages 8 --microbatches 16 --cluster h100-sxm --memory-limit 40GiB",
+    "smp plan gpt:layers=8,d_modle=256 --stages 4",
+    "smp plan gpt --stages 4 --memory-limit 40G",
+    "smp plan examples/my_model.py:make --stages 3 --batch-size 20 --microbatches 6",
+    "smp plan bad.py:broken --stages 2",
+)
+
+NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?(?:e[+-]?\d+)?")
+FINGERPRINT = re.compile(r"\b[0-9a-f]{16}\b")
+TIME_UNIT = re.compile(r"# ?(?:ns|µs|ms|s)\b")
+SIZE_UNIT = re.compile(r"# ?(?:[KMGT]i?B|B)\b")
+MEASURED = re.compile(r"measured|this-machine")
+
+
+def normalised(line: str) -> str:
+    """The line with numbers, units and fingerprints as placeholders and runs of spaces as one."""
+    line = NUMBER.sub("#", FINGERPRINT.sub("<fingerprint>", line))
+    line = SIZE_UNIT.sub("#size", TIME_UNIT.sub("#time", line))
+    return " ".join(line.split())
+
+
+def commands_and_exits(lines: list[str]) -> list[str]:
+    """The command lines and `[exit N]` lines, as they are."""
+    return [line for line in lines if line.startswith("$ ") or console.EXIT.match(line)]
+
+
+def headers(lines: list[str]) -> list[str]:
+    """Table header lines (those right above a rule), normalised, in order."""
+    return [normalised(a) for a, b in zip(lines, lines[1:]) if b.startswith("─")]
+
+
+def labels(lines: list[str]) -> set[str]:
+    """First words of the lines outside tables (a table runs from its rule to a blank line), wrapped
+    continuations left out."""
+    found: set[str] = set()
+    in_table, previous = False, ""
+    for line in lines:
+        words = normalised(line).split()
+        wrapped = bool(words) and len(previous) + 1 + len(line.split()[0]) > console.COLUMNS
+        in_table = line.startswith("─") or (in_table and bool(words))
+        if words and not in_table and not wrapped and not line.startswith("$ "):
+            found.add(words[0])
+        previous = line
+    return found
+
+
+def mismatch(page: list[str], fresh: list[str]) -> str | None:
+    """How the fresh output differs from the page's in structure, or None."""
+    if commands_and_exits(page) != commands_and_exits(fresh):
+        return f"commands or exit codes: page {commands_and_exits(page)}, now {commands_and_exits(fresh)}"
+    if any(MEASURED.search(line) for line in page):
+        if headers(page) != headers(fresh):
+            return f"table headers: page {headers(page)}, now {headers(fresh)}"
+        if labels(page) != labels(fresh):
+            return f"line labels only on the page {sorted(labels(page) - labels(fresh))}, only now " \
+                   f"{sorted(labels(fresh) - labels(page))}"
+        return None
+    for k, (a, b) in enumerate(zip(page, fresh)):
+        if normalised(a) != normalised(b):
+            return f"line {k + 1}: page\n    {a}\nnow\n    {b}"
+    if len(page) != len(fresh):
+        return f"{len(page)} lines on the page, {len(fresh)} now:\n" + "\n".join(fresh)
+    return None
+
+
+def stale_blocks(selected: Callable[[console.Block], bool], workdir: Path) -> list[str]:
+    """Re-run the page's selected console blocks in workdir; what no longer matches, one entry per block."""
+    blocks = console.parse(PAGE.read_text().splitlines())
+    console.rerun_blocks(blocks, selected, workdir)
+    stale = []
+    for b in blocks:
+        if b.fresh is not None:
+            # paths in user errors name the scratch folder the page was made in
+            fresh = [line.replace(str(workdir), str(console.WORKDIR)) for line in b.fresh]
+            if why := mismatch(b.lines, fresh):
+                stale.append(f"{b.lines[0]}\n  {why}")
+    return stale
+
+
+def is_fast(block: console.Block) -> bool:
+    return any(command in FAST for command, _ in console.commands(block))
+
+
+def test_fast_commands_are_on_the_page() -> None:
+    shown = {c for b in console.parse(PAGE.read_text().splitlines()) for c, _ in console.commands(b)}
+    assert set(FAST) <= shown, f"FAST names commands the page no longer shows: {set(FAST) - shown}"
+
+
+def test_cli_page_deterministic_blocks(tmp_path: Path) -> None:
+    stale = stale_blocks(is_fast, tmp_path / "docrun")
+    assert not stale, ("docs/cli.md no longer matches what these commands print (regenerate it with "
+                       "`python docs/console.py docs/cli.md`):\n" + "\n".join(stale))
+
+
+@pytest.mark.slow
+def test_cli_page_other_blocks(tmp_path: Path) -> None:
+    stale = stale_blocks(lambda b: not is_fast(b), tmp_path / "docrun")
+    assert not stale, ("docs/cli.md no longer matches what these commands print (regenerate it with "
+                       "`python docs/console.py docs/cli.md`):\n" + "\n".join(stale))
+
+
+def test_normalised_keeps_labels_and_drops_numbers() -> None:
+    assert normalised("solver   auto/moves→blocks+sim, 9.22 s: gap 0.2%") == \
+        "solver auto/moves→blocks+sim, #time: gap #%"
+    assert normalised("bottleneck 1.01e+03 MiB, 64 KiB 0 s") == normalised("bottleneck 58.8 GiB, 1 B 12 µs")
+    assert normalised("solver auto/cpsat→blocks+sim") != normalised("solver auto/moves→blocks+sim")
+
+
+def python_block(page: Path, heading: str) -> str:
+    """The first ```python block of the page's section with that heading."""
+    lines = page.read_text().splitlines()
+    start = lines.index(heading)
+    end = next((k for k in range(start + 1, len(lines)) if lines[k].startswith("## ")), len(lines))
+    blocks = [b for b in console.parse(lines[start:end]) if b.lang == "python"]
+    assert blocks, f"no python block under {heading!r} in {page.name}"
+    return "\n".join(blocks[0].lines)
+
+
+def test_readme_synthetic_example_runs() -> None:
+    code = python_block(ROOT / "README.md", "## Testing cut quality on synthetic graphs")
+    exec(compile(code, "README.md (synthetic graphs)", "exec"), {})
