@@ -30,8 +30,8 @@ ModelArg = Annotated[str, typer.Argument(
                           "`smp models` lists the zoo")]
 StagesOpt = Annotated[int, typer.Option("--stages", "-p", help="pipeline ranks (devices)")]
 MicrobatchesOpt = Annotated[Optional[int], typer.Option(
-    "--microbatches", "-m", help="microbatches per step \\[default: 2 x stages; with --batch-size, the largest "
-                                 "divisor of the batch not above that]")]
+    "--microbatches", "-m", help="microbatches per step \\[default: 2 x stages (1 on one stage); with "
+                                 "--batch-size, the largest divisor of the batch not above that]")]
 ScheduleOpt = Annotated[str, typer.Option("--schedule", "-s", help="gpipe | 1f1b | interleaved | zb-h1")]
 ClusterOpt = Annotated[Optional[str], typer.Option(
     "--cluster", "-c", help="device profile: a built-in name (cpu, h100-sxm, a100-sxm, h100-pcie) or a path "

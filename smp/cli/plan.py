@@ -121,8 +121,9 @@ def plan_cmd(
                                "batch]")] = None,
     microbatches: Annotated[Optional[str], typer.Option(
         "--microbatches", "-m", help="microbatches per step, or auto: try the divisors of the batch from stages "
-                                     "up and keep the fastest simulated step that fits memory \\[default: 2 x stages; with "
-                                     "--batch-size, the largest divisor of the batch not above that]")] = None,
+                                     "up and keep the fastest simulated step that fits memory \\[default: 2 x stages "
+                                     "(1 on one stage); with --batch-size, the largest divisor of the batch not above "
+                                     "that]")] = None,
     schedule: Annotated[str, typer.Option(
         "--schedule", "-s", help="gpipe | 1f1b | interleaved | zb-h1 | auto (try each, keep the fastest that "
                                  "fits)")] = "1f1b",
