@@ -64,7 +64,7 @@ def plan(
     args, kwargs = _inputs(example_args, example_kwargs)
     batch = batch_size(args, kwargs)
     request = request.with_(microbatches=request.microbatches_for(batch if isinstance(batch, int) else 1),
-                            training=request.training is not False)
+                            training=request.trains)
     _resolve_cluster(request.cluster, request.stages * request.data_parallel)
     graph, model_info = profile_model(model, args, kwargs, request, microbatches=request.microbatches, graph=graph,
                                  progress=progress)
@@ -97,7 +97,7 @@ def plan_shapes(
     devices = request.devices if request.devices is not None else request.stages
     if devices is None:
         raise PlanError("a shape search needs devices= (or stages= for a microbatch or schedule search)")
-    request = request.with_(devices=devices, training=request.training is not False)
+    request = request.with_(devices=devices, training=request.trains)
     cluster = request.cluster if request.cluster is not None else request.profiling.device_profile
     resolved = _resolve_cluster(cluster, devices)
     if resolved is None and devices > (request.stages or 1):
@@ -136,7 +136,7 @@ def profile_model(model: nn.Module, example_args: Sequence[Any] | Any, example_k
     is given), as ``request.profiling`` says, and what a plan says of the model."""
     args, kwargs = _inputs(example_args, example_kwargs)
     how = request.profiling
-    training = request.training is not False
+    training = request.trains
     was_training = model.training
     model.train(training)
     try:

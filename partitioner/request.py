@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import operator
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Union
@@ -37,11 +38,22 @@ def default_microbatches(ranks: int, batch: int | None) -> int:
     return max(d for d in range(1, min(batch, 2 * ranks) + 1) if batch % d == 0)
 
 
-def _whole(value: Any, name: str, minimum: int = 1, optional: bool = True) -> None:
+def _whole(value: Any, name: str, minimum: int = 1, optional: bool = True) -> int | None:
+    """``value`` as an int (numpy's included) at least ``minimum``; None passes where it is optional."""
     if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        return None
+    try:
+        whole = operator.index(value) if not isinstance(value, bool) else None
+    except TypeError:
+        whole = None
+    if whole is None or whole < minimum:
         raise PlanError(f"{name} must be a whole number >= {minimum}, got {value!r}")
+    return whole
+
+
+def _flag(value: Any, name: str, optional: bool = False) -> None:
+    if not (isinstance(value, bool) or (optional and value is None)):
+        raise PlanError(f"{name} takes True or False, got {value!r}")
 
 
 def _positive(value: Any, name: str, unit: str) -> None:
@@ -69,10 +81,15 @@ class Profiling:
     name: str | None = None
 
     def __post_init__(self) -> None:
+        from partitioner.trace import FRONTENDS  # the tracer's front ends live with the tracer
+
         if self.timing is not None and self.timing not in TIMINGS:
             raise PlanError(f"unknown timing {self.timing!r}; choose {' or '.join(TIMINGS)}")
-        object.__setattr__(self, "leaf_modules", tuple(self.leaf_modules))
-        _whole(self.repeats, "repeats", optional=False)
+        if self.frontend not in FRONTENDS:
+            raise PlanError(f"unknown frontend {self.frontend!r}; choose one of {', '.join(FRONTENDS)}")
+        leaf = self.leaf_modules
+        object.__setattr__(self, "leaf_modules", (leaf,) if isinstance(leaf, (str, type)) else tuple(leaf))
+        object.__setattr__(self, "repeats", _whole(self.repeats, "repeats", optional=False))
 
 
 @dataclass(frozen=True)
@@ -113,11 +130,11 @@ class PlanRequest:
     def __post_init__(self) -> None:
         from partitioner.solve import METHODS, OBJECTIVES  # the solvers' names live with the solvers
 
-        _whole(self.stages, "stages")
-        _whole(self.virtual_stages, "virtual_stages", optional=False)
-        _whole(self.data_parallel, "data_parallel", optional=False)
-        _whole(self.devices, "devices")
-        _whole(self.global_batch, "global_batch")
+        for name, optional in (("stages", True), ("virtual_stages", False), ("data_parallel", False),
+                               ("devices", True), ("global_batch", True), ("active_microbatches", True)):
+            object.__setattr__(self, name, _whole(getattr(self, name), name, optional=optional))
+        _flag(self.colocate_tied, "colocate_tied")
+        _flag(self.training, "training", optional=True)
         _positive(self.memory_limit, "memory_limit", "bytes")
         _positive(self.time_limit, "time_limit", "seconds")
         object.__setattr__(self, "schedule", _schedules(self.schedule))
@@ -168,7 +185,7 @@ class PlanRequest:
         An option that is no field is refused with the nearest names, so a typo fails before
         any profiling.
         """
-        names = {f.name for f in fields(cls)} - {"profiling"}
+        names = {f.name for f in fields(cls)}
         profiling_names = {f.name for f in fields(Profiling)}
         unknown = sorted(set(options) - names - profiling_names)
         if unknown:
@@ -179,7 +196,7 @@ class PlanRequest:
         base = request if request is not None else cls()
         prof = {k: options.pop(k) for k in list(options) if k in profiling_names}
         if prof:
-            options["profiling"] = replace(base.profiling, **prof)
+            options["profiling"] = replace(options.get("profiling", base.profiling), **prof)
         return replace(base, **options) if options else base
 
     def with_(self, **changes: Any) -> PlanRequest:
@@ -193,6 +210,11 @@ class PlanRequest:
         """Whether this asks for a search over shapes (devices, microbatch counts or schedules), not one plan."""
         return self.devices is not None or not isinstance(self.microbatches, (int, type(None))) or \
             isinstance(self.schedule, tuple)
+
+    @property
+    def trains(self) -> bool:
+        """Whether the plan is for training (the default, when ``training`` is unset)."""
+        return self.training is not False
 
     @property
     def schedules(self) -> tuple[str, ...]:

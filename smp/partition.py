@@ -165,14 +165,21 @@ class PipelinedModel:
         if isinstance(plan, (str, Path)):
             plan = Plan.load(plan)
         self._plan: Plan | None = plan
+        given = _given(request, planning)
+        if given.get("training") is False:
+            raise RuntimeConfigError("smp.partition trains (pipe(x) runs the forward alone): drop training=False")
         if plan is not None:
-            _check_agrees(plan, self.request, _given(request, planning))
+            _check_agrees(plan, self.request, given)
             self.stages = plan.pipeline_ranks
         else:
             self.stages = self.request.stages or self.world_size
         self.layout = ReplicaLayout.build(self.world_size, self.stages, self.request.placement or (
             plan.placement if plan is not None else "cluster"), self.device,
             plan.data_parallel if plan is not None else None)
+        if "data_parallel" in given and self.request.data_parallel != self.layout.dp_size:
+            raise RuntimeConfigError(f"data_parallel={given['data_parallel']!r} disagrees with the world: "
+                                     f"{self.world_size} ranks of {self.stages} stages run {self.layout.dp_size} "
+                                     "replicas; drop data_parallel= (the world size decides it)")
         self._setup: _SetUp | None = None
         self._engine: Engine | None = None  # the engine of the last mode used
         self._engines: dict[bool, Engine] = {}
@@ -212,10 +219,11 @@ class PipelinedModel:
         """The Plan this pipeline runs (None until the first step when planning lazily)."""
         return self._plan
 
-    def _ensure(self, args: tuple, kwargs: dict) -> Engine:
-        """The engine of the module's current mode (a trace records train/eval behaviour), built on first use."""
+    def _ensure(self, args: tuple, kwargs: dict, first: tuple[tuple, dict] | None = None) -> Engine:
+        """The engine of the module's current mode (a trace records train/eval behaviour), built on first use
+        from the batch ``args, kwargs`` (or, with a plan, from its ``first`` microbatch)."""
         if self._setup is None:
-            self._setup = self._set_up(args, kwargs)
+            self._setup = self._set_up(args, kwargs, first)
         mode = self.module.training
         engine = self._engines.get(mode)
         if engine is None:
@@ -231,7 +239,7 @@ class PipelinedModel:
         self._engine = engine
         return engine
 
-    def _set_up(self, args: tuple, kwargs: dict) -> _SetUp:
+    def _set_up(self, args: tuple, kwargs: dict, first: tuple[tuple, dict] | None) -> _SetUp:
         """Plan (if needed), trace the model in both modes, and keep only this rank's parameters.
 
         Both modes are traced now, while every parameter is still here: an export trace runs
@@ -241,7 +249,7 @@ class PipelinedModel:
             self._plan = self._make_plan(args, kwargs)
         plan = self._plan
         # traced on one microbatch: an export-traced program is specialised to the shapes it runs on
-        micro_args, micro_kwargs = self._cut(args, kwargs).inputs[0]
+        micro_args, micro_kwargs = first if first is not None else self._cut(args, kwargs).inputs[0]
         on_meta = any(t.is_meta for t in [*self.module.parameters(), *self.module.buffers()])
         was_training = self.module.training
         programs: dict[bool, Program] = {}
@@ -265,6 +273,8 @@ class PipelinedModel:
                         programs[mode] = program_for(plan, gm, self.module, self.layout.dp_size,
                                                      train=None if mode else programs.get(True))
                     except SplitError as err:
+                        if mode:
+                            raise
                         errors[mode] = str(err)
                         continue
                     flat[mode] = flatten_inputs(gm, micro_args, micro_kwargs)
@@ -317,6 +327,14 @@ class PipelinedModel:
         self._ensure(args, kwargs)
         return self
 
+    def prepare_microbatches(self, micro: Microbatches) -> PipelinedModel:
+        """:meth:`prepare` on microbatches the caller holds (traced on the first as it will run); needs ``plan=``."""
+        if self._plan is None:
+            raise RuntimeConfigError("prepare_microbatches() partitions by a plan made already: pass plan=... to "
+                                     "smp.partition, or prepare(*batch) to plan on the whole batch")
+        self._ensure((), {}, first=micro.inputs[0])
+        return self
+
     # ------------------------------------------------------------------ running
 
     def step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
@@ -325,6 +343,7 @@ class PipelinedModel:
         The loss of a microbatch is ``loss_fn(output, target)`` on its slice of ``target``, or
         ``loss_fn(output, None)`` when no target is given (a loss that needs none).
         """
+        self._need_loss()
         self._ensure(args, kwargs)
         return self.step_microbatches(self._cut(args, kwargs, target))
 
@@ -332,9 +351,7 @@ class PipelinedModel:
         """:meth:`step` on microbatches the caller already holds (``runtime.batch.Microbatches``, as many as
         the plan's), e.g. one per call of a step function; the pipeline must be partitioned (a first step, or
         :meth:`prepare`)."""
-        if self.loss_fn is None:
-            raise RuntimeConfigError("step() trains and needs a loss: pass loss_fn=... to smp.partition "
-                                     "(a function (output, target) -> scalar tensor)")
+        self._need_loss()
         eng = self._engine_for(micro)
         if self.broadcast_buffers and self.dp_size > 1:
             self._broadcast_buffers()
@@ -404,6 +421,11 @@ class PipelinedModel:
         with torch.no_grad():
             _, outputs = eng.run(micro.flat(eng.program.gm), None, None, training=False)
         return outputs or None
+
+    def _need_loss(self) -> None:
+        if self.loss_fn is None:
+            raise RuntimeConfigError("step() trains and needs a loss: pass loss_fn=... to smp.partition "
+                                     "(a function (output, target) -> scalar tensor)")
 
     def _cut(self, args: tuple, kwargs: dict, target: Any = None) -> Microbatches:
         """The batch cut into the plan's microbatches (runtime.batch, the one place that cuts)."""
@@ -632,7 +654,7 @@ def _plan_facts(plan: Plan) -> dict[str, Any]:
 
 def _given(request: PlanRequest | None, planning: Mapping[str, Any]) -> dict[str, Any]:
     """The planning options the caller chose: the keywords, and the fields of ``request`` off their defaults."""
-    chosen = dict(planning)
+    chosen = {name: value for name, value in planning.items() if value is not None}  # None: left to the default
     if request is not None:
         default = PlanRequest()
         chosen.update({f.name: getattr(request, f.name) for f in dataclasses.fields(PlanRequest)

@@ -110,3 +110,50 @@ def test_a_made_plan_refuses_options_that_disagree_or_only_shape_a_new_plan():
         smp.partition(_Two(), plan=made, request=PlanRequest(schedule="gpipe"))
     with pytest.raises(RuntimeConfigError, match="smp.partition runs one pipeline shape"):
         smp.partition(_Two(), devices=4)
+
+
+def test_a_step_without_a_loss_is_refused_before_any_planning():
+    pipe = smp.partition(_Two(), stages=1, timing="analytic")
+    with pytest.raises(RuntimeConfigError, match="step\\(\\) trains and needs a loss"):
+        pipe.step(torch.randn(4, 4))
+    assert pipe.plan is None
+
+
+def test_none_leaves_an_option_to_the_plan_and_data_parallel_must_match_the_world():
+    made = smp.plan(_Two(), torch.randn(8, 4), stages=2, microbatches=2, timing="analytic")
+    smp.partition(_Two(), plan=made, stages=None, microbatches=None)
+    with pytest.raises(RuntimeConfigError, match="data_parallel=2 disagrees with the world"):
+        smp.partition(_Two(), stages=1, data_parallel=2)
+    with pytest.raises(RuntimeConfigError, match="smp.partition trains"):
+        smp.partition(_Two(), training=False)
+
+
+def test_the_train_worker_runs_a_plan_of_another_schedule(tmp_path, capsys):
+    from smp.cli import train_worker
+    from smp.models import build_step
+
+    bundle = build_step("mlp:size=tiny", microbatches=2)
+    made = smp.plan(bundle.model, bundle.example_args, bundle.example_kwargs, stages=2, microbatches=2,
+                    schedule="gpipe", timing="analytic")
+    path = made.save(tmp_path / "gpipe.json")
+    job = {"spec": "mlp:size=tiny", "microbatches": 2, "schedule": "1f1b", "batch_size": None, "seq_len": None,
+           "device": "cpu", "plan": str(path), "lr": 1e-3, "steps": 1}
+    assert train_worker._train(job) == 0
+    assert '"event": "summary"' in capsys.readouterr().out
+
+
+def test_prepared_on_held_microbatches_the_trace_is_the_first_one():
+    from runtime.batch import Microbatches
+
+    x = torch.randn(8, 4)
+    made = smp.plan(_Two(), x, stages=2, microbatches=2, timing="analytic")
+    pipe = smp.partition(_Two(), plan=made, loss_fn=lambda out, _: out.sum())
+    micro = Microbatches.cut((x,), {}, 2)
+    pipe.prepare_microbatches(micro)
+    assert pipe.step_microbatches(micro).shape == ()
+    outputs = pipe.forward_microbatches(micro)
+    assert len(outputs) == 2 and outputs[0].shape == (4, 2)
+    with pytest.raises(RuntimeConfigError, match="3 microbatches given, and the plan runs 2"):
+        pipe.step_microbatches(Microbatches.cut((torch.randn(9, 4),), {}, 3))
+    with pytest.raises(RuntimeConfigError, match="partitions by a plan made already"):
+        smp.partition(_Two(), stages=2).prepare_microbatches(micro)

@@ -56,10 +56,11 @@ def _train(job: dict) -> int:
     bundle.model.to(device)
     args, kwargs_in, target = tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v,
                                        (tuple(bundle.example_args), dict(bundle.example_kwargs), bundle.target))
-    kwargs = {"microbatches": job["microbatches"], "schedule": job["schedule"], "loss_fn": bundle.loss_fn,
-              "timeout": job.get("timeout", 300.0)}
-    if job.get("plan"):
+    kwargs = {"loss_fn": bundle.loss_fn, "timeout": job.get("timeout", 300.0)}
+    if job.get("plan"):  # the plan fixes its microbatches and schedule (checked against the flags by smp train)
         kwargs["plan"] = smp.Plan.load(job["plan"])
+    else:
+        kwargs.update(microbatches=job["microbatches"], schedule=job["schedule"])
     pipe = smp.partition(bundle.model, **kwargs)
     # Made before the first step (which partitions the model), as in any training script:
     # parameters that end up on other ranks get no gradient and are skipped.

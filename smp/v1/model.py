@@ -112,17 +112,18 @@ class DistributedModel(nn.Module):
             self._hooks.append(hook)
         return _Handle(self._hooks, hook)
 
-    def ensure_partitioned(self, args: tuple, kwargs: dict) -> None:
-        """Partition on this batch (the model's inputs of all microbatches), once."""
+    def ensure_partitioned(self, micro: Microbatches, joined: tuple[tuple, dict]) -> None:
+        """Partition once: planned on ``joined`` (the microbatches' model inputs as one batch), traced on the
+        first microbatch as it runs."""
         if self._pipe is not None:
             return
         st = current()
-        plan = planning.partition_plan(self.module, args, kwargs, st, self.device, self.trace_device)
+        plan = planning.partition_plan(self.module, *joined, st, self.device, self.trace_device)
         planning.check_fits(plan, st, self.device)
         pipe = PipelinedModel(self.module, plan=plan, loss_fn=self._loss, timeout=st.config.timeout,
                               device=self.device, broadcast_buffers=self.broadcast_buffers)
         try:
-            pipe.prepare(*args, **kwargs)
+            pipe.prepare_microbatches(micro)
         except torch.OutOfMemoryError as err:
             raise planning.out_of_memory(plan, st, self.device, "placing its partition") from err
         self._pipe = pipe

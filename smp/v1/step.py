@@ -2,8 +2,9 @@
 
 How a step runs (docs/smp-v1.md): every rank runs the function on each microbatch up to
 its ``model(...)`` call, which records the model's inputs and stops it (the capture). The
-microbatches' inputs go through smp's pipeline in one call (``PipelinedModel.step``, or
-the forward alone under ``torch.no_grad()``); on the rank holding the model's output,
+microbatches' inputs go through smp's pipeline in one call, as captured
+(``PipelinedModel.step_microbatches``, or ``forward_microbatches`` under ``torch.no_grad()``;
+runtime/batch.py); on the rank holding the model's output,
 each microbatch's function runs again (the replay) with ``model(...)`` returning that
 microbatch's output and ``model.backward(loss)`` handing the loss to the engine. What the
 function returns is then shared with every rank of the pipeline.
@@ -128,7 +129,7 @@ def _microbatches(calls: list[ModelCall], name: str) -> Microbatches:
         if any(isinstance(v, torch.Tensor) for v in column):
             if not all(isinstance(v, torch.Tensor) for v in column):
                 raise V1Error(f"{name}: model input {j} is a tensor in some microbatches only")
-        elif any(v != first for v in column):
+        elif any(v is not first and v != first for v in column):
             raise V1Error(f"{name}: model input {j} ({first!r}, ...) differs between microbatches; smp runs one "
                           "program for all of them, so non-tensor inputs must be the same")
     return Microbatches(tuple((c.args, c.kwargs) for c in calls))
@@ -232,7 +233,7 @@ class StepFunction:
             calls = [run.capture(i) for i in range(m)]
             micro = _microbatches(calls, self.name)
             if not model.partitioned:  # planned on the batch the microbatches make together
-                model.ensure_partitioned(*_joined(micro, self.name))
+                model.ensure_partitioned(micro, _joined(micro, self.name))
             with autocast_as(calls[0].autocast):
                 holds, error = self._pipeline(model, run, micro)
         sendable = cpu_copy(run.returns) if holds and st.distributed else None
