@@ -42,14 +42,14 @@ def was_set(module: nn.Module, key: str, tensor: torch.Tensor, version: int) -> 
     place, or re-created (then its values are copied into ``tensor``, which the traced programs hold, and it is put
     back)."""
     current = module._buffers.get(key)
-    if current is not tensor:
-        if current is None or current.is_meta or current.shape != tensor.shape:
-            return False
-        with torch.no_grad():
-            tensor.copy_(current)
-        module._buffers[key] = tensor
-        return True
-    return tensor._version != version
+    if current is tensor:
+        return tensor._version != version
+    module._buffers[key] = tensor
+    if current is None or current.is_meta or current.shape != tensor.shape:
+        return False
+    with torch.no_grad():
+        tensor.copy_(current)
+    return True
 
 
 def unrecoverable(name: str, module_path: str, module: nn.Module, why: str, checkpoint: str | None) -> str:
