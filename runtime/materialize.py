@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from runtime.checkpoint import WeightSource
+from runtime.computed_buffers import rebuilt_from_config, unrecoverable, was_set
 
 __all__ = ["MaterializeError", "materialize", "LocalTensor", "local_tensors", "names_by_id"]
 
@@ -34,6 +35,7 @@ class LocalTensor:
     tensor: torch.Tensor
     module_path: str
     module: nn.Module
+    key: str
     names: list[str]
     is_param: bool
     persistent: bool
@@ -52,7 +54,7 @@ def local_tensors(model: nn.Module, local_ids: set[int]) -> list[LocalTensor]:
                 entry = found.get(id(t))
                 if entry is None:
                     persistent = is_param or key not in mod._non_persistent_buffers_set
-                    found[id(t)] = LocalTensor(t, path, mod, [name], is_param, persistent)
+                    found[id(t)] = LocalTensor(t, path, mod, key, [name], is_param, persistent)
                 elif name not in entry.names:
                     entry.names.append(name)
     return list(found.values())
@@ -73,15 +75,25 @@ def materialize(model: nn.Module, roots: Sequence[nn.Module], local_ids: set[int
     ``init_fn(module)``, else by its own ``reset_parameters()`` followed by a Hugging Face
     model's ``_init_weights(module)`` (either alone when there is one); the random numbers are seeded by ``seed`` and the module's
     name, so a module gets the same weights on every rank and under every partition.
+    A buffer that had no values and that no checkpoint gives (a non-persistent one, as a
+    rotary embedding's frequencies) is computed again: its module built again from its
+    config where it has one and no weights (``runtime.computed_buffers``), else by the
+    module's initializer as above, which must set it; else MaterializeError names it.
     """
     tensors = local_tensors(model, local_ids)
     for lt in tensors:
         lt.was_meta = lt.tensor.is_meta
-    # Decide where every value comes from before touching anything: a failure leaves the model as it was.
-    if source is not None:
-        fill = _checkpoint_names(tensors, source)
-    else:
-        inits = _initializers(model, [lt for lt in tensors if lt.was_meta], init_fn)
+    # Decide where every value comes from before touching anything: a failure leaves the model as it was
+    # (an initializer found not to set a buffer is seen only after running: the replacements are undone).
+    fill = _checkpoint_names(tensors, source) if source is not None else {}
+    filled = {id(t) for t in fill.values()}
+    computed = [lt for lt in tensors if lt.was_meta and not lt.is_param and id(lt.tensor) not in filled]
+    rebuilt, why_not = _rebuilt_owners(computed)
+    # without a checkpoint every tensor that had no values is initialized; with one, only the computed buffers
+    to_init = [lt for lt in (computed if source is not None else tensors)
+               if lt.was_meta and id(lt.module) not in rebuilt]
+    checkpoint = str(source.path) if source is not None else None
+    inits = _initializers(model, to_init, init_fn, why_not, checkpoint)
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     for lt in tensors:
         t = lt.tensor
@@ -95,14 +107,44 @@ def materialize(model: nn.Module, roots: Sequence[nn.Module], local_ids: set[int
             t.data = t.data.to(device)
     replaced = {id(old): new for old, new in pairs}
     _replace(model, roots, replaced)
-    if source is not None:
-        source.read({name: replaced.get(id(t), t) for name, t in fill.items()})
-    else:
-        for path, init in inits:
+    try:
+        with torch.no_grad():
+            for lt in computed:
+                if id(lt.module) in rebuilt:
+                    lt.tensor.copy_(rebuilt[id(lt.module)]._buffers[lt.key])
+        buffers = [lt for lt in to_init if not lt.is_param]
+        versions = [lt.tensor._version for lt in buffers]
+        for path, _, init in inits:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
                 torch.manual_seed(seed + zlib.crc32(path.encode()))
                 init()
+        used = {path: label for path, label, _ in inits}
+        for lt, version in zip(buffers, versions):
+            if not was_set(lt.module, lt.key, lt.tensor, version):
+                why = f"{why_not[id(lt.module)]}; its initializer, {used[lt.module_path]}, did not set it"
+                raise MaterializeError(unrecoverable(lt.names[0], lt.module_path, lt.module, why, checkpoint))
+    except MaterializeError:
+        _replace(model, roots, {id(new): old for old, new in pairs})
+        raise
+    if source is not None:
+        source.read({name: replaced.get(id(t), t) for name, t in fill.items()})
     return pairs
+
+
+def _rebuilt_owners(computed: list[LocalTensor]) -> tuple[dict[int, nn.Module], dict[int, str]]:
+    """Each module owning computed buffers, by id: built again from its config, or why it cannot be."""
+    owned: dict[int, tuple[nn.Module, dict[str, torch.Tensor]]] = {}
+    for lt in computed:
+        owned.setdefault(id(lt.module), (lt.module, {}))[1][lt.key] = lt.tensor
+    rebuilt: dict[int, nn.Module] = {}
+    why_not: dict[int, str] = {}
+    for key, (module, buffers) in owned.items():
+        fresh = rebuilt_from_config(module, buffers)
+        if isinstance(fresh, str):
+            why_not[key] = fresh
+        else:
+            rebuilt[key] = fresh
+    return rebuilt, why_not
 
 
 def _replace(model: nn.Module, roots: Sequence[nn.Module], replaced: Mapping[int, torch.Tensor]) -> None:
@@ -126,7 +168,7 @@ def _checkpoint_names(tensors: list[LocalTensor], source: WeightSource) -> dict[
         name = next((n for n in lt.names if n in available), None)
         if name is not None:
             targets[name] = lt.tensor
-        elif lt.persistent or lt.was_meta:
+        elif lt.persistent:  # a non-persistent buffer is in no checkpoint: it keeps or computes its value
             missing.append(lt.names[0])
     if missing:
         sample = sorted(available)[:3]
@@ -137,28 +179,35 @@ def _checkpoint_names(tensors: list[LocalTensor], source: WeightSource) -> dict[
     return targets
 
 
-def _initializers(model: nn.Module, fresh: list[LocalTensor], init_fn: Callable[[nn.Module], None] | None
-                  ) -> list[tuple[str, Callable[[], object]]]:
-    """(module path, initializer) for every module owning a tensor that had no values; MaterializeError if one has none."""
+def _initializers(model: nn.Module, fresh: list[LocalTensor], init_fn: Callable[[nn.Module], None] | None,
+                  why_not: Mapping[int, str], checkpoint: str | None) -> list[tuple[str, str, Callable[[], object]]]:
+    """(module path, what it runs, initializer) for every module owning a tensor in ``fresh``; MaterializeError if one
+    has none (naming its first buffer when it owns no parameter there)."""
     hf_init = _module_initializer(model)
-    modules: dict[str, tuple[nn.Module, list[str]]] = {}
+    modules: dict[str, tuple[nn.Module, list[LocalTensor]]] = {}
     for lt in fresh:
-        modules.setdefault(lt.module_path, (lt.module, []))[1].append(lt.names[0])
-    out: list[tuple[str, Callable[[], object]]] = []
-    for path, (module, names) in sorted(modules.items()):
+        modules.setdefault(lt.module_path, (lt.module, []))[1].append(lt)
+    out: list[tuple[str, str, Callable[[], object]]] = []
+    for path, (module, owned) in sorted(modules.items()):
         reset = getattr(module, "reset_parameters", None)
         if init_fn is not None:
-            out.append((path, lambda m=module: init_fn(m)))
+            out.append((path, "init_fn", lambda m=module: init_fn(m)))
         elif callable(reset) or hf_init is not None:
             # the module's own reset, then the model's policy (Hugging Face's std 0.02 where it has one)
             steps = [f for f in (reset if callable(reset) else None,
                                  (lambda m=module: hf_init(m)) if hf_init is not None else None) if f is not None]
-            out.append((path, lambda steps=steps: [f() for f in steps]))
-        else:
+            label = " then ".join(n for n, f in (("reset_parameters()", callable(reset)),
+                                                 ("the model's _init_weights", hf_init is not None)) if f)
+            out.append((path, label, lambda steps=steps: [f() for f in steps]))
+        elif any(lt.is_param for lt in owned):
+            names = [lt.names[0] for lt in owned]
             raise MaterializeError(
                 f"module {path or '(root)'!r} ({type(module).__name__}) holds {names[:3]} on the meta device and has "
                 "no reset_parameters(): pass checkpoint=... to load its weights, or init_fn=... to initialize it "
                 "(build with smp.delay_param_initialization() to keep buffers real)")
+        else:
+            why = f"{why_not[id(module)]}; it has no reset_parameters(), nor the model an _init_weights"
+            raise MaterializeError(unrecoverable(owned[0].names[0], path, module, why, checkpoint))
     return out
 
 
