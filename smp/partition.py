@@ -24,7 +24,8 @@ from partitioner.request import PlanRequest
 from partitioner.timeline import Timeline, TimelineEvent
 from partitioner.trace import trace
 from runtime.batch import Microbatches, join_outputs
-from runtime.checkpoint import CheckpointError, load_pipeline, open_weights, save_pipeline
+from runtime.checkpoint import (CheckpointError, MissingStateError, load_pipeline, merge_partial_states, open_weights,
+                                save_pipeline)
 from runtime.comm import Comm, PipelineError
 from runtime.engine import Engine
 from runtime.errors import RuntimeConfigError
@@ -484,15 +485,10 @@ class PipelinedModel:
         dist.gather_object(local, gathered, dst=first, group=self.layout.pp_group)
         if self.rank != first:
             return {}
-        full: dict[str, torch.Tensor] = {}
-        order = list(self.module.state_dict().keys())
-        for part in gathered or []:
-            for k, v in part.items():
-                full.setdefault(k, v)
-        missing = [k for k in order if k not in full]
-        if missing:
-            raise PipelineError(f"state_dict: no rank holds {missing[:3]} ({len(missing)} entries)")
-        return {k: full[k] for k in order}
+        try:
+            return merge_partial_states(gathered or [], list(self.module.state_dict().keys()))
+        except MissingStateError as err:
+            raise PipelineError(f"state_dict: {err}") from None
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
         """Load a full (unpartitioned) state dict: each rank copies the entries it holds."""
