@@ -355,7 +355,7 @@ class PipelinedModel:
         loss, _ = eng.run(flat, targets, self.loss_fn, training=True)
         assert loss is not None
         fresh = [p.grad for p in params if p.grad is not None]
-        self.last_step_skipped = scaler.unscale_and_check(fresh, self._any_rank)
+        self.last_step_skipped = scaler.unscale_and_check(fresh, self.any_rank)
         for p, old in zip(params, before):
             if self.last_step_skipped:  # no gradient anywhere: optimizer.step() changes nothing on any rank
                 p.grad = None
@@ -373,8 +373,10 @@ class PipelinedModel:
         for name, buffer in sorted((n, b) for n, b in self.module.named_buffers() if not b.is_meta):
             comm.wait(comm.broadcast(buffer, src, group, f"the broadcast of buffer {name} from the first replica"))
 
-    def _any_rank(self, flag: torch.Tensor) -> torch.Tensor:
-        """The maximum of ``flag`` over every rank of the world, waited for within the pipeline's timeout."""
+    def any_rank(self, flag: torch.Tensor) -> torch.Tensor:
+        """The maximum of ``flag`` (one number) over every rank of the world, waited for within the pipeline's
+        timeout (a rank that does not come is named): e.g. whether any rank found inf/NaN in its fp16 gradients.
+        A collective once partitioned; ``flag`` itself without a process group."""
         if not self.distributed:
             return flag
         setup = self._require_setup("the overflow check")

@@ -410,8 +410,8 @@ def precision_worker(rank: int, world: int, *, spec: str, out: str) -> None:
         victim = next(p for p in pipe.parameters() if id(p) not in tied)
         hook = victim.register_hook(lambda g: g * float("inf"))
     res["local_overflow"] = []  # what this rank found in its own gradients, before the ranks agree
-    agree = pipe._any_rank
-    pipe._any_rank = lambda flag: (res["local_overflow"].append(bool(flag.item())), agree(flag))[1]
+    agree = pipe.any_rank
+    pipe.any_rank = lambda flag: (res["local_overflow"].append(bool(flag.item())), agree(flag))[1]
     for _ in range(2):
         pipe.step(*b.example_args, target=b.target, **b.example_kwargs)
         res["skipped"].append(pipe.last_step_skipped)
