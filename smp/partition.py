@@ -18,7 +18,7 @@ from partitioner.compile import plan as make_plan
 from partitioner.errors import PlanningError
 from partitioner.ir import ScheduleKind
 from partitioner.microbatch import MicrobatchError
-from partitioner.plan import Plan, PlanError
+from partitioner.plan import Plan
 from partitioner.program import flatten_inputs, retarget_device
 from partitioner.request import PlanRequest
 from partitioner.timeline import Timeline, TimelineEvent
@@ -37,6 +37,7 @@ from runtime.precision import PipelineGradScaler, Precision
 from runtime.program import Ownership, Program, program_for
 from runtime.split import SplitError
 from runtime.teardown import release_at_exit
+from smp.rank0_plan import plan_on_rank0
 
 __all__ = ["partition", "PipelinedModel", "PipelineError", "RuntimeConfigError"]
 
@@ -294,20 +295,8 @@ class PipelinedModel:
             with torch.random.fork_rng(devices=[]), self.precision.autocast(self.device):
                 return make_plan(self.module, args, kwargs, request)
 
-        if not self.distributed:
-            return build()
-        box: list[Any] = [None]
-        if self.rank == 0:
-            try:
-                box[0] = {"plan": build().to_dict()}
-            except Exception as err:  # noqa: BLE001 - every rank must learn that planning failed
-                box[0] = {"error": f"{type(err).__name__}: {err}"}
-                dist.broadcast_object_list(box, src=0)
-                raise
-        dist.broadcast_object_list(box, src=0)
-        if "error" in box[0]:
-            raise PlanError(f"rank 0 could not plan the model: {box[0]['error']}")
-        return Plan.from_dict(box[0]["plan"])
+        store = dist.distributed_c10d._get_default_store() if self.distributed else None
+        return plan_on_rank0(build, rank=self.rank, store=store, timeout=self.timeout)
 
     def prepare(self, *args: Any, **kwargs: Any) -> PipelinedModel:
         """Partition now, on this sample batch (plan, trace, keep and materialize this rank's stages), without a step.

@@ -438,3 +438,22 @@ def unused_parameter_worker(rank: int, world: int, *, out: str) -> None:
                      timing="analytic")
     pipe.step(torch.randn(4, 8), target=torch.randn(4, 2))
     torch.save({n: p.grad is None for n, p in pipe.named_parameters()}, Path(out) / f"unused-{rank}.pt")
+
+
+def rank0_planning_worker(rank: int, world: int, *, out: str) -> None:
+    """Lazy planning on rank 0 shared with the others (smp.rank0_plan): a plan rank 0 cannot make (no plan fits
+    a 1-byte memory limit), then one it can; each rank's outcome and plan to ``out``."""
+    spec = "gpt:size=tiny,batch=4,layers=2"
+    res: dict[str, Any] = {}
+    b = build(spec, seed=0)
+    pipe = partition(b.model, loss_fn=b.loss_fn, timeout=30, microbatches=2, timing="analytic", memory_limit=1)
+    try:
+        pipe.prepare(*b.example_args, **b.example_kwargs)
+        res["failed"] = None
+    except Exception as err:  # noqa: BLE001 - what each rank was told is the result
+        res["failed"] = f"{type(err).__name__}: {err}"
+    b = build(spec, seed=0)
+    pipe = partition(b.model, loss_fn=b.loss_fn, timeout=30, microbatches=2, timing="analytic")
+    pipe.prepare(*b.example_args, **b.example_kwargs)
+    res["plan"] = pipe.plan.to_dict()  # type: ignore[union-attr]
+    torch.save(res, Path(out) / f"rank0-planning-{rank}.pt")
