@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 __all__ = ["CheckpointError", "WeightSource", "open_weights", "save_pipeline", "load_pipeline", "consolidate",
-           "save_sharded", "MODEL_PREFIX", "OPTIM_PREFIX"]
+           "save_sharded", "merge_partial_states", "MissingStateError", "MODEL_PREFIX", "OPTIM_PREFIX"]
 
 #: Keys of an smp checkpoint: ``model/<name>`` for weights, ``optim/<name>/<state>`` for optimizer state.
 MODEL_PREFIX = "model/"
@@ -29,6 +29,37 @@ SCALER_KEY = "scaler"  # the fp16 loss scaler's state (PipelineGradScaler.state_
 
 class CheckpointError(ValueError):
     """A checkpoint cannot be read or written as asked; the message names the file or tensor and the fix."""
+
+
+class MissingStateError(CheckpointError):
+    """No partial state holds some of the keys a full state needs; ``missing`` lists them in order."""
+
+    def __init__(self, missing: Sequence[str]) -> None:
+        super().__init__(f"no rank holds {list(missing[:3])} ({len(missing)} entries)")
+        self.missing = list(missing)
+
+
+V = TypeVar("V")
+
+
+def merge_partial_states(parts: Sequence[Mapping[str, V]], order: Sequence[str], *,
+                         require_all: bool = True) -> dict[str, V]:
+    """One full state from the ranks' partial ones (in rank order): each key's first value, the keys of ``order``
+    first (in that order), then any others in the order first seen.
+
+    A tied tensor is held by several ranks, with the same value: the first is kept. With
+    ``require_all`` a key of ``order`` that no part holds raises :class:`MissingStateError`.
+    """
+    full: dict[str, V] = {}
+    for part in parts:
+        for k, v in part.items():
+            full.setdefault(k, v)
+    if require_all:
+        missing = [k for k in order if k not in full]
+        if missing:
+            raise MissingStateError(missing)
+    ordered = {k: full[k] for k in order if k in full}
+    return {**ordered, **{k: v for k, v in full.items() if k not in ordered}}
 
 
 class WeightSource:

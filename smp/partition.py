@@ -18,13 +18,14 @@ from partitioner.compile import plan as make_plan
 from partitioner.errors import PlanningError
 from partitioner.ir import ScheduleKind
 from partitioner.microbatch import MicrobatchError
-from partitioner.plan import Plan, PlanError
+from partitioner.plan import Plan
 from partitioner.program import flatten_inputs, retarget_device
 from partitioner.request import PlanRequest
 from partitioner.timeline import Timeline, TimelineEvent
 from partitioner.trace import trace
 from runtime.batch import Microbatches, join_outputs
-from runtime.checkpoint import CheckpointError, load_pipeline, open_weights, save_pipeline
+from runtime.checkpoint import (CheckpointError, MissingStateError, load_pipeline, merge_partial_states, open_weights,
+                                save_pipeline)
 from runtime.comm import Comm, PipelineError
 from runtime.engine import Engine
 from runtime.errors import RuntimeConfigError
@@ -36,6 +37,7 @@ from runtime.precision import PipelineGradScaler, Precision
 from runtime.program import Ownership, Program, program_for
 from runtime.split import SplitError
 from runtime.teardown import release_at_exit
+from smp.rank0_plan import plan_on_rank0
 
 __all__ = ["partition", "PipelinedModel", "PipelineError", "RuntimeConfigError"]
 
@@ -303,20 +305,8 @@ class PipelinedModel:
             with torch.random.fork_rng(devices=[]), self.precision.autocast(self.device):
                 return make_plan(self.module, args, kwargs, request)
 
-        if not self.distributed:
-            return build()
-        box: list[Any] = [None]
-        if self.rank == 0:
-            try:
-                box[0] = {"plan": build().to_dict()}
-            except Exception as err:  # noqa: BLE001 - every rank must learn that planning failed
-                box[0] = {"error": f"{type(err).__name__}: {err}"}
-                dist.broadcast_object_list(box, src=0)
-                raise
-        dist.broadcast_object_list(box, src=0)
-        if "error" in box[0]:
-            raise PlanError(f"rank 0 could not plan the model: {box[0]['error']}")
-        return Plan.from_dict(box[0]["plan"])
+        store = dist.distributed_c10d._get_default_store() if self.distributed else None
+        return plan_on_rank0(build, rank=self.rank, store=store, timeout=self.timeout)
 
     def prepare(self, *args: Any, **kwargs: Any) -> PipelinedModel:
         """Partition now, on this sample batch (plan, trace, keep and materialize this rank's stages), without a step.
@@ -371,7 +361,7 @@ class PipelinedModel:
         loss, _ = eng.run(flat, targets, self.loss_fn, training=True)
         assert loss is not None
         fresh = [p.grad for p in params if p.grad is not None]
-        self.last_step_skipped = scaler.unscale_and_check(fresh, self._any_rank)
+        self.last_step_skipped = scaler.unscale_and_check(fresh, self.any_rank)
         for p, old in zip(params, before):
             if self.last_step_skipped:  # no gradient anywhere: optimizer.step() changes nothing on any rank
                 p.grad = None
@@ -389,8 +379,10 @@ class PipelinedModel:
         for name, buffer in sorted((n, b) for n, b in self.module.named_buffers() if not b.is_meta):
             comm.wait(comm.broadcast(buffer, src, group, f"the broadcast of buffer {name} from the first replica"))
 
-    def _any_rank(self, flag: torch.Tensor) -> torch.Tensor:
-        """The maximum of ``flag`` over every rank of the world, waited for within the pipeline's timeout."""
+    def any_rank(self, flag: torch.Tensor) -> torch.Tensor:
+        """The maximum of ``flag`` (one number) over every rank of the world, waited for within the pipeline's
+        timeout (a rank that does not come is named): e.g. whether any rank found inf/NaN in its fp16 gradients.
+        A collective once partitioned; ``flag`` itself without a process group."""
         if not self.distributed:
             return flag
         setup = self._require_setup("the overflow check")
@@ -506,15 +498,10 @@ class PipelinedModel:
         dist.gather_object(local, gathered, dst=first, group=self.layout.pp_group)
         if self.rank != first:
             return {}
-        full: dict[str, torch.Tensor] = {}
-        order = list(self.module.state_dict().keys())
-        for part in gathered or []:
-            for k, v in part.items():
-                full.setdefault(k, v)
-        missing = [k for k in order if k not in full]
-        if missing:
-            raise PipelineError(f"state_dict: no rank holds {missing[:3]} ({len(missing)} entries)")
-        return {k: full[k] for k in order}
+        try:
+            return merge_partial_states(gathered or [], list(self.module.state_dict().keys()))
+        except MissingStateError as err:
+            raise PipelineError(f"state_dict: {err}") from None
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
         """Load a full (unpartitioned) state dict: each rank copies the entries it holds."""

@@ -410,8 +410,8 @@ def precision_worker(rank: int, world: int, *, spec: str, out: str) -> None:
         victim = next(p for p in pipe.parameters() if id(p) not in tied)
         hook = victim.register_hook(lambda g: g * float("inf"))
     res["local_overflow"] = []  # what this rank found in its own gradients, before the ranks agree
-    agree = pipe._any_rank
-    pipe._any_rank = lambda flag: (res["local_overflow"].append(bool(flag.item())), agree(flag))[1]
+    agree = pipe.any_rank
+    pipe.any_rank = lambda flag: (res["local_overflow"].append(bool(flag.item())), agree(flag))[1]
     for _ in range(2):
         pipe.step(*b.example_args, target=b.target, **b.example_kwargs)
         res["skipped"].append(pipe.last_step_skipped)
@@ -438,3 +438,22 @@ def unused_parameter_worker(rank: int, world: int, *, out: str) -> None:
                      timing="analytic")
     pipe.step(torch.randn(4, 8), target=torch.randn(4, 2))
     torch.save({n: p.grad is None for n, p in pipe.named_parameters()}, Path(out) / f"unused-{rank}.pt")
+
+
+def rank0_planning_worker(rank: int, world: int, *, out: str) -> None:
+    """Lazy planning on rank 0 shared with the others (smp.rank0_plan): a plan rank 0 cannot make (no plan fits
+    a 1-byte memory limit), then one it can; each rank's outcome and plan to ``out``."""
+    spec = "gpt:size=tiny,batch=4,layers=2"
+    res: dict[str, Any] = {}
+    b = build(spec, seed=0)
+    pipe = partition(b.model, loss_fn=b.loss_fn, timeout=30, microbatches=2, timing="analytic", memory_limit=1)
+    try:
+        pipe.prepare(*b.example_args, **b.example_kwargs)
+        res["failed"] = None
+    except Exception as err:  # noqa: BLE001 - what each rank was told is the result
+        res["failed"] = f"{type(err).__name__}: {err}"
+    b = build(spec, seed=0)
+    pipe = partition(b.model, loss_fn=b.loss_fn, timeout=30, microbatches=2, timing="analytic")
+    pipe.prepare(*b.example_args, **b.example_kwargs)
+    res["plan"] = pipe.plan.to_dict()  # type: ignore[union-attr]
+    torch.save(res, Path(out) / f"rank0-planning-{rank}.pt")

@@ -208,3 +208,17 @@ def _logits(output) -> torch.Tensor:
 def test_the_loss_is_float32_on_every_rank(tmp_path: Path) -> None:
     ranks = _user_case("bf16", 2, tmp_path)
     assert [r["dtype"] for r in ranks] == ["torch.float32", "torch.float32"]
+
+
+@pytest.mark.slow
+def test_rank_0_plans_and_its_failure_is_named_on_every_rank(tmp_path: Path) -> None:
+    """Lazy planning: rank 0 plans; when it cannot, rank 1 raises a PlanError with rank 0's reason (no hang);
+    when it can, both ranks run the same plan."""
+    results = launch(f"{HERE / '_runtime_common.py'}:rank0_planning_worker", 2, {"out": str(tmp_path)}, timeout=180)
+    for r in results:
+        assert r.returncode == 0, f"rank {r.rank} exited with {r.returncode}:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+    got = [torch.load(tmp_path / f"rank0-planning-{r}.pt", weights_only=False) for r in range(2)]
+    assert got[0]["failed"].startswith("MemoryLimitError: memory limit 1 B per device"), got[0]["failed"]
+    reason = got[0]["failed"]
+    assert got[1]["failed"] == f"PlanError: rank 0 could not plan the model: {reason}"
+    assert got[0]["plan"] == got[1]["plan"]

@@ -9,6 +9,7 @@ import torch
 
 import smp
 from partitioner.trace import trace
+from runtime.checkpoint import MissingStateError, merge_partial_states
 from runtime.errors import RuntimeConfigError
 from runtime.layout import ReplicaLayout
 from runtime.split import split_program
@@ -79,6 +80,18 @@ def test_resnet_batchnorm_buffers_train_mode() -> None:
 def test_hugging_face_models(spec: str) -> None:
     pytest.importorskip("transformers")
     _run(spec, _plan(spec, 2, 2, "1f1b"), steps=2)
+
+
+def test_partial_states_merge_first_value_wins_in_the_given_order() -> None:
+    """The one merge of the ranks' partial states (PipelinedModel.state_dict, SMP v1's model and optimizer)."""
+    parts = [{"b": 1, "tied": "rank0"}, {"tied": "rank1", "a": 2, "extra": 3}]
+    merged = merge_partial_states(parts, ["a", "tied", "b"])
+    assert merged == {"a": 2, "tied": "rank0", "b": 1, "extra": 3}
+    assert list(merged) == ["a", "tied", "b", "extra"]  # the given order, then others as first seen
+    with pytest.raises(MissingStateError, match=r"no rank holds \['c', 'd'\] \(2 entries\)") as err:
+        merge_partial_states(parts, ["a", "c", "b", "d"])
+    assert err.value.missing == ["c", "d"]
+    assert merge_partial_states(parts, ["a", "c"], require_all=False) == {"a": 2, "b": 1, "tied": "rank0", "extra": 3}
 
 
 def test_forward_and_state_dict_round_trip() -> None:

@@ -7,6 +7,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from runtime.comm import Comm
+from smp.v1.model import DistributedModel
 from smp.v1.state import current
 
 __all__ = ["GradScaler"]
@@ -40,16 +42,12 @@ class GradScaler(torch.amp.GradScaler):
         if not self._enabled:
             return
         found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-        mine = max((float(v.item()) for v in found.values()), default=0.0)
-        st = current()
-        agreed = torch.tensor([mine])
-        if st.distributed:
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=st.group)
+        agreed = _any_rank(max((float(v.item()) for v in found.values()), default=0.0))
         for v in found.values():
-            v.fill_(float(agreed))
+            v.fill_(agreed)
         if not found:  # this rank's optimizer has no gradient at all; it still follows the others
             assert self._scale is not None
-            found[self._scale.device] = torch.full((), float(agreed), device=self._scale.device)
+            found[self._scale.device] = torch.full((), agreed, device=self._scale.device)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
         self._ensure_scale()
@@ -58,3 +56,18 @@ class GradScaler(torch.amp.GradScaler):
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         self._ensure_scale()
         super().update(new_scale)
+
+
+def _any_rank(found: float) -> float:
+    """The largest ``found`` over every rank: the pipeline's own bounded agreement (``PipelinedModel.any_rank``),
+    or, before the model is partitioned, the same bounded all-reduce over smp.init's group."""
+    st = current()
+    model = st.model
+    flag = torch.tensor([found])
+    if isinstance(model, DistributedModel) and model.pipe is not None:
+        return float(model.pipe.any_rank(flag))
+    if not st.distributed:
+        return found
+    comm = Comm(st.topology.rank, st.config.timeout)
+    return float(comm.wait(comm.all_reduce(flag, st.group, "the fp16 overflow check over every rank",
+                                           op=dist.ReduceOp.MAX))[0])

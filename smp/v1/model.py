@@ -13,6 +13,7 @@ from torch import nn
 
 from partitioner.graph import OUTPUT_OP
 from runtime.batch import Microbatches
+from runtime.checkpoint import MissingStateError, merge_partial_states
 from smp.partition import PipelinedModel
 from smp.v1 import planning
 from smp.v1.comm import CommGroup, cpu_copy, gather_objects, group_ranks
@@ -305,19 +306,14 @@ class DistributedModel(nn.Module):
 
 
 def _merge_partials(parts: list[dict[str, Any]], order: list[str]) -> dict[str, Any]:
-    """One full state dict from the ranks' partial ones, in the model's key order; a key no rank holds is an error."""
-    full: dict[str, Any] = {}
-    for part in parts:
-        for k, v in part.items():
-            if k != PARTIAL_KEY:
-                full.setdefault(k, v)
-    missing = [k for k in order if k not in full]
-    if missing:
-        raise V1Error(f"the partial state dicts of the {len(parts)} ranks hold no {missing[:3]} ({len(missing)} "
-                      "entries): were they saved from this model, with every partition (smp.save on every rank with "
-                      "dp_rank() == 0)?")
-    extra = [k for k in full if k not in order]
-    return {**{k: full[k] for k in order}, **{k: full[k] for k in extra}}
+    """One full state dict from the ranks' partial ones (runtime.checkpoint's merge), on every rank; a key no rank
+    holds is an error that says how the partial ones were meant to be saved."""
+    try:
+        return merge_partial_states([{k: v for k, v in part.items() if k != PARTIAL_KEY} for part in parts], order)
+    except MissingStateError as err:
+        raise V1Error(f"the partial state dicts of the {len(parts)} ranks hold no {err.missing[:3]} "
+                      f"({len(err.missing)} entries): were they saved from this model, with every partition (smp.save "
+                      "on every rank with dp_rank() == 0)?") from None
 
 
 def set_activation_checkpointing(module: nn.Module, preserve_rng_state: bool = True, pack_args_as_tuple: bool = False,

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from runtime.checkpoint import merge_partial_states
 from smp.v1.comm import CommGroup, cpu_copy, gather_objects, group_ranks
 from smp.v1.errors import V1Error
 from smp.v1.model import PARTIAL_KEY, DistributedModel
@@ -121,15 +122,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The ranks' partial states as one full state in this optimizer's indices (matched by parameter name)."""
         names = [self._model.param_name(p) for p in self._params()]
         index = {n: i for i, n in enumerate(names)}
-        state: dict[int, Any] = {}
+        by_name: list[dict[str, Any]] = []
         for part in parts:
             theirs = part.get(NAMES_KEY)
-            for i, s in part["state"].items():
-                name = theirs[int(i)] if theirs is not None else names[int(i)]
-                if name not in index:
-                    raise V1Error(f"the optimizer state holds parameter {name!r}, which this optimizer does not "
-                                  "optimize: was it saved for another model or another parameter list?")
-                state[index[name]] = s
+            by_name.append({(theirs if theirs is not None else names)[int(i)]: s for i, s in part["state"].items()})
+        merged = merge_partial_states(by_name, names, require_all=False)  # a parameter without state has none
+        unknown = [name for name in merged if name not in index]
+        if unknown:
+            raise V1Error(f"the optimizer state holds parameter {unknown[0]!r}, which this optimizer does not "
+                          "optimize: was it saved for another model or another parameter list?")
+        state = {index[name]: s for name, s in merged.items()}
         return {"state": state, "param_groups": parts[0]["param_groups"], NAMES_KEY: names}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]

@@ -3,11 +3,8 @@ the stages of checkpointed modules recomputing, made once on rank 0 and shared; 
 
 from __future__ import annotations
 
-import datetime
-import pickle
 import warnings
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import networkx as nx
 import torch
@@ -22,16 +19,13 @@ from partitioner.plan import Plan
 from partitioner.problem import Problem
 from partitioner.request import PlanRequest
 from partitioner.units import format_bytes
+from smp.rank0_plan import plan_on_rank0
 from smp.v1 import manual
 from smp.v1.comm import CommGroup, gather_objects, group_ranks
 from smp.v1.errors import V1Error
 from smp.v1.state import State
 
-__all__ = ["partition_plan", "weigh_memory", "recompute_checkpointed", "module_paths", "check_fits", "out_of_memory", "warn_unreached", "device_memory",
-           "PLANNING_WAIT"]
-
-#: How long the other ranks wait for rank 0 to trace, profile and plan the model (seconds).
-PLANNING_WAIT = 3600.0
+__all__ = ["partition_plan", "weigh_memory", "recompute_checkpointed", "module_paths", "check_fits", "out_of_memory", "warn_unreached", "device_memory"]
 
 #: The memory caps tried between the one memory_weight asks for and the fastest plan's peak, when the
 #: planner proves the asked cap infeasible: the fraction of the way back to the peak.
@@ -68,7 +62,8 @@ def partition_plan(module: nn.Module, args: tuple, kwargs: dict, state: State, d
         stage_of = manual.stage_of_ops(module, base.graph, cfg.partitions, cfg.default_partition)
         return recompute_checkpointed(manual.manual_plan(base, stage_of, limit), module, state.checkpointed)
 
-    return _on_rank0(build, state)
+    return plan_on_rank0(build, rank=state.topology.rank, store=state.store if state.distributed else None,
+                         timeout=state.config.timeout, key=state.next_key("plan"))
 
 
 def weigh_memory(fast: Plan, request: PlanRequest, weight: float | None) -> Plan:
@@ -144,30 +139,6 @@ def module_paths(model: nn.Module, module: nn.Module) -> list[str]:
 def _inside(op_module: str, path: str) -> bool:
     """Whether an op of module ``op_module`` runs inside the module at ``path`` ("" is the whole model)."""
     return not path or op_module == path or op_module.startswith(path + ".")
-
-
-def _on_rank0(build: Callable[[], Plan], state: State) -> Plan:
-    """``build()`` on rank 0 (measured profiles differ between ranks), its plan (or error) shared via the store."""
-    if not state.distributed:
-        return build()
-    key = state.next_key("plan")
-    if state.topology.rank == 0:
-        try:
-            payload: dict[str, Any] = {"plan": build().to_dict()}
-        except Exception as err:  # noqa: BLE001 - every rank must learn that partitioning failed
-            state.store.set(key, pickle.dumps({"error": f"{type(err).__name__}: {err}"}))
-            raise
-        state.store.set(key, pickle.dumps(payload))
-    else:
-        try:
-            state.store.wait([key], datetime.timedelta(seconds=max(PLANNING_WAIT, state.config.timeout)))
-        except Exception as err:  # noqa: BLE001
-            raise V1Error(f"rank {state.topology.rank} waited for rank 0 to partition the model and gave up "
-                          f"({err}): rank 0 is stuck or died") from None
-        payload = pickle.loads(state.store.get(key))
-        if "error" in payload:
-            raise V1Error(f"rank 0 could not partition the model: {payload['error']}")
-    return Plan.from_dict(payload["plan"])
 
 
 def _ranks_here(plan: Plan, state: State) -> list[int]:
