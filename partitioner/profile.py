@@ -71,7 +71,7 @@ def profile(
     Measured on a CPU, the ops run on ``threads`` intra-op threads (default 1, the steadiest on a
     busy machine; None: torch's setting as it is), restored afterwards. The relative spread of
     the sweeps' totals is recorded as ``graph.meta["timing_spread"]``: a set of sweeps spread over
-    ``UNSTABLE_SPREAD`` is re-measured, and if the spread stays above it a warning says so.
+    ``UNSTABLE_SPREAD`` gets more sweeps, and if the spread stays above it a warning says so.
     """
     if timing not in TIMINGS:
         raise ValueError(f"unknown timing {timing!r}; choose 'measured' or 'analytic'")

@@ -31,7 +31,7 @@ Samples = dict[fx.Node, list[float]]  # every op's seconds, one entry per timed 
 PROFILE_THREADS = 1
 #: Relative spread of the per-sweep totals ((max - min) / median) above which timings are unstable.
 UNSTABLE_SPREAD = 0.5
-#: How many more sets of sweeps an unstable set is re-measured with (the steadiest set is kept).
+#: How many more sets of ``repeats`` sweeps unstable sweeps get (the medians are over all of them).
 RETRIES = 2
 #: What times an op on a CPU (a name of its own: tests give the profiler a fake clock through it).
 clock = time.perf_counter
@@ -66,7 +66,7 @@ def unstable_timing_warning(spread: float | None) -> str | None:
     if spread is None or spread <= UNSTABLE_SPREAD:
         return None
     return (f"unstable timings: the profile's sweeps differed by {spread:.0%} of their median "
-            f"(over {UNSTABLE_SPREAD:.0%}, re-measured); is the machine busy? "
+            f"(over {UNSTABLE_SPREAD:.0%}, after more sweeps); is the machine busy? "
             f"Its times, and the plan's predicted step time, may be off by that much")
 
 
@@ -79,15 +79,15 @@ class SweepTimer:
         self.repeats = repeats
         self.warmup = warmup
         self.before_each = before_each  # run before each timed call (None: caches as the sweep leaves them)
-        self.retries = retries  # more sets of sweeps when a set's totals spread over UNSTABLE_SPREAD
+        self.retries = retries  # more sets of sweeps when the totals spread over UNSTABLE_SPREAD
         self.gpu_timer = GpuTimer(device) if device.type == "cuda" else None
-        # per kind of sweep (forward, backward, input gradient): the kept sweeps' seconds, op by op, summed
+        # per kind of sweep (forward, backward, input gradient): every sweep's seconds, op by op, summed
         # over every measure() call (one op at a time: the r-th run of every op makes the r-th sweep)
         self.kept: dict[str, list[float]] = {}
 
     @property
     def spread(self) -> float:
-        """The largest relative spread of the kept sweeps' totals over the kinds of sweep (see ``sweep_spread``)."""
+        """The largest relative spread of the sweeps' totals over the kinds of sweep (see ``sweep_spread``)."""
         return max((sweep_spread(totals) for totals in self.kept.values()), default=0.0)
 
     def measure(self, calls: list[tuple[fx.Node, tuple, dict, Any]], tick: Callable[[int], None]) -> OpTimes:
@@ -99,7 +99,7 @@ class SweepTimer:
         and again on the same data keeps its weights hot and underestimates it when they
         do not fit in cache (-30% to -40% on CPU for 2 MB weight matrices). Median of
         ``repeats`` after ``warmup`` sweeps; a set of sweeps whose totals spread over
-        ``UNSTABLE_SPREAD`` is measured again (``_steadiest``).
+        ``UNSTABLE_SPREAD`` gets more sweeps (``_pooled``).
         """
         ops = self.ops
 
@@ -115,7 +115,7 @@ class SweepTimer:
                 tick()
             return fwd
 
-        fwd = self._steadiest("fwd", forward_sweeps, tick=lambda: tick(len(calls)))
+        fwd = self._pooled("fwd", forward_sweeps, tick=lambda: tick(len(calls)))
         trainable = [(node, args, kwargs) for node, args, kwargs, out in calls
                      if ops.training and requires_grad(out)]
         # A training step's backward accumulates weight gradients into .grad: from the
@@ -138,25 +138,26 @@ class SweepTimer:
         zero = dict.fromkeys(fwd, 0.0)
         return fwd, {**zero, **bwd}, {**zero, **{n: min(bwd_input[n], bwd[n]) for n in bwd}}
 
-    def _steadiest(self, kind: str, sweeps: Callable[[int, Callable[[], None]], Samples], *,
-                   tick: Callable[[], None]) -> dict[fx.Node, float]:
-        """Median seconds per op from ``sweeps(warmup, tick)``, re-measured while its totals spread too much.
+    def _pooled(self, kind: str, sweeps: Callable[[int, Callable[[], None]], Samples], *,
+                tick: Callable[[], None]) -> dict[fx.Node, float]:
+        """Median seconds per op from ``sweeps(warmup, tick)``, with more sweeps while their totals spread too much.
 
-        A set whose sweep totals spread over ``UNSTABLE_SPREAD`` (another process took the CPU
-        or GPU for a while) is followed by up to ``retries`` more sets, without warm-up, and the
-        steadiest set is kept. The re-measurements tick no progress: the total was announced."""
-        kept = sweeps(self.warmup, tick)
+        When the sweeps' totals spread over ``UNSTABLE_SPREAD`` (another process took the CPU or
+        GPU for a while), up to ``retries`` more sets of ``repeats`` sweeps are run, without
+        warm-up, and every op's median is taken over all of them: a median over more sweeps is
+        less moved by the ones the machine slowed. The extra sweeps tick no progress: the
+        total was announced."""
+        pool = sweeps(self.warmup, tick)
         for _ in range(self.retries):
-            if sweep_spread(sweep_totals(kept)) <= UNSTABLE_SPREAD:
+            if sweep_spread(sweep_totals(pool)) <= UNSTABLE_SPREAD:
                 break
-            again = sweeps(0, lambda: None)
-            if sweep_spread(sweep_totals(again)) < sweep_spread(sweep_totals(kept)):
-                kept = again
-        totals = sweep_totals(kept)
+            for node, more in sweeps(0, lambda: None).items():
+                pool[node].extend(more)
+        totals = sweep_totals(pool)
         so_far = self.kept.setdefault(kind, [])
         if totals:
             self.kept[kind] = [a + b for a, b in zip(so_far, totals)] if so_far else totals
-        return {node: statistics.median(v) if v else 0.0 for node, v in kept.items()}
+        return {node: statistics.median(v) if v else 0.0 for node, v in pool.items()}
 
     def _backward_sweeps(self, ops: list[tuple[fx.Node, tuple, dict]], *, weights: bool,
                          tick: Callable[[], None], accumulate: bool = False) -> dict[fx.Node, float]:
@@ -180,7 +181,7 @@ class SweepTimer:
                 tick()
             return samples
 
-        return self._steadiest("bwd" if weights else "bwd_input", backward_sweeps, tick=tick)
+        return self._pooled("bwd" if weights else "bwd_input", backward_sweeps, tick=tick)
 
     def _timed(self, fn: Callable[[], Any], site: Hashable) -> float:
         """Seconds ``fn`` takes (its kernels' time on a GPU); ``site`` names the call for the GPU timer."""
