@@ -31,7 +31,7 @@ from smp.models import build  # noqa: E402
 SECTION = "## Profiling accuracy: in context, one op at a time (meta), analytic"
 RESULTS = Path(__file__).resolve().parent / "results" / "profile_accuracy.json"
 SPECS = [
-    "gpt:layers=2,d_model=256,heads=4,seq_len=128,batch=4,vocab=2048",  # the one tests/test_profile.py checks
+    "gpt:layers=2,d_model=256,heads=4,seq_len=128,batch=4,vocab=2048",
     "gpt:layers=4,d_model=512,heads=8,seq_len=256,batch=4,vocab=8192",
     "bert:layers=4,d_model=256,heads=4,seq_len=128,batch=8,vocab=8192",
     "t5:layers=2,dec_layers=2,d_model=256,heads=4,seq_len=64,dec_seq_len=64,batch=8,vocab=8192",
@@ -60,8 +60,9 @@ def per_op_gap(alone: OpGraph, in_context: OpGraph) -> float:
 def measure(spec: str, repeats: int) -> dict:
     real = build(spec)
     meta = build(spec, meta=True)
-    in_context = profile(real.model, real.example_args, real.example_kwargs, repeats=repeats)
-    alone = profile(meta.model, meta.example_args, meta.example_kwargs, repeats=repeats)
+    # threads=None: the profiles run on the threads main() set, as the whole model's timing does
+    in_context = profile(real.model, real.example_args, real.example_kwargs, repeats=repeats, threads=None)
+    alone = profile(meta.model, meta.example_args, meta.example_kwargs, repeats=repeats, threads=None)
     analytic = profile(meta.model, meta.example_args, meta.example_kwargs, timing="analytic", device_profile="cpu")
     fwd, bwd = time_whole_model(real.model, real.example_args, real.example_kwargs)
     row = {"model": spec, "ops": len(in_context), "whole_fwd": fwd, "whole_bwd": bwd,

@@ -95,7 +95,7 @@ def main() -> None:
         traced = time.perf_counter() - start
         start = time.perf_counter()
         graph = profile(bundle.model, bundle.example_args, bundle.example_kwargs, graph_module=gm,
-                        repeats=opts.repeats)
+                        repeats=opts.repeats, threads=None)  # on --threads, as the training step
         profiled = time.perf_counter() - start
         step = train_step_seconds(bundle)
         rows.append({"model": name, "spec": spec, "params": bundle.num_params(), "ops": len(graph),

@@ -17,6 +17,7 @@ from partitioner.cost import Partition, evaluate
 from partitioner.errors import InvalidAssignmentError, PlanError
 from partitioner.graph import OpGraph
 from partitioner.ir import Schedule, ScheduleError, ScheduleKind, stage_graph_from_transfers
+from partitioner.profile_measured import unstable_timing_warning
 from partitioner.recompute import CHOICES
 from partitioner.schedule import CAPPABLE, check_active_microbatches, make_schedule
 from partitioner.simulate import SimResult, simulate, stage_costs_from
@@ -163,6 +164,17 @@ class Plan:
     @property
     def speedup(self) -> float:
         return self.single_device_time / self.step_time if self.step_time > 0 else math.inf
+
+    @property
+    def timing_spread(self) -> float | None:
+        """How steady the measured profile was: the relative spread of its sweeps' totals, as profiling
+        recorded it in the graph's meta (None: analytic timing, or a graph profiled before smp recorded it)."""
+        return self.graph.meta.get("timing_spread")
+
+    @property
+    def timing_warning(self) -> str | None:
+        """A warning to show with the plan when its profile's timings were unstable (None: they were steady)."""
+        return unstable_timing_warning(self.timing_spread)
 
     @property
     def stage_memory(self) -> list[float]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,8 @@ from torch.utils.flop_counter import flop_registry
 from partitioner.devices import DeviceSpec
 from partitioner.graph import OpGraph
 from partitioner.profile_analytic import analytic_costs
-from partitioner.profile_measured import OneOpAtATime, SweepTimer, to_device
+from partitioner.profile_measured import (PROFILE_THREADS, OneOpAtATime, SweepTimer, profiling_threads, to_device,
+                                         unstable_timing_warning)
 from partitioner.profile_ops import OpCaller, OpCosts, count_flops, fresh_args, requires_grad, tensor_bytes
 from partitioner.program import flatten_inputs, is_inplace, op_nodes, retarget_device
 from partitioner.trace import TraceError, trace
@@ -51,6 +53,7 @@ def profile(
     frontend: str = "auto",
     leaf_modules: Iterable[type | str] = (),
     progress: ProgressFn | None = None,
+    threads: int | None = PROFILE_THREADS,
 ) -> OpGraph:
     """Trace ``model`` on the sample and cost every op; returns an ``OpGraph``.
 
@@ -64,6 +67,11 @@ def profile(
     ``dtype`` prices the ops as if run in, e.g., ``"bf16"``): this plans a GPU cluster from
     a laptop, and works on a model built on the meta device. ``device`` moves the model
     there for the duration of the call (it is moved back afterwards, its buffers restored).
+
+    Measured on a CPU, the ops run on ``threads`` intra-op threads (default 1, the steadiest on a
+    busy machine; None: torch's setting as it is), restored afterwards. The relative spread of
+    the sweeps' totals is recorded as ``graph.meta["timing_spread"]``: a set of sweeps spread over
+    ``UNSTABLE_SPREAD`` gets more sweeps, and if the spread stays above it a warning says so.
     """
     if timing not in TIMINGS:
         raise ValueError(f"unknown timing {timing!r}; choose 'measured' or 'analytic'")
@@ -86,10 +94,11 @@ def profile(
     # One op at a time: bytes and FLOPs are counted on meta as analytic timing counts them;
     # the times come from a second walk, on the target, with real values.
     walked_on = home if one_at_a_time else target
+    threads = threads if timing == "measured" and target.type == "cpu" else None
     real_args, real_kwargs = to_device((args, kwargs), target) if one_at_a_time else ((), {})
     args, kwargs = to_device((args, kwargs), walked_on)
     # Profiling draws random numbers (dropout, output gradients): the caller's stream must not notice.
-    with _borrowed(model, walked_on, training), \
+    with _borrowed(model, walked_on, training), profiling_threads(threads), \
             torch.random.fork_rng(devices=[target] if target.type == "cuda" else []):
         gm = graph_module if graph_module is not None else trace(
             model, args, kwargs, frontend=frontend, leaf_modules=leaf_modules)
@@ -105,7 +114,9 @@ def profile(
         runner = _OpRunner(gm, walked_on, training=training, timing=timing, spec=spec, dtype=dtype,
                            repeats=repeats, warmup=warmup, alone=alone)
         graph = runner.run(inputs, progress)
+        used_threads = torch.get_num_threads() if timing == "measured" and target.type == "cpu" else None
     info = gm.meta.get("smp_trace")
+    spread = runner.timing_spread
     graph.meta.update({
         "model": type(model).__name__,
         "frontend": getattr(info, "frontend", "unknown"),
@@ -114,11 +125,16 @@ def profile(
         "device_profile": spec.name if spec else None,
         "dtype": dtype,
         "repeats": repeats if timing == "measured" else None,
+        "threads": used_threads,
+        "timing_spread": None if spread is None else round(spread, 4),
         "one_op_at_a_time": one_at_a_time,
         "training": training,
         "torch": torch.__version__,
         "inputs": _describe_inputs(args, kwargs),
     })
+    unstable = unstable_timing_warning(spread)
+    if unstable is not None:
+        warnings.warn(f"profiling {type(model).__name__}: {unstable}", RuntimeWarning, stacklevel=2)
     return graph
 
 
@@ -165,6 +181,12 @@ class _OpRunner:
         self.in_context = SweepTimer(self.ops, device, repeats=repeats, warmup=warmup) \
             if timing == "measured" and alone is None else None
         self._costs: dict[str, OpCosts] = {}  # by _cost_key: the 80 blocks of an LLM are costed once
+
+    @property
+    def timing_spread(self) -> float | None:
+        """How much the measured sweeps' totals spread (relative; None when analytic)."""
+        timer = self.alone.timer if self.alone is not None else self.in_context
+        return None if timer is None else timer.spread
 
     def run(self, inputs: list[Any], progress: ProgressFn | None) -> OpGraph:
         ops, owner = op_nodes(self.gm)

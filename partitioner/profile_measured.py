@@ -19,21 +19,76 @@ from partitioner.cuda_timing import GpuTimer
 from partitioner.profile_ops import OpCaller, fresh_args, requires_grad
 from partitioner.program import is_inplace
 
-__all__ = ["SweepTimer", "OneOpAtATime", "materialized", "to_device", "time_whole_model"]
+__all__ = ["SweepTimer", "OneOpAtATime", "materialized", "to_device", "time_whole_model", "PROFILE_THREADS",
+           "UNSTABLE_SPREAD", "RETRIES", "profiling_threads", "sweep_totals", "sweep_spread", "unstable_timing_warning"]
 
 OpTimes = tuple[dict[fx.Node, float], dict[fx.Node, float], dict[fx.Node, float]]
+Samples = dict[fx.Node, list[float]]  # every op's seconds, one entry per timed sweep
+
+#: CPU threads ops are timed with by default. One: with several, every parallel op waits at its barrier
+#: for the slowest thread, and on a busy machine one of them is often descheduled for a whole time
+#: slice, which turned a 50 us op sum into 83 ms; one thread slows by at most the contention.
+PROFILE_THREADS = 1
+#: Relative spread of the per-sweep totals ((max - min) / median) above which timings are unstable.
+UNSTABLE_SPREAD = 0.5
+#: How many more sets of ``repeats`` sweeps unstable sweeps get (the medians are over all of them).
+RETRIES = 2
+#: What times an op on a CPU (a name of its own: tests give the profiler a fake clock through it).
+clock = time.perf_counter
+
+
+@contextlib.contextmanager
+def profiling_threads(threads: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to ``threads`` for a while (None: left as they are), then restored."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def sweep_totals(samples: Samples) -> list[float]:
+    """Each sweep's seconds summed over its ops (ops without samples, such as those with no backward, left out)."""
+    return [sum(sweep) for sweep in zip(*(v for v in samples.values() if v))]
+
+
+def sweep_spread(totals: Sequence[float]) -> float:
+    """(max - min) / median of the sweeps' totals: how steady the timings were; 0 under two sweeps."""
+    if len(totals) < 2 or statistics.median(totals) <= 0:
+        return 0.0
+    return (max(totals) - min(totals)) / statistics.median(totals)
+
+
+def unstable_timing_warning(spread: float | None) -> str | None:
+    """What a profile whose sweeps spread by ``spread`` should warn of (None: stable enough, or not measured)."""
+    if spread is None or spread <= UNSTABLE_SPREAD:
+        return None
+    return (f"unstable timings: the profile's sweeps differed by {spread:.0%} of their median "
+            f"(over {UNSTABLE_SPREAD:.0%}, after more sweeps); is the machine busy? "
+            f"Its times, and the plan's predicted step time, may be off by that much")
 
 
 class SweepTimer:
     """Times ops within whole passes over them, as a training step runs them."""
 
     def __init__(self, ops: OpCaller, device: torch.device, *, repeats: int, warmup: int,
-                 before_each: Callable[[], None] | None = None) -> None:
+                 before_each: Callable[[], None] | None = None, retries: int = RETRIES) -> None:
         self.ops = ops
         self.repeats = repeats
         self.warmup = warmup
         self.before_each = before_each  # run before each timed call (None: caches as the sweep leaves them)
+        self.retries = retries  # more sets of sweeps when the totals spread over UNSTABLE_SPREAD
         self.gpu_timer = GpuTimer(device) if device.type == "cuda" else None
+        # per kind of sweep (forward, backward, input gradient): every sweep's seconds, op by op, summed
+        # over every measure() call (one op at a time: the r-th run of every op makes the r-th sweep)
+        self.kept: dict[str, list[float]] = {}
+
+    @property
+    def spread(self) -> float:
+        """The largest relative spread of the sweeps' totals over the kinds of sweep (see ``sweep_spread``)."""
+        return max((sweep_spread(totals) for totals in self.kept.values()), default=0.0)
 
     def measure(self, calls: list[tuple[fx.Node, tuple, dict, Any]], tick: Callable[[int], None]) -> OpTimes:
         """Forward, backward and input-gradient seconds of every op, timed within whole passes.
@@ -43,19 +98,24 @@ class SweepTimer:
         (backward), so caches hold what they hold in a real step: timing one op again
         and again on the same data keeps its weights hot and underestimates it when they
         do not fit in cache (-30% to -40% on CPU for 2 MB weight matrices). Median of
-        ``repeats`` after ``warmup`` sweeps.
+        ``repeats`` after ``warmup`` sweeps; a set of sweeps whose totals spread over
+        ``UNSTABLE_SPREAD`` gets more sweeps (``_pooled``).
         """
         ops = self.ops
-        fwd: dict[fx.Node, list[float]] = {node: [] for node, *_ in calls}
-        rounds = self.warmup + self.repeats
-        for r in range(rounds):
-            with torch.set_grad_enabled(ops.training):
-                for node, args, kwargs, _ in calls:
-                    call_args, call_kwargs = fresh_args(args, kwargs, is_inplace(node, ops.gm))
-                    elapsed = self._timed(lambda: ops.call(node, call_args, call_kwargs), (node, "fwd"))
-                    if r >= self.warmup:
-                        fwd[node].append(elapsed)
-            tick(len(calls))
+
+        def forward_sweeps(warmup: int, tick: Callable[[], None]) -> Samples:
+            fwd: Samples = {node: [] for node, *_ in calls}
+            for r in range(warmup + self.repeats):
+                with torch.set_grad_enabled(ops.training):
+                    for node, args, kwargs, _ in calls:
+                        call_args, call_kwargs = fresh_args(args, kwargs, is_inplace(node, ops.gm))
+                        elapsed = self._timed(lambda: ops.call(node, call_args, call_kwargs), (node, "fwd"))
+                        if r >= warmup:
+                            fwd[node].append(elapsed)
+                tick()
+            return fwd
+
+        fwd = self._pooled("fwd", forward_sweeps, tick=lambda: tick(len(calls)))
         trainable = [(node, args, kwargs) for node, args, kwargs, out in calls
                      if ops.training and requires_grad(out)]
         # A training step's backward accumulates weight gradients into .grad: from the
@@ -76,8 +136,28 @@ class SweepTimer:
         bwd_input = dict(bwd)
         bwd_input.update(self._backward_sweeps(with_weights, weights=False, tick=lambda: tick(len(calls))))
         zero = dict.fromkeys(fwd, 0.0)
-        return ({n: statistics.median(v) for n, v in fwd.items()},
-                {**zero, **bwd}, {**zero, **{n: min(bwd_input[n], bwd[n]) for n in bwd}})
+        return fwd, {**zero, **bwd}, {**zero, **{n: min(bwd_input[n], bwd[n]) for n in bwd}}
+
+    def _pooled(self, kind: str, sweeps: Callable[[int, Callable[[], None]], Samples], *,
+                tick: Callable[[], None]) -> dict[fx.Node, float]:
+        """Median seconds per op from ``sweeps(warmup, tick)``, with more sweeps while their totals spread too much.
+
+        When the sweeps' totals spread over ``UNSTABLE_SPREAD`` (another process took the CPU or
+        GPU for a while), up to ``retries`` more sets of ``repeats`` sweeps are run, without
+        warm-up, and every op's median is taken over all of them: a median over more sweeps is
+        less moved by the ones the machine slowed. The extra sweeps tick no progress: the
+        total was announced."""
+        pool = sweeps(self.warmup, tick)
+        for _ in range(self.retries):
+            if sweep_spread(sweep_totals(pool)) <= UNSTABLE_SPREAD:
+                break
+            for node, more in sweeps(0, lambda: None).items():
+                pool[node].extend(more)
+        totals = sweep_totals(pool)
+        so_far = self.kept.setdefault(kind, [])
+        if totals:
+            self.kept[kind] = [a + b for a, b in zip(so_far, totals)] if so_far else totals
+        return {node: statistics.median(v) if v else 0.0 for node, v in pool.items()}
 
     def _backward_sweeps(self, ops: list[tuple[fx.Node, tuple, dict]], *, weights: bool,
                          tick: Callable[[], None], accumulate: bool = False) -> dict[fx.Node, float]:
@@ -85,19 +165,23 @@ class SweepTimer:
 
         ``tick`` is called once per sweep."""
         caller = self.ops
-        samples: dict[fx.Node, list[float]] = {node: [] for node, *_ in ops}
         prepared = [(node, caller.backward_closure(node, args, kwargs, is_inplace(node, caller.gm),
                                                    caller.grad_inputs(node, args, kwargs), weights, accumulate))
                     for node, args, kwargs in ops]
-        for r in range(self.warmup + self.repeats):
-            runs = [(node, prepare()) for node, prepare in prepared if prepare is not None]
-            for node, run in reversed(runs):
-                elapsed = self._timed(run, (node, "bwd", weights))
-                if r >= self.warmup:
-                    samples[node].append(elapsed)
-            del runs
-            tick()
-        return {node: statistics.median(v) if v else 0.0 for node, v in samples.items()}
+
+        def backward_sweeps(warmup: int, tick: Callable[[], None]) -> Samples:
+            samples: Samples = {node: [] for node, *_ in ops}
+            for r in range(warmup + self.repeats):
+                runs = [(node, prepare()) for node, prepare in prepared if prepare is not None]
+                for node, run in reversed(runs):
+                    elapsed = self._timed(run, (node, "bwd", weights))
+                    if r >= warmup:
+                        samples[node].append(elapsed)
+                del runs
+                tick()
+            return samples
+
+        return self._pooled("bwd" if weights else "bwd_input", backward_sweeps, tick=tick)
 
     def _timed(self, fn: Callable[[], Any], site: Hashable) -> float:
         """Seconds ``fn`` takes (its kernels' time on a GPU); ``site`` names the call for the GPU timer."""
@@ -105,9 +189,9 @@ class SweepTimer:
             self.before_each()
         if self.gpu_timer is not None:
             return self.gpu_timer(fn, site)
-        begin = time.perf_counter()
+        begin = clock()
         fn()
-        return time.perf_counter() - begin
+        return clock() - begin
 
 
 # ------------------------------------------------------------------ one op's weights at a time
@@ -130,7 +214,10 @@ class OneOpAtATime:
         self.device = device
         self.inputs = inputs
         self.cold = _CacheEvictor(gm, device)
-        self.timer = SweepTimer(self.ops, device, repeats=repeats, warmup=warmup, before_each=self.cold.evict)
+        # No re-measuring here: one op's few runs spread more than a whole sweep does, and re-measuring
+        # each op would multiply the cost; the spread is still told, from every op's runs summed.
+        self.timer = SweepTimer(self.ops, device, repeats=repeats, warmup=warmup, before_each=self.cold.evict,
+                                retries=0)
 
     def measure(self, wanted: list[fx.Node], tick: Callable[[int], None]) -> OpTimes:
         """Forward, backward and input-gradient seconds of the ``wanted`` ops (nodes of the
