@@ -1,0 +1,61 @@
+"""What a new user hit with `smp` (issue 40, round two): each test fails without its fix."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from smp.cli import app
+
+runner = CliRunner()
+
+
+def ok(*args: object):
+    result = runner.invoke(app, [str(a) for a in args])
+    assert result.exit_code == 0, f"smp {' '.join(map(str, args))} failed:\n{result.output}\n{result.exception!r}"
+    return result
+
+
+# ------------------------------------------------------------------ a model file importing its siblings
+
+_LAYERS = '''
+from torch import nn
+
+
+def block(width):
+    return nn.Sequential(nn.Linear(width, width), nn.ReLU())
+'''
+
+_NET = '''
+import torch
+from torch import nn
+
+from layers import block
+
+
+def make():
+    return nn.Sequential(block(8), block(8), nn.Linear(8, 2)), (torch.randn(4, 8),)
+'''
+
+
+@pytest.fixture
+def sibling_model(tmp_path, monkeypatch) -> str:
+    """net.py imports layers.py from its own folder; run from another folder, as a user would."""
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / "layers.py").write_text(_LAYERS)
+    (folder / "net.py").write_text(_NET)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the loader adds the folder: keep it to this test
+    monkeypatch.delitem(sys.modules, "layers", raising=False)
+    return "models/net.py:make"
+
+
+def test_a_model_file_imports_modules_beside_it(sibling_model):
+    # Was: ModuleNotFoundError: No module named 'layers' (even run from the file's own folder).
+    data = json.loads(ok("plan", sibling_model, "--stages", 2, "-m", 2, "--timing", "analytic", "--json").stdout)
+    assert data["microbatches"] == 2
