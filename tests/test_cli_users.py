@@ -59,3 +59,19 @@ def test_a_model_file_imports_modules_beside_it(sibling_model):
     # Was: ModuleNotFoundError: No module named 'layers' (even run from the file's own folder).
     data = json.loads(ok("plan", sibling_model, "--stages", 2, "-m", 2, "--timing", "analytic", "--json").stdout)
     assert data["microbatches"] == 2
+
+
+# ------------------------------------------------------------------ the stage table's op counts
+
+
+def test_the_stage_ops_sum_to_the_headline_op_count():
+    # Was one more: the graph's output node counted as an op of the last stage, but not in "N ops" above it.
+    data = json.loads(ok("plan", "mlp", "--stages", 2, "-m", 2, "--timing", "analytic", "--json").stdout)
+    assert sum(stage["ops"] for stage in data["stages"]) == data["ops"]
+    out = ok("plan", "mlp", "--stages", 2, "-m", 2, "--timing", "analytic").stdout
+    headline_ops = int(out.split(": ", 1)[1].split(" ops", 1)[0])
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("stage  rank"))
+    end = lines[header].index(" ops ") + len(" ops")  # the column is right-aligned under its header
+    table_ops = [int(line[:end].split()[-1]) for line in lines[header + 2:header + 4]]
+    assert headline_ops == data["ops"] and sum(table_ops) == headline_ops, out
