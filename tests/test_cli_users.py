@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import sys
 from pathlib import Path
@@ -75,3 +76,28 @@ def test_the_stage_ops_sum_to_the_headline_op_count():
     end = lines[header].index(" ops ") + len(" ops")  # the column is right-aligned under its header
     table_ops = [int(line[:end].split()[-1]) for line in lines[header + 2:header + 4]]
     assert headline_ops == data["ops"] and sum(table_ops) == headline_ops, out
+
+
+# ------------------------------------------------------------------ bad usage: one error line, exit 2
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["plan", "mlp", "--stage", "2"], "no such option --stage (did you mean --stages?); see `smp plan --help`"),
+    (["plan"], "missing argument 'MODEL|GRAPH.json'; see `smp plan --help`"),
+    (["plan", "mlp", "--stages", "two"], "invalid value for '--stages' / '-p': * integer*; see `smp plan --help`"),
+    (["plann", "mlp"], "no such command 'plann' (did you mean 'plan'?); see `smp --help`"),
+])
+def test_bad_usage_is_one_error_line_and_exit_2(argv, says, capsys):
+    # Was typer's boxed usage panel (several lines) where docs/cli.md promises one `error:` line.
+    from smp.cli import main
+
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and fnmatch.fnmatchcase(err, f"error: {says}\n"), err  # the value's wording is typer's
+
+
+def test_help_and_no_arguments_still_show_the_help(capsys):
+    from smp.cli import main
+
+    assert main(["plan", "--help"]) == 0 and "Usage: smp plan" in capsys.readouterr().out
+    assert main([]) == 2 and "Usage: smp" in capsys.readouterr().out
