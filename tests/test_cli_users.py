@@ -101,3 +101,41 @@ def test_help_and_no_arguments_still_show_the_help(capsys):
 
     assert main(["plan", "--help"]) == 0 and "Usage: smp plan" in capsys.readouterr().out
     assert main([]) == 2 and "Usage: smp" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ smp train: what the rank reports
+
+_KWARGS_MODEL = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.inp(x)))
+
+
+def make():
+    torch.manual_seed(0)
+    return {"model": Net(), "args": (), "kwargs": {"x": torch.randn(4, 6)}}
+'''
+
+
+def test_a_train_rank_reads_the_batch_of_keyword_inputs(tmp_path, capsys):
+    # Was batch size 1 (and samples/s per step, not per sample): only positional tensors were looked at.
+    from smp.cli.train_worker import EVENT_PREFIX, main
+
+    path = tmp_path / "kw.py"
+    path.write_text(_KWARGS_MODEL)
+    job = {"spec": f"{path}:make", "microbatches": 2, "schedule": "1f1b", "steps": 1, "batch_size": None,
+           "seq_len": None, "lr": 1e-3, "device": "cpu", "timeout": 60.0, "plan": None}
+    assert main([json.dumps(job)]) == 0  # one rank, no torchrun: the whole model on this process
+    events = [json.loads(line[len(EVENT_PREFIX):]) for line in capsys.readouterr().out.splitlines()
+              if line.startswith(EVENT_PREFIX)]
+    step, summary = events[0], events[-1]
+    assert summary["batch_size"] == 8  # 2 microbatches of the factory's 4 rows
+    assert step["samples_per_s"] == pytest.approx(8 / step["seconds"])
