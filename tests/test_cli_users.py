@@ -139,3 +139,82 @@ def test_a_train_rank_reads_the_batch_of_keyword_inputs(tmp_path, capsys):
     step, summary = events[0], events[-1]
     assert summary["batch_size"] == 8  # 2 microbatches of the factory's 4 rows
     assert step["samples_per_s"] == pytest.approx(8 / step["seconds"])
+
+
+_DIES_ON_RANK_1 = '''
+import os
+import signal
+
+import torch
+from torch import nn
+
+calls = 0
+
+
+def _loss(output, target):
+    global calls
+    calls += 1
+    if os.environ.get("RANK") == "1" and calls > 2:  # step 2's first microbatch: as the OOM killer would
+        os.kill(os.getpid(), signal.SIGKILL)
+    return output.float().mean()
+
+
+def make():
+    torch.manual_seed(0)
+    return {"model": nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)), "args": (torch.randn(4, 6),),
+            "loss_fn": _loss}
+'''
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_reported_with_its_signal_after_the_steps_it_made(tmp_path):
+    # Was: "rank 0: internal error (... Connection closed by peer); this is a bug in smp", and step 1's line,
+    # kept until the run ended, was never printed.
+    path = tmp_path / "dies.py"
+    path.write_text(_DIES_ON_RANK_1)
+    res = runner.invoke(app, ["train", f"{path}:make", "--stages", "2", "-m", "2", "--steps", "3", "--timeout", "300"])
+    assert res.exit_code == 1, res.output
+    assert res.stderr.splitlines()[-1].startswith("error: rank 1 was killed by signal 9 (SIGKILL)"), res.stderr
+    assert "bug in smp" not in res.stderr and "Traceback" not in res.output
+    assert res.stdout.startswith("step    1  loss "), res.stdout
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_ranks_and_ends_with_one_line(tmp_path):
+    # Was: "error: interrupted", then the ranks went on training (and a traceback could follow).
+    import os
+    import signal
+    import subprocess
+    import time
+
+    path = tmp_path / "long_run.py"
+    path.write_text(_KWARGS_MODEL)
+    proc = subprocess.Popen([sys.executable, "-m", "smp.cli", "train", f"{path}:make", "--stages", "2", "-m", "2",
+                             "--steps", "100000", "--timeout", "300"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+    def ranks_left() -> list[int]:
+        pids = []
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and str(path) in (entry / "cmdline").read_text():
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+        return [pid for pid in pids if pid != proc.pid]
+
+    try:
+        assert proc.stdout.readline().startswith("step    1  loss "), proc.stderr.read()  # the ranks are training
+        proc.send_signal(signal.SIGINT)  # Ctrl-C reaches smp (and torchrun; the ranks have their own sessions)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130 and err.splitlines()[-1] == "error: interrupted" and "Traceback" not in err, err
+        deadline = time.monotonic() + 20
+        while ranks_left() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not ranks_left()
+    finally:
+        for pid in [proc.pid, *ranks_left()]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
