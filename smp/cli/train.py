@@ -275,8 +275,8 @@ def _signal_name(number: int) -> str:
 
 def _failure(code: int, errors: list[dict[str, Any]], killed: list[tuple[int, int]]) -> str:
     """One line on why a run failed: a rank a signal ended (the others' errors follow from it), else the first
-    rank to report an error, in its own words."""
-    if killed:
+    rank to report an error, in its own words, else a rank torchrun stopped."""
+    if killed and (killed[0][1] != 15 or not errors):  # torchrun's SIGTERM to the rest follows a rank's own error
         rank, number = killed[0]
         others = sorted(({r for r, _ in killed} | {e["rank"] for e in errors}) - {rank})
         also = f" (rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} failed too)" if others else ""
