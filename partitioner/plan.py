@@ -15,7 +15,7 @@ from partitioner.buckets import BUCKET_BYTES, gradient_buckets
 from partitioner.cluster import Cluster, Link
 from partitioner.cost import Partition, evaluate
 from partitioner.errors import InvalidAssignmentError, PlanError
-from partitioner.graph import OpGraph
+from partitioner.graph import OUTPUT_OP, OpGraph
 from partitioner.ir import Schedule, ScheduleError, ScheduleKind, stage_graph_from_transfers
 from partitioner.profile_measured import unstable_timing_warning
 from partitioner.recompute import CHOICES
@@ -435,7 +435,8 @@ class Plan:
                 "stage": s.index,
                 "rank": self.schedule.stage_to_rank[s.index],
                 "modules": s.modules,
-                "ops": len(s.ops),
+                # the graph's output node is no op: the stages' counts add up to len(self.graph), the headline's
+                "ops": sum(1 for v in s.ops if self.graph[v]["op"] != OUTPUT_OP),
                 "params": s.params,
                 "activations": s.activations,
                 "workspace": s.workspace,

@@ -4,7 +4,7 @@ Commands: models, profile, plan, inspect, simulate, compare, calibrate, train
 (docs/cli.md has each one with real output). Output for people goes to stdout through
 rich; progress bars and errors go to stderr; ``--json`` prints one JSON document on
 stdout and nothing else. User errors print one ``error: ...`` line and exit 1 (2 for
-bad usage: unknown model, bad option value); ``smp --debug CMD`` shows the traceback.
+bad usage: unknown model or option, bad option value); ``smp --debug CMD`` shows the traceback.
 Each command module registers its commands on ``app`` when imported: the imports below,
 in the order ``smp --help`` lists the commands.
 """

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import json
 
-__all__ = ["CLIUsageError", "user_error", "exit_code"]
+try:  # typer 0.24 and later carry their own copy of click, whose exceptions the commands raise
+    from typer._click import exceptions as click_exceptions
+except ImportError:  # older typer: click itself
+    from click import exceptions as click_exceptions
+
+__all__ = ["CLIUsageError", "user_error", "exit_code", "usage_message", "click_exceptions"]
 
 
 class CLIUsageError(ValueError):
@@ -34,3 +39,16 @@ def user_error(err: BaseException) -> str | None:
     if isinstance(err, (ValueError, json.JSONDecodeError)):
         return str(err)
     return None
+
+
+def usage_message(err: click_exceptions.UsageError) -> str:
+    """Bad command-line usage (an unknown option or command, a missing or malformed value) as one line: what is
+    wrong, the nearest name when there is one, and the help to read."""
+    if isinstance(err, click_exceptions.NoSuchOption):
+        nearest = f" (did you mean {err.possibilities[0]}?)" if err.possibilities else ""
+        text = f"no such option {err.option_name}{nearest}"
+    else:  # click's own sentence ("Missing argument 'MODEL'."; typer adds ". Did you mean 'plan'?")
+        text, _, nearest = " ".join(err.format_message().split()).partition(". Did you mean ")
+        text = text[:1].lower() + text[1:].rstrip(".") + (f" (did you mean {nearest})" if nearest else "")
+    where = f"smp {err.ctx.command_path.split(' ', 1)[1]}" if err.ctx and " " in err.ctx.command_path else "smp"
+    return f"{text}; see `{where} --help`"

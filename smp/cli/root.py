@@ -3,19 +3,46 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any
 
 import typer
+from typer.core import TyperGroup
 
-from smp.cli.errors import exit_code, user_error
+from smp.cli.errors import click_exceptions, exit_code, usage_message, user_error
 from smp.cli.output import echo_err, silence_stdout
 
 __all__ = ["app", "STATE", "command"]
 
 
+class _Group(TyperGroup):
+    """typer's group, with bad usage reported as one ``error:`` line (exit 2) instead of typer's usage panel."""
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            result = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click_exceptions.NoArgsIsHelpError:  # `smp` alone: the help is printed already
+            sys.exit(2)
+        except click_exceptions.UsageError as err:
+            echo_err(f"error: {usage_message(err)}")
+            sys.exit(2)
+        except click_exceptions.ClickException as err:
+            echo_err(f"error: {' '.join(err.format_message().split())}")
+            sys.exit(err.exit_code)
+        except typer.Abort:  # end of input at a prompt
+            echo_err("error: aborted")
+            sys.exit(1)
+        # a command's typer.Exit(code) comes back as its code; a command that returns has succeeded
+        sys.exit(result if isinstance(result, int) and not isinstance(result, bool) else 0)
+
+
 app = typer.Typer(
     name="smp",
+    cls=_Group,
     help="smp: an automatic model-partitioning compiler for PyTorch pipeline parallelism.\n\n"
          "Profile a model, plan its pipeline stages, inspect and re-time plans, compare solvers, "
          "measure this machine, and train with the runtime.",
@@ -47,9 +74,7 @@ def command(fn: Callable[..., Any]) -> Callable[..., Any]:
             echo_err("error: interrupted")
             raise typer.Exit(130) from None
         except Exception as err:  # noqa: BLE001 - the CLI's last line of defence
-            import click
-
-            if isinstance(err, click.ClickException) or STATE["debug"]:
+            if isinstance(err, click_exceptions.ClickException) or STATE["debug"]:
                 raise
             message = user_error(err)
             if message is None:

@@ -4,18 +4,18 @@ The parent process checks the request (model spec, saved plan vs model), then ru
 ``python -m torch.distributed.run --standalone --nproc_per_node P -m smp.cli.train_worker``.
 Every worker builds the same model (same seed), wraps it with ``smp.partition`` and
 trains on the spec's synthetic batch; the rank that sees the loss prints one JSON line
-per step (``{"event": "step", ...}``) which the parent turns into a progress bar and,
-at the end, the measured vs predicted step time.
+per step (``{"event": "step", ...}``) which the parent prints as it arrives (with a progress
+bar on a terminal) and, at the end, the measured vs predicted step time.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -104,11 +104,11 @@ def run_train(spec: str, *, stages: int, microbatches: int, schedule: str, steps
             err_console.print(f"[dim]{note}[/]")
         err_console.print(f"[dim]launching: torchrun --standalone --nproc_per_node={stages} -m smp.cli.train_worker "
                           f"({device}, {'NCCL' if device == 'cuda' else 'gloo'})[/]")
-    run = _follow(job, timeout=timeout, err_console=err_console, show=not json_out)
+    run = _follow(job, timeout=timeout, console=console, err_console=err_console, show=not json_out)
     if run.code != 0 or not run.summary:
         if debug:
             sys.stderr.write("".join(run.err_lines))
-        raise TrainError(_failure(run.code, run.errors))
+        raise TrainError(_failure(run.code, run.errors, _killed_ranks(run.err_lines)))
     if json_out:
         sys.stdout.write(json.dumps({"kind": "smp.train", "schema": 1, "job": job, "steps": run.steps,
                                      "summary": run.summary}, indent=2) + "\n")
@@ -151,8 +151,9 @@ class _Run:
     err_lines: list[str] = field(default_factory=list)
 
 
-def _follow(job: dict[str, Any], *, timeout: float, err_console: Any, show: bool) -> _Run:
-    """Run torchrun with the job and follow its event lines (a progress bar on a terminal) until it ends."""
+def _follow(job: dict[str, Any], *, timeout: float, console: Any, err_console: Any, show: bool) -> _Run:
+    """Run torchrun with the job and follow its event lines until it ends: each step's line printed as it arrives
+    (a progress bar too on a terminal), the ranks stopped on Ctrl-C or after ``timeout`` seconds."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     stages = job["stages"]
@@ -161,7 +162,6 @@ def _follow(job: dict[str, Any], *, timeout: float, err_console: Any, show: bool
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // stages)))
     env["PYTHONUNBUFFERED"] = "1"
-    t_start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             cwd=os.getcwd())
     run = _Run(code=-1)
@@ -173,42 +173,79 @@ def _follow(job: dict[str, Any], *, timeout: float, err_console: Any, show: bool
 
     reader = threading.Thread(target=pump_stderr, daemon=True)
     reader.start()
-    stopped = f"the training run passed --timeout {timeout:g} s and was stopped"
-    with Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                  TimeElapsedColumn(), console=err_console, transient=True,
-                  disable=not show or not err_console.is_terminal) as bar:
-        task = bar.add_task("train", total=job["steps"], info="")
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if time.perf_counter() - t_start > timeout:
-                proc.kill()
-                raise TimeoutError_(stopped)
-            if not line.startswith(EVENT_PREFIX):
-                continue
-            event = json.loads(line[len(EVENT_PREFIX):])
-            if event.get("event") == "error":
-                run.errors.append(event)
-            elif event.get("event") == "step":
-                run.steps.append(event)
-                bar.update(task, completed=event["step"],
-                           info=f"loss {event['loss']:.4f} · {event['samples_per_s']:.1f} samples/s")
-            elif event.get("event") == "summary":
-                run.summary = event
-        try:
-            run.code = proc.wait(timeout=max(1.0, timeout - (time.perf_counter() - t_start)))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise TimeoutError_(stopped) from None
+    timed_out = threading.Event()
+
+    def stop_for_timeout() -> None:  # a stuck run prints nothing: a timer, not the line loop, must stop it
+        timed_out.set()
+        _stop_ranks(proc)
+
+    watchdog = threading.Timer(timeout, stop_for_timeout)
+    watchdog.daemon = True
+    watchdog.start()
+    bar_shown = show and err_console.is_terminal
+    # On one terminal the step lines go above the bar (through its console); else to stdout as they come.
+    lines_to = err_console if bar_shown and console.is_terminal else console
+    try:
+        with Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=err_console, transient=True,
+                      disable=not bar_shown) as bar:
+            task = bar.add_task("train", total=job["steps"], info="")
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if not line.startswith(EVENT_PREFIX):
+                    continue
+                event = json.loads(line[len(EVENT_PREFIX):])
+                if event.get("event") == "error":
+                    run.errors.append(event)
+                elif event.get("event") == "step":
+                    run.steps.append(event)
+                    bar.update(task, completed=event["step"],
+                               info=f"loss {event['loss']:.4f} · {event['samples_per_s']:.1f} samples/s")
+                    if show:
+                        lines_to.print(_step_line(event))
+                elif event.get("event") == "summary":
+                    run.summary = event
+            run.code = proc.wait()
+    except BaseException:  # Ctrl-C, a closed stdout: no rank outlives the command
+        _stop_ranks(proc)
+        raise
+    finally:
+        watchdog.cancel()
     reader.join(timeout=5)
+    if timed_out.is_set():
+        raise TimeoutError_(f"the training run passed --timeout {timeout:g} s and was stopped")
     return run
+
+
+def _stop_ranks(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """Stop torchrun and its ranks: SIGTERM (torchrun passes it on to the ranks), SIGKILL after ``grace`` seconds."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if threading.current_thread() is threading.main_thread() \
+        else None  # a second Ctrl-C must not cut the clean-up short (and print a traceback)
+    try:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _step_line(event: dict[str, Any]) -> str:
+    from smp.units import format_time
+
+    return (f"step {event['step']:>4}  loss {event['loss']:.4f}  {format_time(event['seconds'])}  "
+            f"{event['samples_per_s']:.1f} samples/s")
 
 
 def _print_run(run: _Run, console: Any) -> None:
     from smp.units import format_time
 
-    for e in run.steps:
-        console.print(f"step {e['step']:>4}  loss {e['loss']:.4f}  {format_time(e['seconds'])}  "
-                      f"{e['samples_per_s']:.1f} samples/s")
     measured = run.summary.get("measured_step_time")
     predicted = run.summary.get("predicted_step_time")
     line = f"measured step time {format_time(measured)} (median after the first step)"
@@ -217,8 +254,37 @@ def _print_run(run: _Run, console: Any) -> None:
     console.print(line)
 
 
-def _failure(code: int, errors: list[dict[str, Any]]) -> str:
-    """One line on why a run failed: the first rank to report an error, in its own words."""
+_FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def _killed_ranks(err_lines: list[str]) -> list[tuple[int, int]]:
+    """(rank, signal) for each rank that torchrun's failure report says a signal ended (its exitcode -signal)."""
+    found = {int(rank): -int(code) for rank, code in _FAILURE.findall("".join(err_lines)) if int(code) < 0}
+    # SIGTERM last: it is what torchrun sends the ranks left once one has died
+    return sorted(found.items(), key=lambda item: (item[1] == 15, item[0]))
+
+
+def _signal_name(number: int) -> str:
+    import signal
+
+    try:
+        return f"signal {number} ({signal.Signals(number).name})"
+    except ValueError:
+        return f"signal {number}"
+
+
+def _failure(code: int, errors: list[dict[str, Any]], killed: list[tuple[int, int]]) -> str:
+    """One line on why a run failed: a rank a signal ended (the others' errors follow from it), else the first
+    rank to report an error, in its own words, else a rank torchrun stopped."""
+    if killed and (killed[0][1] != 15 or not errors):  # torchrun's SIGTERM to the rest follows a rank's own error
+        rank, number = killed[0]
+        others = sorted(({r for r, _ in killed} | {e["rank"] for e in errors}) - {rank})
+        also = f" (rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} failed too)" if others else ""
+        hint = ("; the kernel's out-of-memory killer does this when memory runs out: a smaller --batch-size or more "
+                "--stages needs less per rank" if number == 9 else "")
+        return f"rank {rank} was killed by {_signal_name(number)}{also}{hint}"
+    if code < 0:
+        return f"torchrun was killed by {_signal_name(-code)} before any rank could report why"
     if not errors:
         return (f"the training run failed (torchrun exit code {code}) before any rank could report why; "
                 "rerun with `smp --debug train ...` to see the ranks' output")

@@ -45,6 +45,7 @@ def _train(job: dict) -> int:
     from torch.utils._pytree import tree_map
 
     import smp
+    from partitioner.microbatch import batch_size as sample_batch_size
     from smp.models import build_step
 
     bundle = build_step(job["spec"], microbatches=job["microbatches"], batch_size=job["batch_size"],
@@ -66,7 +67,7 @@ def _train(job: dict) -> int:
     # parameters that end up on other ranks get no gradient and are skipped.
     opt = torch.optim.Adam(pipe.parameters(), lr=job["lr"])
     reporting = int(os.environ.get("RANK", "0")) == 0
-    batch = next((int(a.shape[0]) for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), 1)
+    batch = sample_batch_size(args, kwargs_in) or 1  # dim 0 of the first tensor input, positional or keyword
     times = []
     for step in range(1, job["steps"] + 1):
         t0 = time.perf_counter()

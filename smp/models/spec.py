@@ -412,6 +412,11 @@ def _load_module(path: Path, spec: str) -> Any:
     if mod_spec is None or mod_spec.loader is None:
         raise SpecError(f"cannot import {str(path)!r} from spec {spec!r}: not a Python file")
     module = importlib.util.module_from_spec(mod_spec)
+    # As Python runs a script: its folder first on the import path, so `from layers import block` finds the
+    # layers.py beside it (at import and in functions that import later, so the folder stays).
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     # Registered so pickling (multiprocess runtime) and dataclasses inside the file work.
     sys.modules[module_name] = module
     try:
