@@ -218,3 +218,19 @@ def test_ctrl_c_stops_the_ranks_and_ends_with_one_line(tmp_path):
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
+
+
+def test_a_plan_says_how_steady_its_measured_profile_was():
+    import torch
+    from torch import nn
+
+    import smp
+    from smp.cli.render import plan_header, warnings_for
+
+    made = smp.plan(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), torch.randn(8, 4), stages=2,
+                    microbatches=2, timing="measured", repeats=2)
+    made.graph.meta["timing_spread"], made.graph.meta["threads"] = 0.12, 1
+    assert "(1 thread, sweeps spread 12%)" in plan_header(made)
+    assert all(w["kind"] != "unstable_timing" for w in warnings_for(made))
+    made.graph.meta["timing_spread"] = 9.0
+    assert [w for w in warnings_for(made) if w["kind"] == "unstable_timing"]

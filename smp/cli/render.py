@@ -82,6 +82,8 @@ def warnings_for(plan: Plan) -> list[dict[str, Any]]:
     no_gain = _no_gain(plan)
     if no_gain is not None:
         out.append({"kind": "no_gain", "stage": None, "message": no_gain})
+    if plan.timing_warning is not None:
+        out.append({"kind": "unstable_timing", "stage": None, "message": plan.timing_warning})
     rows = plan.stage_rows()
     for row in rows:
         if part.bottleneck > 0 and row["share"] < IMBALANCE_SHARE and no_gain is None:
@@ -381,6 +383,10 @@ def plan_header(plan) -> str:
         how += f" on {plan.graph.meta.get('device_profile')}"
     elif m.profiled_on:
         how += f" on {m.profiled_on}"
+    if how.startswith("measured") and plan.timing_spread is not None:  # how steady the profile was
+        threads = plan.graph.meta.get("threads")
+        how += f" ({f'{threads} thread' + ('s' if threads != 1 else '') + ', ' if threads else ''}" \
+               f"sweeps spread {plan.timing_spread:.0%})"
     batch = m.batch_size
     mb = (f"batch {batch} in {plan.microbatches} microbatches of {batch // plan.microbatches}" if batch
           else f"{plan.microbatches} microbatches")
