@@ -275,7 +275,7 @@ def test_partitions_that_do_not_fit_name_the_partition(monkeypatch: pytest.Monke
 
     from smp.partition import PipelinedModel
 
-    monkeypatch.setattr(PipelinedModel, "prepare", out_of_memory)
+    monkeypatch.setattr(PipelinedModel, "prepare_microbatches", out_of_memory)
     with pytest.raises(smp.V1Error, match=r"rank 0 ran out of memory on cpu placing its partition. The plan "
                                           r"expected .* partition 0 \(convs.*\): about"):
         train_step(model, x, y)
