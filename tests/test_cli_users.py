@@ -234,3 +234,16 @@ def test_a_plan_says_how_steady_its_measured_profile_was():
     assert all(w["kind"] != "unstable_timing" for w in warnings_for(made))
     made.graph.meta["timing_spread"] = 9.0
     assert [w for w in warnings_for(made) if w["kind"] == "unstable_timing"]
+
+
+def test_a_python_warning_under_a_command_is_one_warning_line_without_a_source_path(monkeypatch):
+    # CI (a busy machine) printed "/.../smp/cli/profile.py:93: RuntimeWarning: profiling ...: unstable
+    # timings ..." from `smp profile`: a raw Python warning with smp's source path in a user's output.
+    import importlib
+
+    profile_module = importlib.import_module("partitioner.profile")  # the package exports a function of that name
+    monkeypatch.setattr(profile_module, "unstable_timing_warning", lambda spread: "unstable timings: forced")
+    result = ok("profile", "gpt:layers=1,d_model=16,heads=2,vocab=32,seq_len=8", "--batch-size", "2", "--repeats", "1")
+    warned = [line for line in result.stderr.splitlines() if "unstable timings" in line]
+    assert warned == ["warning: profiling GPT: unstable timings: forced"], result.stderr
+    assert ".py:" not in result.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any
 
@@ -62,7 +63,10 @@ def command(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args, **kwargs)
+            with warnings.catch_warnings():
+                if not STATE["debug"]:
+                    warnings.showwarning = _show_warning
+                return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort):
             raise
         except BrokenPipeError:  # `smp ... | head -1`: the reader has all it wanted
@@ -85,6 +89,12 @@ def command(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise typer.Exit(exit_code(err)) from None
 
     return wrapper
+
+
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: Any = None, line: str | None = None) -> None:
+    """A Python warning raised under a command, as one ``warning:`` line on stderr (no source path; --debug keeps it)."""
+    echo_err(f"warning: {' '.join(str(message).split())}")
 
 
 def _print_version(value: bool) -> None:
