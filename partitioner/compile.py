@@ -234,7 +234,8 @@ def plan_from_graph(
         bound = pipeline_step_bound(part, kind, microbatches)
         if bound is not None and bound >= prune_above:
             raise ShapePruned(bound)
-    sched = schedule_for(kind, part, microbatches, stages, data_parallel, check=check_schedule)
+    sched = schedule_for(kind, part, microbatches, stages, data_parallel, check=check_schedule,
+                         sharding=request.sharding_for(data_parallel))
     if model_info is None:
         model_info = _model_info_from_graph(graph, microbatches, training, request.profiling.name)
     return Plan(model=model_info, graph=graph, partition=part, schedule=sched,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from partitioner.errors import PlanError
+from partitioner.sharding import check_sharding
 
 __all__ = [
     "ActionKind",
@@ -397,8 +398,10 @@ class Schedule:
     meta: dict[str, Any] = field(default_factory=dict)
     forward_only: bool = False
     data_parallel: int = 1
+    sharding: str = "none"  # how the replicas hold each stage's state (partitioner.sharding)
 
     def __post_init__(self) -> None:
+        check_sharding(self.sharding, self.data_parallel)
         self.stage_to_rank = tuple(int(r) for r in self.stage_to_rank)
         self.actions = tuple(tuple(a) for a in self.actions)
         if len(self.stage_to_rank) != self.graph.num_stages:
@@ -446,7 +449,8 @@ class Schedule:
         keep = (ActionKind.F, ActionKind.SEND_F, ActionKind.RECV_F)
         return Schedule(self.name, self.graph, self.num_microbatches, self.stage_to_rank,
                         tuple(tuple(a for a in prog if a.kind in keep) for prog in self.actions),
-                        False, dict(self.meta), forward_only=True, data_parallel=self.data_parallel)
+                        False, dict(self.meta), forward_only=True, data_parallel=self.data_parallel,
+                        sharding=self.sharding)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -460,6 +464,7 @@ class Schedule:
             "meta": dict(self.meta),
             "forward_only": self.forward_only,
             "data_parallel": self.data_parallel,
+            "sharding": self.sharding,
         }
 
     @staticmethod
@@ -484,4 +489,5 @@ class Schedule:
             meta=dict(d.get("meta", {})),
             forward_only=bool(d.get("forward_only", False)),
             data_parallel=int(d.get("data_parallel", 1)),
+            sharding=str(d.get("sharding", "none")),
         )

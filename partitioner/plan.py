@@ -123,6 +123,11 @@ class Plan:
         return self.schedule.data_parallel
 
     @property
+    def sharding(self) -> str:
+        """How a stage's replicas hold its parameters, gradients and optimizer state (:mod:`partitioner.sharding`)."""
+        return self.schedule.sharding
+
+    @property
     def num_ranks(self) -> int:
         """Every rank the plan runs on: D x P."""
         return self.pipeline_ranks * self.data_parallel
@@ -341,7 +346,7 @@ class Plan:
                          method=old.method, solve_seconds=old.solve_seconds,
                          notes=[f"re-timed from {self.schedule_name}, m={self.microbatches}"
                                 + (", on another cluster" if cluster is not None else "")])
-        sched = schedule_for(kind, part, m, ranks, self.data_parallel)
+        sched = schedule_for(kind, part, m, ranks, self.data_parallel, sharding=self.sharding)
         return replace(self, graph=graph, partition=part, schedule=sched, dp_link=dp_link,
                        simulated=simulate_partition(sched, part, dp_link, graph))
 
@@ -502,11 +507,12 @@ def replica_layout(cluster: Cluster | None, stages: int, replicas: int,
 
 
 def schedule_for(kind: ScheduleKind | str, part: Partition, microbatches: int, ranks: int,
-                 data_parallel: int = 1, check: bool = True) -> Schedule:
+                 data_parallel: int = 1, check: bool = True, sharding: str = "none") -> Schedule:
     """The per-rank programs of ``kind`` over the partition's cut tensors (for ``data_parallel`` replicas),
-    under the cap on microbatches in flight the partition's memory was counted for (``check``: validated)."""
+    under the cap on microbatches in flight the partition's memory was counted for (``check``: validated),
+    the replicas holding each stage's state under ``sharding``."""
     graph = stage_graph_from_transfers(part.num_stages, part.transfers)
-    return make_schedule(kind, graph, microbatches, num_ranks=ranks, data_parallel=data_parallel,
+    return make_schedule(kind, graph, microbatches, num_ranks=ranks, data_parallel=data_parallel, sharding=sharding,
                          active_microbatches=part.active_microbatches, check=check)
 
 

@@ -14,6 +14,7 @@ from partitioner.ir import ScheduleKind
 from partitioner.plan import PLACEMENTS
 from partitioner.recompute import check_mode
 from partitioner.schedule import check_active_microbatches
+from partitioner.sharding import SHARDING_MODES, check_sharding
 
 __all__ = ["PlanRequest", "Profiling", "default_microbatches", "TIMINGS"]
 
@@ -104,7 +105,8 @@ class PlanRequest:
     ``global_batch`` samples a step), ``microbatches="auto"`` or a tuple of counts, ``schedule``
     "auto" or a tuple of kinds. The solver: ``cluster`` (a Cluster, a profile name or a file),
     ``memory_limit`` (bytes per device), ``method``, ``time_limit`` (seconds), ``objective``,
-    ``colocate_tied``; ``training`` (None: the graph's, else a training step). ``profiling``:
+    ``colocate_tied``; ``training`` (None: the graph's, else a training step); ``sharding`` (how a
+    stage's replicas hold its state: :mod:`partitioner.sharding`'s modes, or "auto"). ``profiling``:
     how the model is costed (:class:`Profiling`).
     """
 
@@ -125,6 +127,7 @@ class PlanRequest:
     objective: str = "step_time"
     colocate_tied: bool = False
     training: bool | None = None
+    sharding: str = "auto"
     profiling: Profiling = field(default_factory=Profiling)
 
     def __post_init__(self) -> None:
@@ -146,6 +149,8 @@ class PlanRequest:
             object.__setattr__(self, "recompute", str(check_mode(self.recompute)))
         except PlanningError as err:
             raise PlanError(str(err)) from None
+        if self.sharding != "auto" and self.sharding not in SHARDING_MODES:
+            raise PlanError(f"unknown sharding {self.sharding!r}; use auto or one of {', '.join(SHARDING_MODES)}")
         if self.method not in METHODS:
             raise PlanError(f"unknown method {self.method!r}; use one of {', '.join(METHODS)}")
         if self.objective not in OBJECTIVES:
@@ -238,6 +243,16 @@ class PlanRequest:
     def stages_per_rank(self) -> int:
         """Stages each pipeline rank holds: ``virtual_stages`` when interleaved, else 1."""
         return self.virtual_stages if self.kind.interleaved else 1
+
+    def sharding_for(self, data_parallel: int) -> str:
+        """The sharding mode of one plan with ``data_parallel`` replicas ("auto": none, until the planner weighs
+        the modes)."""
+        if self.sharding == "auto":
+            return "none"
+        try:
+            return check_sharding(self.sharding, data_parallel)
+        except ValueError as err:
+            raise PlanError(str(err)) from None
 
     def microbatches_for(self, batch: int | None) -> int:
         """The microbatch count of one plan for a step of ``batch`` samples (the default rule when unset)."""

@@ -369,12 +369,12 @@ CAPPABLE = (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B)
 
 
 def make_schedule(kind: ScheduleKind | str, graph: StageGraph | int, num_microbatches: int, *,
-                  num_ranks: int | None = None, data_parallel: int = 1,
+                  num_ranks: int | None = None, data_parallel: int = 1, sharding: str = "none",
                   active_microbatches: int | None = None, check: bool = True) -> Schedule:
     """Build a schedule by kind (any spelling :meth:`ScheduleKind.parse` takes); ``num_ranks`` for interleaved.
 
     With ``data_parallel`` > 1 replicas, each stage's gradient all-reduce is placed in its
-    rank's program (:func:`with_allreduce`). ``active_microbatches`` caps the microbatches
+    rank's program (:func:`with_allreduce`), under ``sharding`` (:mod:`partitioner.sharding`). ``active_microbatches`` caps the microbatches
     in flight (gpipe and 1f1b; :data:`CAPPABLE`). ``check=False`` skips the validator, for a
     caller that only simulates (the simulator walks the programs and stops at a deadlock
     itself) and builds thousands in a search; a plan's own schedule is always checked.
@@ -385,7 +385,7 @@ def make_schedule(kind: ScheduleKind | str, graph: StageGraph | int, num_microba
     ranks = (num_ranks if num_ranks is not None else g.num_stages) if kind is ScheduleKind.INTERLEAVED else None
     _check_m(num_microbatches)
     key = (kind, g.num_stages, tuple((e.src, e.dst) for e in g.edges), num_microbatches, ranks, data_parallel,
-           active_microbatches)
+           sharding, active_microbatches)
     with _templates_lock:
         hit = _templates.get(key)
         if hit is not None:
@@ -405,7 +405,7 @@ def make_schedule(kind: ScheduleKind | str, graph: StageGraph | int, num_microba
     else:
         sched = SCHEDULES[kind](g, num_microbatches, check=check)
     if data_parallel > 1:
-        sched = with_allreduce(sched, data_parallel)
+        sched = with_allreduce(sched, data_parallel, sharding=sharding)
     with _templates_lock:
         _templates[key] = (sched, check)
         while len(_templates) > TEMPLATES_KEPT:
@@ -441,14 +441,16 @@ def _relabelled(template: Schedule, graph: StageGraph) -> Schedule:
     with gc_paused():
         programs = tuple(tuple(renamed(a) for a in prog) for prog in template.actions)
         sched = Schedule(template.name, graph, template.num_microbatches, template.stage_to_rank, programs,
-                         template.split_backward, dict(template.meta), data_parallel=template.data_parallel)
+                         template.split_backward, dict(template.meta), data_parallel=template.data_parallel,
+                         sharding=template.sharding)
         sched._walk = Walk(sched, [a for prog in programs for a in prog], template_walk.rank, template_walk.after,
                            template_walk.needs, template_walk.mate, template_walk.sequence)
     return sched
 
 
-def with_allreduce(schedule: Schedule, data_parallel: int, *, overlap: bool = True) -> Schedule:
-    """``schedule`` for ``data_parallel`` replicas (1: none): each stage's gradient all-reduce as early as it can.
+def with_allreduce(schedule: Schedule, data_parallel: int, *, overlap: bool = True, sharding: str = "none") -> Schedule:
+    """``schedule`` for ``data_parallel`` replicas (1: none) under ``sharding``: each stage's gradient
+    synchronisation (all-reduce, or reduce-scatter when sharded) as early as it can.
 
     A stage's gradients are final when its last microbatch's weight gradients are (its
     last B, or W when the backward is split), so its ALLREDUCE goes right after that
@@ -478,4 +480,4 @@ def with_allreduce(schedule: Schedule, data_parallel: int, *, overlap: bool = Tr
     if not overlap:
         meta["overlap_backward"] = False
     return Schedule(schedule.name, schedule.graph, schedule.num_microbatches, schedule.stage_to_rank,
-                    tuple(programs), schedule.split_backward, meta, data_parallel=data_parallel)
+                    tuple(programs), schedule.split_backward, meta, data_parallel=data_parallel, sharding=sharding)

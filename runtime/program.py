@@ -59,7 +59,7 @@ def program_for(plan: Plan, gm: torch.fx.GraphModule, model: nn.Module, data_par
         nodes = plan.graph.nx.nodes
         matmul = frozenset(n for n, op in fx_to_op.items() if is_matmul(float(nodes[op].get("flops", 0) or 0)))
         schedule = plan.schedule if plan.schedule.data_parallel == data_parallel else \
-            with_allreduce(plan.schedule, data_parallel)
+            with_allreduce(plan.schedule, data_parallel, sharding=plan.sharding)
         return Program(gm, plan.fx_stage_of, fx_to_op, schedule, state_meta_of(gm), frontend,
                        recompute=tuple(plan.recompute), matmul_nodes=matmul)
     if train is None:
@@ -70,7 +70,8 @@ def program_for(plan: Plan, gm: torch.fx.GraphModule, model: nn.Module, data_par
     stage_of = carry_stages(train.gm, plan.fx_stage_of, gm, plan.num_stages)
     graph = StageGraph(plan.num_stages, tuple(Edge(a, b, t) for a, b, t in cut_edges(gm, stage_of)))
     schedule = make_schedule(plan.schedule_name, graph, plan.microbatches, num_ranks=plan.pipeline_ranks,
-                             data_parallel=data_parallel, active_microbatches=plan.active_microbatches)
+                             data_parallel=data_parallel, sharding=plan.sharding,
+                             active_microbatches=plan.active_microbatches)
     return Program(gm, stage_of, {}, schedule, state_meta_of(gm), frontend)
 
 

@@ -157,3 +157,16 @@ def test_prepared_on_held_microbatches_the_trace_is_the_first_one():
         pipe.step_microbatches(Microbatches.cut((torch.randn(9, 4),), {}, 3))
     with pytest.raises(RuntimeConfigError, match="partitions by a plan made already"):
         smp.partition(_Two(), stages=2).prepare_microbatches(micro)
+
+
+def test_sharding_is_named_checked_and_carried_by_the_plan():
+    from partitioner.plan import Plan
+
+    with pytest.raises(PlanError, match="unknown sharding 'zero3'"):
+        PlanRequest(sharding="zero3")
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU())
+    made = smp.plan(model, torch.randn(8, 4), stages=2, data_parallel=2, sharding="full_shard", microbatches=2,
+                    timing="analytic")
+    assert made.sharding == Plan.from_dict(made.to_dict()).sharding == "full_shard"
+    with pytest.raises(PlanError, match="data_parallel=1"):
+        smp.plan(model, torch.randn(8, 4), stages=2, sharding="shard_grad_op", microbatches=2, timing="analytic")
