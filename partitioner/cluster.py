@@ -58,6 +58,20 @@ class Link:
         n = participants
         return 2 * (n - 1) / n * nbytes / self.bandwidth + 2 * (n - 1) * self.latency
 
+    def allgather_seconds(self, nbytes: float, participants: int) -> float:
+        """A ring all-gather of ``nbytes`` in all (each of the ``participants`` holds 1/n) over this link: each rank
+        sends and receives (n - 1) / n of the data in n - 1 steps, half an all-reduce. A ring reduce-scatter
+        moves the same (:meth:`reduce_scatter_seconds`); an all-reduce is one of each."""
+        if participants < 2 or nbytes <= 0:
+            return 0.0
+        n = participants
+        return (n - 1) / n * nbytes / self.bandwidth + (n - 1) * self.latency
+
+    def reduce_scatter_seconds(self, nbytes: float, participants: int) -> float:
+        """A ring reduce-scatter of ``nbytes`` (each of the ``participants`` ends with its reduced 1/n): as long as
+        :meth:`allgather_seconds`."""
+        return self.allgather_seconds(nbytes, participants)
+
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "bandwidth": _num_or_none(self.bandwidth), "latency": self.latency}
 

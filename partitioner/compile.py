@@ -10,19 +10,21 @@ from torch import nn
 
 from partitioner.cluster import Cluster
 from partitioner.cost import Partition
-from partitioner.errors import ShapePruned
+from partitioner.errors import MemoryLimitError, PlanningError, ShapePruned
 from partitioner.graph import OpGraph
 from partitioner.ir import ScheduleKind
 from partitioner.microbatch import batch_size, split_microbatches
 from partitioner.plan import (PLACEMENTS, ModelInfo, Plan, PlanError, replica_layout, schedule_for,
                               simulate_partition)
-from partitioner.problem import DEFAULT_STATE_FACTOR
+from partitioner.problem import DEFAULT_WORKSPACE_FACTOR
 from partitioner.profile import profile
 from partitioner.program import fingerprint
 from partitioner.request import PlanRequest
 from partitioner.shapes import ShapeSearch, search_shapes
+from partitioner.sharding import SHARDING_MODES, state_bytes
 from partitioner.solve import solve
 from partitioner.trace import trace
+from partitioner.units import format_bytes
 
 __all__ = ["plan", "plan_from_graph", "plan_shapes", "profile_model", "tied_groups", "PlanRequest"]
 
@@ -190,7 +192,8 @@ def plan_from_graph(
     schedule (the simulator still walks it and stops at a deadlock): for a search that
     screens many shapes and validates the plan it returns. ``prune_above`` (seconds): raise
     :class:`ShapePruned` instead of scheduling a partition whose step is provably at least
-    that long (:func:`pipeline_step_bound`), for a search that needs no slower plan.
+    that long (:func:`pipeline_step_bound`), for a search that needs no slower plan. ``sharding="auto"``
+    with replicas weighs each mode (:func:`weigh_sharding`).
     """
     request = PlanRequest.build(request, **options)
     if request.searching:
@@ -210,12 +213,16 @@ def plan_from_graph(
         if not plans:
             raise ShapePruned(min(bounds))
         return min(plans, key=lambda p: p.step_time)
+    training = bool(graph.meta.get("training", True)) if request.training is None else request.training
+    if request.sharding == "auto" and data_parallel > 1 and training:
+        return weigh_sharding(lambda mode: plan_from_graph(graph, request.with_(sharding=mode), model_info=model_info,
+                                                           check_schedule=check_schedule, prune_above=prune_above),
+                              request.stages_per_rank)
     placement = request.placement or "cluster"
     microbatches = request.microbatches_for(None)
     kind = request.kind
     v = request.stages_per_rank
     num_stages = stages * v
-    training = bool(graph.meta.get("training", True)) if request.training is None else request.training
     base_cluster, dp_link = replica_layout(_resolve_cluster(request.cluster, stages * data_parallel), stages,
                                            data_parallel, placement)
     if len(graph) < num_stages:
@@ -225,17 +232,18 @@ def plan_from_graph(
     memory_limit = request.memory_limit
     limit = memory_limit / v if (memory_limit is not None and v > 1) else memory_limit
     colocate = tied_groups(graph) if request.colocate_tied else ()
+    sharding = request.sharding_for(data_parallel)
+    held = state_bytes(sharding, data_parallel, DEFAULT_WORKSPACE_FACTOR, stages_per_rank=v)
     part = solve(graph, num_stages, cluster=stage_cluster, microbatches=microbatches, schedule=kind.value,
                  training=training, memory_limit=limit, colocate=colocate, method=request.method,
                  time_limit=request.time_limit, objective=request.objective, ranks=stages,
                  recompute=request.recompute, active_microbatches=request.active_microbatches,
-                 state_factor=state_factor_for(data_parallel))
+                 state_factor=held.state, working_factor=held.working, workspace_factor=held.workspace)
     if prune_above is not None:
         bound = pipeline_step_bound(part, kind, microbatches)
         if bound is not None and bound >= prune_above:
             raise ShapePruned(bound)
-    sched = schedule_for(kind, part, microbatches, stages, data_parallel, check=check_schedule,
-                         sharding=request.sharding_for(data_parallel))
+    sched = schedule_for(kind, part, microbatches, stages, data_parallel, check=check_schedule, sharding=sharding)
     if model_info is None:
         model_info = _model_info_from_graph(graph, microbatches, training, request.profiling.name)
     return Plan(model=model_info, graph=graph, partition=part, schedule=sched,
@@ -264,11 +272,46 @@ def pipeline_step_bound(part: Partition, kind: ScheduleKind, microbatches: int) 
     return max(b + microbatches * (f + g) + a for b, f, g, a in zip(before, fwd, bwd, after)) * (1 - 1e-9)
 
 
-def state_factor_for(data_parallel: int) -> float:
-    """Bytes held per parameter byte: weights, gradients and Adam's two moments, and with replicas one more
-    gradient-sized copy: the flat buffers of the gradient buckets, alive from their all-reduce's launch to
-    the end of the step (runtime/engine.py)."""
-    return DEFAULT_STATE_FACTOR + (1.0 if data_parallel > 1 else 0.0)
+def weigh_sharding(plan_under: Callable[[str], Plan], stages_per_rank: int) -> Plan:
+    """The fastest plan among the sharding modes that fit (the least sharded on a tie), with each mode's verdict
+    in ``Plan.sharding_weighed``.
+
+    ``full_shard`` is weighed only with interleaved stages: with one stage (one FSDP unit) per
+    rank it holds at its peak what ``shard_grad_op`` holds (the stage's parameters gathered
+    while it computes, :func:`partitioner.sharding.state_bytes`) and gathers them before
+    every forward and backward instead of once a step, so it is never faster. When no mode
+    fits, the most sharded one's error is raised (it needs the least memory).
+    """
+    plans: dict[str, Plan] = {}
+    verdicts: dict[str, str] = {}
+    failure: Exception | None = None
+    bounds: list[float] = []
+    for mode in SHARDING_MODES:
+        if mode == "full_shard" and stages_per_rank == 1:
+            verdicts[mode] = ("not weighed: with one stage per rank it holds shard_grad_op's peak and gathers the "
+                              "parameters before every forward and backward")
+            continue
+        try:
+            plans[mode] = plan_under(mode)
+        except ShapePruned as pruned:
+            bounds.append(pruned.bound)
+            verdicts[mode] = f"pruned: its critical path alone takes {pruned.bound:.4g} s"
+        except PlanningError as err:
+            failure = err
+            needs = getattr(err, "works", None) or getattr(err, "needed", None)
+            verdicts[mode] = ("does not fit in memory" + (f" (needs {format_bytes(needs)} per device)" if needs else "")
+                              if isinstance(err, MemoryLimitError) else " ".join(str(err).split()))
+    if not plans:
+        if bounds and failure is None:
+            raise ShapePruned(min(bounds))
+        assert failure is not None
+        raise failure
+    best = min(plans.values(), key=lambda p: p.step_time)  # min keeps the first (least sharded) of equals
+    for mode, made in plans.items():
+        verdicts[mode] = "chosen: the fastest that fits" if made is best else \
+            f"fits, step {made.step_time / best.step_time:.3f}x the chosen one's ({made.step_time * 1e3:.4g} ms)"
+    best.sharding_weighed = {mode: verdicts[mode] for mode in SHARDING_MODES}
+    return best
 
 
 def _model_info_from_graph(graph: OpGraph, microbatches: int, training: bool, name: str | None) -> ModelInfo:

@@ -51,8 +51,9 @@ class StageStats:
     runtime executes: ``recompute_time`` is the forward run again inside each backward,
     ``activations`` what the stage keeps per microbatch in flight, ``recompute_bytes`` what
     one microbatch's recomputation re-creates, held for ``recomputing`` microbatches at
-    the peak, ``workspace`` what the optimizer's step allocates after the backward:
-    ``memory = state + max(in_flight × activations + recomputing × recompute_bytes, workspace)``.
+    the peak, ``workspace`` what the optimizer's step allocates after the backward, ``working``
+    what sharding holds while the stage computes and frees before the step (partitioner/sharding.py):
+    ``memory = state + max(working + in_flight × activations + recomputing × recompute_bytes, workspace)``.
     """
 
     index: int
@@ -79,6 +80,7 @@ class StageStats:
     recompute_bytes: float = 0.0
     recomputing: int = 0
     workspace: float = 0.0
+    working: float = 0.0
 
     @property
     def fits(self) -> bool:
@@ -92,7 +94,7 @@ class StageStats:
     @property
     def state(self) -> float:
         """Bytes held for the whole step: parameters, gradients, optimizer state, buffers."""
-        return self.memory - max(self.activation_peak, self.workspace)
+        return self.memory - max(self.working + self.activation_peak, self.workspace)
 
 
 @dataclass
@@ -118,6 +120,9 @@ class Partition:
     notes: list[str] = field(default_factory=list)
     #: Optimizer-step workspace per parameter byte the memory was counted under.
     workspace_factor: float = DEFAULT_WORKSPACE_FACTOR
+    #: Bytes per parameter byte held only while a stage computes (sharding's gathered parameters and whole
+    #: gradients, partitioner/sharding.py), on top of ``state_factor``.
+    working_factor: float = 0.0
     #: What the plan was chosen for: "bottleneck" (the solvers' min-max), or "step_time"
     #: (then picked and refined by simulated step time, see partitioner/refine.py).
     objective: str = "bottleneck"
@@ -254,9 +259,10 @@ def partition(prob: Problem, assign: Sequence[int], *, method: str = "manual", s
         idx, term = ops[s], terms[s]
         # The pipeline's peak or the step's, each with a tied weight held once.
         rinfl = prob.recomputing[s] if term.choice != "none" else 0
-        during = term.memory - max(prob.in_flight[s] * term.kept + rinfl * term.remade, term.workspace)
+        during = term.memory - max(prob.in_flight[s] * term.kept + rinfl * term.remade, term.workspace - term.working)
         workspace = term.workspace - prob.step_workspace_per_held * twice[s]
-        state = during - prob.held_factor * twice[s]
+        working = term.working - prob.working_per_held * twice[s]
+        state = during - term.working - prob.held_factor * twice[s]
         fwd = float(prob.fwd[idx].sum()) / speed[s]
         bwd = float(prob.bwd[idx].sum()) / speed[s] if prob.training else 0.0
         bwd_w = float(prob.bwd_w[idx].sum()) / speed[s] if prob.training else 0.0
@@ -270,9 +276,9 @@ def partition(prob: Problem, assign: Sequence[int], *, method: str = "manual", s
             time=compute + term.recompute_time + cin_t[s] + cout_t[s],
             params=float(prob.held[idx].sum() - twice[s]), buffers=float(prob.buffers[idx].sum()),
             activations=term.kept, in_flight=prob.in_flight[s],
-            memory=state + max(prob.in_flight[s] * term.kept + rinfl * term.remade, workspace),
+            memory=state + max(working + prob.in_flight[s] * term.kept + rinfl * term.remade, workspace),
             memory_limit=prob.mem_limit[s], recompute=term.choice, recompute_time=term.recompute_time,
-            recompute_bytes=term.remade, recomputing=rinfl, workspace=workspace))
+            recompute_bytes=term.remade, recomputing=rinfl, workspace=workspace, working=working))
     times = [st.time for st in stats]
     worst = int(np.argmax(times))
     part = Partition(
@@ -281,7 +287,7 @@ def partition(prob: Problem, assign: Sequence[int], *, method: str = "manual", s
         lower_bound=0.0, optimal=False, gap=1.0, method=method, solve_seconds=solve_seconds,
         cluster=prob.cluster.to_dict(), microbatches=prob.microbatches, schedule=prob.schedule,
         training=prob.training, memory_limit=prob.memory_limit_arg, state_factor=prob.state_factor,
-        workspace_factor=prob.workspace_factor, recompute_mode=prob.recompute_mode if choices is None else "given",
+        workspace_factor=prob.workspace_factor, working_factor=prob.working_factor, recompute_mode=prob.recompute_mode if choices is None else "given",
         active_microbatches=prob.active_microbatches)
     name, bound = strongest_bound(prob)
     part.with_report(lower_bound=bound, bound_by=name)
@@ -357,7 +363,7 @@ def evaluate(graph: OpGraph | nx.DiGraph, stage_of: Mapping[Hashable, int], *,
              cluster: Cluster | None = None, microbatches: int = 1, schedule: str = "1f1b",
              training: bool = True, memory_limit: float | None = None,
              state_factor: float = DEFAULT_STATE_FACTOR, workspace_factor: float = DEFAULT_WORKSPACE_FACTOR,
-             stages: int | None = None, method: str = "manual", ranks: int | None = None,
+             working_factor: float = 0.0, stages: int | None = None, method: str = "manual", ranks: int | None = None,
              recompute: str | Sequence[str] = "none", active_microbatches: int | None = None) -> Partition:
     """The cost of any assignment ``stage_of`` (node -> stage index), per stage and overall.
 
@@ -377,7 +383,7 @@ def evaluate(graph: OpGraph | nx.DiGraph, stage_of: Mapping[Hashable, int], *,
         stages = int(max(stage_of.values())) + 1
     prob = Problem(graph, stages, cluster=cluster, microbatches=microbatches, schedule=schedule,
                    training=training, memory_limit=memory_limit, state_factor=state_factor,
-                   workspace_factor=workspace_factor, ranks=ranks, recompute=recompute,
+                   workspace_factor=workspace_factor, working_factor=working_factor, ranks=ranks, recompute=recompute,
                    active_microbatches=active_microbatches)
     assign = prob.assignment(stage_of)
     problems = prob.check(assign)

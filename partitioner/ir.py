@@ -24,6 +24,8 @@ __all__ = [
     "stage_graph_from_transfers",
     "SCHEDULE_SCHEMA_VERSION",
     "COMPUTE_KINDS",
+    "COLLECTIVE_KINDS",
+    "GATHER_KINDS",
     "SEND_KINDS",
     "MATCHING_KIND",
 ]
@@ -78,7 +80,9 @@ _ALIASES = {"interleaved-1f1b": "interleaved", "zbh1": "zb-h1", "pipedream-flush
 
 class ActionKind(str, enum.Enum):
     """What an action does. F/B/W are compute; SEND/RECV move one cut tensor for one microbatch;
-    ALLREDUCE averages a stage's gradients over its data-parallel replicas."""
+    the collectives run over a stage's data-parallel replicas (:mod:`partitioner.sharding`):
+    ALLREDUCE averages its gradients (sharding none), REDUCE_SCATTER leaves each replica its
+    shard of them, ALLGATHER / ALLGATHER_B gather its parameters before a forward / a backward."""
 
     F = "F"  #: forward of (stage, mb)
     B = "B"  #: backward of (stage, mb): full backward, or only the input gradient when split
@@ -88,6 +92,9 @@ class ActionKind(str, enum.Enum):
     SEND_B = "SEND_B"  #: send the gradient of an edge back, consumer side
     RECV_B = "RECV_B"  #: receive the gradient of an edge, producer side
     ALLREDUCE = "ALLREDUCE"  #: all-reduce of a stage's gradients over the data-parallel group (once a step)
+    REDUCE_SCATTER = "REDUCE_SCATTER"  #: reduce-scatter of a sharded stage's gradients (once a step)
+    ALLGATHER = "ALLGATHER"  #: all-gather of a sharded stage's parameters before its forward of mb
+    ALLGATHER_B = "ALLGATHER_B"  #: all-gather of a full_shard stage's parameters before its backward of mb
 
     @property
     def is_compute(self) -> bool:
@@ -101,6 +108,15 @@ class ActionKind(str, enum.Enum):
 # Sets, not tuples of ``ActionKind.X``: a member looked up on the enum class costs a
 # microsecond, and a walk asks these questions millions of times.
 COMPUTE_KINDS = frozenset((ActionKind.F, ActionKind.B, ActionKind.W))
+#: The collectives over a stage's replicas: posted by its rank, they run beside its compute.
+COLLECTIVE_KINDS = frozenset((ActionKind.ALLREDUCE, ActionKind.REDUCE_SCATTER, ActionKind.ALLGATHER,
+                              ActionKind.ALLGATHER_B))
+#: The parameter all-gathers -> the compute each one serves (same stage and microbatch).
+GATHER_KINDS = {ActionKind.ALLGATHER: ActionKind.F, ActionKind.ALLGATHER_B: ActionKind.B}
+#: How a collective prints: ``AR3`` (once a step) or ``AG3.2`` (for one microbatch).
+_COLLECTIVE_TAGS = {ActionKind.ALLREDUCE: "AR", ActionKind.REDUCE_SCATTER: "RS", ActionKind.ALLGATHER: "AG",
+                    ActionKind.ALLGATHER_B: "AGB"}
+_ONCE_A_STEP = frozenset((ActionKind.ALLREDUCE, ActionKind.REDUCE_SCATTER))
 SEND_KINDS = frozenset((ActionKind.SEND_F, ActionKind.SEND_B))
 _RECV_KINDS = frozenset((ActionKind.RECV_F, ActionKind.RECV_B))
 _FORWARD_EDGE_KINDS = frozenset((ActionKind.SEND_F, ActionKind.RECV_B))  # stage is the edge's source
@@ -138,7 +154,7 @@ _new_object = object.__new__
 
 
 _COMPUTE_RE = re.compile(r"^(F|B|W)(\d+)\.(\d+)$")
-_ALLREDUCE_RE = re.compile(r"^AR(\d+)$")
+_COLLECTIVE_RE = re.compile(r"^(AR|RS|AGB|AG)(\d+)(?:\.(\d+))?$")
 _COMM_RE = re.compile(r"^(SEND_F|RECV_F|SEND_B|RECV_B)\[(\d+)->(\d+) t=(\S+) mb=(\d+)\]$")
 
 
@@ -177,8 +193,8 @@ class Action:
         if not kind.is_transfer:
             if self.peer is not None or self.tensor is not None:
                 raise ValueError(f"{kind.value} takes no peer/tensor")
-            if kind is ActionKind.ALLREDUCE and self.mb != 0:
-                raise ValueError("ALLREDUCE is once a step, for every microbatch: mb must be 0")
+            if kind in _ONCE_A_STEP and self.mb != 0:
+                raise ValueError(f"{kind.value} is once a step, for every microbatch: mb must be 0")
         else:
             if self.peer is None or self.tensor is None:
                 raise ValueError(f"{kind.value} needs a peer stage and a tensor name")
@@ -226,8 +242,9 @@ class Action:
     def __str__(self) -> str:
         if self.is_compute:
             return f"{self.kind.value}{self.stage}.{self.mb}"
-        if self.kind is ActionKind.ALLREDUCE:
-            return f"AR{self.stage}"
+        tag = _COLLECTIVE_TAGS.get(self.kind)
+        if tag is not None:
+            return f"{tag}{self.stage}" if self.kind in _ONCE_A_STEP else f"{tag}{self.stage}.{self.mb}"
         if self.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
             a, b = self.stage, self.peer
         else:
@@ -241,9 +258,13 @@ class Action:
         m = _COMPUTE_RE.match(s)
         if m:
             return Action(ActionKind(m.group(1)), int(m.group(2)), int(m.group(3)))
-        m = _ALLREDUCE_RE.match(s)
+        m = _COLLECTIVE_RE.match(s)
         if m:
-            return Action(ActionKind.ALLREDUCE, int(m.group(1)), 0)
+            kind = next(k for k, tag in _COLLECTIVE_TAGS.items() if tag == m.group(1))
+            if (m.group(3) is None) != (kind in _ONCE_A_STEP):
+                raise ValueError(f"cannot parse action {text!r}: {m.group(1)} takes "
+                                 + ("no microbatch" if kind in _ONCE_A_STEP else "a microbatch, e.g. AG3.2"))
+            return Action(kind, int(m.group(2)), int(m.group(3) or 0))
         m = _COMM_RE.match(s)
         if m:
             kind = ActionKind(m.group(1))
@@ -254,7 +275,7 @@ class Action:
                 stage, peer = b, a
             return Action(kind, stage, int(m.group(5)), peer, m.group(4))
         raise ValueError(
-            f"cannot parse action {text!r}: expected e.g. 'F3.2', 'B3.2', 'W3.2', 'AR3' or "
+            f"cannot parse action {text!r}: expected e.g. 'F3.2', 'B3.2', 'W3.2', 'AR3', 'RS3', 'AG3.2', 'AGB3.2' or "
             "'SEND_F[3->5 t=add_7 mb=2]'"
         )
 

@@ -93,7 +93,8 @@ class Plan:
     With ``data_parallel`` > 1 the pipeline is replicated; ``placement`` says how the
     D x P ranks are laid out ("cluster": each pipeline on consecutive ranks, inside a node
     where it fits; "spread": each stage's replicas on consecutive ranks) and ``dp_link`` is
-    the link its gradient all-reduces are priced on.
+    the link its gradient all-reduces are priced on. ``sharding_weighed``: when the planner chose the
+    sharding (``sharding="auto"``), each mode's verdict (chosen, slower, does not fit, not weighed).
     """
 
     model: ModelInfo
@@ -105,6 +106,7 @@ class Plan:
     schema: int = PLAN_SCHEMA_VERSION
     placement: str = "cluster"
     dp_link: Link | None = None  # what a stage's replicas all-reduce its gradients over (data_parallel > 1)
+    sharding_weighed: dict[str, str] = field(default_factory=dict)
 
     # ---------------------------------------------------------------- views
 
@@ -330,7 +332,7 @@ class Plan:
         old = self.partition
         part = evaluate(graph, old.stage_of, cluster=stage_cluster, microbatches=m, schedule=kind.value,
                         training=old.training, memory_limit=old.memory_limit, state_factor=old.state_factor,
-                        workspace_factor=old.workspace_factor,
+                        workspace_factor=old.workspace_factor, working_factor=old.working_factor,
                         ranks=ranks, recompute=old.recompute if recompute is None else recompute,
                         active_microbatches=cap)  # type: ignore[arg-type]
         # What the original solve proved carries over only to the same cluster and, under a
@@ -347,7 +349,7 @@ class Plan:
                          notes=[f"re-timed from {self.schedule_name}, m={self.microbatches}"
                                 + (", on another cluster" if cluster is not None else "")])
         sched = schedule_for(kind, part, m, ranks, self.data_parallel, sharding=self.sharding)
-        return replace(self, graph=graph, partition=part, schedule=sched, dp_link=dp_link,
+        return replace(self, graph=graph, partition=part, schedule=sched, dp_link=dp_link, sharding_weighed={},
                        simulated=simulate_partition(sched, part, dp_link, graph))
 
     # ---------------------------------------------------------------- (de)serialisation
@@ -374,11 +376,13 @@ class Plan:
                 "speedup": self.speedup,
                 "recompute": self.recompute,
                 "active_microbatches": self.active_microbatches,
+                "sharding": self.sharding,
             },
             "partition": self.partition.to_dict(),
             "schedule": self.schedule.to_dict(),
             "replicas": {"placement": self.placement,
-                         "link": self.dp_link.to_dict() if self.dp_link is not None else None},
+                         "link": self.dp_link.to_dict() if self.dp_link is not None else None,
+                         "sharding_weighed": dict(self.sharding_weighed)},
             "simulated": self.simulated.to_dict(),
             "graph": self.graph.to_dict(),
         }
@@ -410,6 +414,8 @@ class Plan:
                 schema=schema,
                 placement=str(data.get("replicas", {}).get("placement", "cluster")),
                 dp_link=Link.from_dict(data["replicas"]["link"]) if data.get("replicas", {}).get("link") else None,
+                sharding_weighed={str(k): str(v) for k, v in
+                                  (data.get("replicas", {}).get("sharding_weighed") or {}).items()},
             )
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
             missing = f"missing field {err}" if isinstance(err, KeyError) else f"{type(err).__name__}: {err}"
@@ -521,13 +527,19 @@ def simulate_partition(schedule: Schedule, part: Partition, dp_link: Link | None
     """The schedule timed with the partition's stage and transfer costs, and each stage's gradient
     all-reduce (its held parameters' bytes, a ring over its replicas on ``dp_link``), whose last
     bucket (:mod:`partitioner.buckets`, filled in backward order: the ops' parameters from
-    ``graph``, else one bucket's worth) is what remains after an overlapped backward."""
+    ``graph``, else one bucket's worth) is what remains after an overlapped backward. Sharded,
+    each stage's parameter all-gather and gradient reduce-scatter instead (rings of its
+    parameters' bytes on ``dp_link``, each (D - 1) / D of them per rank)."""
     costs = stage_costs_from(part.stages, part.transfers, act_bytes=[s.activations for s in part.stages])
     if schedule.data_parallel > 1:
         link = dp_link or Link()
         n = schedule.data_parallel
-        costs.allreduce = [link.allreduce_seconds(s.params, n) for s in part.stages]
-        costs.allreduce_tail = [link.allreduce_seconds(_last_bucket(s, graph), n) for s in part.stages]
+        if schedule.sharding == "none":
+            costs.allreduce = [link.allreduce_seconds(s.params, n) for s in part.stages]
+            costs.allreduce_tail = [link.allreduce_seconds(_last_bucket(s, graph), n) for s in part.stages]
+        else:
+            costs.allgather = [link.allgather_seconds(s.params, n) for s in part.stages]
+            costs.reduce_scatter = [link.reduce_scatter_seconds(s.params, n) for s in part.stages]
     return simulate(schedule, costs)
 
 

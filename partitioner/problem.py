@@ -15,13 +15,14 @@ from partitioner.graph import KERNEL_FIELDS, OUTPUT_OP, OpGraph
 from partitioner.ir import ScheduleKind
 from partitioner.recompute import CHOICES, check_mode, op_recompute, peak_recomputing
 from partitioner.schedule import check_active_microbatches, peak_in_flight
+from partitioner.sharding import GRADIENT_BYTES, OPTIMIZER_BYTES, PARAMETER_BYTES
 
 __all__ = ["Problem", "StageTerms", "graph_order", "DEFAULT_STATE_FACTOR", "DEFAULT_WORKSPACE_FACTOR"]
 
 #: Bytes kept per parameter byte when training: the weights, their gradients and Adam's
 #: two moments, all in the parameters' dtype (fp32 training, or the fp32 part of mixed
-#: precision counted at the stored dtype) -> 1 + 1 + 2.
-DEFAULT_STATE_FACTOR = 4.0
+#: precision counted at the stored dtype) -> 1 + 1 + 2 (unsharded: partitioner/sharding.py).
+DEFAULT_STATE_FACTOR = PARAMETER_BYTES + GRADIENT_BYTES + OPTIMIZER_BYTES
 
 #: Bytes the optimizer's step allocates for a while per parameter byte it updates: AdamW's
 #: foreach implementation (torch's default on GPUs) builds one temporary list of the
@@ -62,6 +63,7 @@ class StageTerms(NamedTuple):
     remade: float  # bytes one microbatch's recomputation re-creates
     recompute_time: float  # seconds of forward run again inside one backward
     workspace: float = 0.0  # bytes the optimizer's step allocates (instead of the activations)
+    working: float = 0.0  # bytes held only while the stage computes (sharding's gathered parameters, whole gradients)
 
 
 def _shared_readers(g: nx.DiGraph, order: Sequence[Hashable]) -> tuple[dict[str, int], list[tuple[int, tuple[str, ...]]]]:
@@ -92,7 +94,8 @@ class Problem:
     def __init__(self, graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None = None,
                  microbatches: int = 1, schedule: str = "1f1b", training: bool = True,
                  memory_limit: float | None = None, state_factor: float = DEFAULT_STATE_FACTOR,
-                 workspace_factor: float = DEFAULT_WORKSPACE_FACTOR, order: Sequence[Hashable] | None = None,
+                 workspace_factor: float = DEFAULT_WORKSPACE_FACTOR, working_factor: float = 0.0,
+                 order: Sequence[Hashable] | None = None,
                  ranks: int | None = None,
                  recompute: str | Sequence[str] = "none", active_microbatches: int | None = None):
         g, default_order = graph_order(graph)
@@ -115,8 +118,11 @@ class Problem:
                                   f"at least one op; use at most {n} stages or a finer graph")
         if microbatches < 1:
             raise PlanningError(f"microbatches must be >= 1, got {microbatches}")
-        if state_factor < 1:
-            raise PlanningError(f"state_factor must be >= 1 (parameters themselves), got {state_factor}")
+        if not working_factor >= 0:
+            raise PlanningError(f"working_factor must be >= 0 (0: nothing gathered), got {working_factor}")
+        if not state_factor > 0 or state_factor + working_factor < 1:
+            raise PlanningError(f"state_factor must be >= 1 (parameters themselves), got {state_factor}" +
+                                (f" (+ working_factor {working_factor})" if working_factor else ""))
         if not workspace_factor >= 0:
             raise PlanningError(f"workspace_factor must be >= 0 (0: a fused optimizer), got {workspace_factor}")
         self.n, self.p = n, stages
@@ -130,6 +136,7 @@ class Problem:
         self.active_microbatches = active_microbatches
         self.state_factor = float(state_factor)
         self.workspace_factor = float(workspace_factor)
+        self.working_factor = float(working_factor)
         self.memory_limit_arg = memory_limit
 
         def attr(key: str, default: float = 0.0) -> np.ndarray:
@@ -191,13 +198,19 @@ class Problem:
         # solvers'; a plan's reported memory (cost.partition) counts it once (``shared_counted_twice``).
         self.shared = attr("shared_bytes")
         self.held = self.params + self.shared
-        self.fixed_mem = self.held * factor + self.buffers  # per node, independent of the stage
-        # The optimizer's step workspace: a stage's peak is fixed + max(activations, workspace),
-        # so fitting is two sums within the limit: with the activations (node_memory), and
-        # ``step_mem`` (state and workspace) at the step.
+        state_mem = self.held * factor + self.buffers  # per node, independent of the stage
+        # Sharding's working copies (partitioner/sharding.py: the gathered parameters, the whole
+        # gradients) are held while the stage computes, beside its activations, and freed before
+        # the optimizer's step.
+        self.working_per_held = self.working_factor if training else 0.0
+        self.working = self.held * self.working_per_held
+        self.fixed_mem = state_mem + self.working if self.working_per_held else state_mem
+        # The optimizer's step workspace: a stage's peak is state + max(working + activations,
+        # workspace), so fitting is two sums within the limit: with the activations
+        # (node_memory), and ``step_mem`` (state and workspace) at the step.
         self.step_workspace_per_held = self.workspace_factor if training else 0.0
         self.step_workspace = self.held * self.step_workspace_per_held
-        self.step_mem = self.fixed_mem + self.step_workspace
+        self.step_mem = state_mem + self.step_workspace
         self._first_reader, self._later_readers = _shared_readers(g, self.order)
         if memory_limit is not None:
             if not memory_limit > 0:
@@ -263,6 +276,7 @@ class Problem:
         comp = np.bincount(a, weights=self.work, minlength=p)
         fixed = np.bincount(a, weights=self.fixed_mem, minlength=p)
         workspace = np.bincount(a, weights=self.step_workspace, minlength=p)
+        working = np.bincount(a, weights=self.working, minlength=p) if self.working_per_held else np.zeros(p)
         per = {c: (np.bincount(a, weights=self.rec.kept[c], minlength=p),
                    np.bincount(a, weights=self.rec.remade[c], minlength=p),
                    np.bincount(a, weights=self.rec.seconds[c], minlength=p)) for c in used}
@@ -287,10 +301,12 @@ class Problem:
                 kept_s, remade_s, seconds_s = per[c]
                 kept = float(kept_s[s]) + (recv[s] if self.rec.received[c] else 0.0) + sent[c][s]
                 remade = float(remade_s[s])
-                memory = float(fixed[s]) + max(infl[s] * kept + rinfl[s] * remade, float(workspace[s]))
+                # fixed holds the working copies: at the step only the workspace comes on top of the state
+                memory = float(fixed[s]) + max(infl[s] * kept + rinfl[s] * remade,
+                                               float(workspace[s]) - float(working[s]))
                 rec_t = float(seconds_s[s]) / speed[s]
                 term = StageTerms(c, float(t[s] + rec_t), float(memory), float(kept), remade, rec_t,
-                                  float(workspace[s]))
+                                  float(workspace[s]), float(working[s]))
                 if self.mem_limit[s] is None or memory <= self.mem_limit[s] * (1 + 1e-12):
                     pick = term
                     break

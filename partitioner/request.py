@@ -245,8 +245,8 @@ class PlanRequest:
         return self.virtual_stages if self.kind.interleaved else 1
 
     def sharding_for(self, data_parallel: int) -> str:
-        """The sharding mode of one plan with ``data_parallel`` replicas ("auto": none, until the planner weighs
-        the modes)."""
+        """The sharding mode of one plan with ``data_parallel`` replicas ("auto": none; a plan with replicas weighs
+        the modes before it gets here, partitioner.compile.weigh_sharding)."""
         if self.sharding == "auto":
             return "none"
         try:

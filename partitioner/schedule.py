@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from partitioner.ir import (
+    COLLECTIVE_KINDS,
     Action,
     ActionKind,
     Edge,
@@ -460,11 +461,20 @@ def with_allreduce(schedule: Schedule, data_parallel: int, *, overlap: bool = Tr
     ``overlap=False`` puts them all at the end of each rank's program instead, each after
     the backward is done (``meta["overlap_backward"]`` False), as DeepSpeed's pipeline
     engine does (the baseline of benchmarks/data_parallel.py).
+
+    Sharded (:mod:`partitioner.sharding`), the gradients are reduce-scattered (REDUCE_SCATTER
+    where ALLREDUCE would be) and the parameters all-gathered: under ``shard_grad_op`` once a
+    step, an ALLGATHER first in the rank's program (it overlaps the wait for the pipeline to
+    fill), before the stage's first forward; under ``full_shard`` right before each forward
+    (ALLGATHER) and each backward (ALLGATHER_B) of each microbatch, after the receives that
+    precede it: the stage's rank waits for it (one FSDP unit per stage has nothing to prefetch
+    beside).
     """
     last = ActionKind.W if schedule.split_backward else ActionKind.B
+    reduce = ActionKind.ALLREDUCE if sharding == "none" else ActionKind.REDUCE_SCATTER
     programs = []
     for prog in schedule.actions:
-        prog = tuple(a for a in prog if a.kind is not ActionKind.ALLREDUCE)  # a schedule for other replicas
+        prog = tuple(a for a in prog if a.kind not in COLLECTIVE_KINDS)  # a schedule for other replicas
         final = {a.stage: i for i, a in enumerate(prog) if a.kind is last} if data_parallel > 1 else {}
         if not overlap:
             final = {stage: len(prog) - 1 for stage in sorted(final, reverse=True)}
@@ -473,7 +483,9 @@ def with_allreduce(schedule: Schedule, data_parallel: int, *, overlap: bool = Tr
             at = i + 1
             while at < len(prog) and prog[at].is_transfer:
                 at += 1
-            out.insert(at, Action(ActionKind.ALLREDUCE, stage, 0))
+            out.insert(at, Action(reduce, stage, 0))
+        if data_parallel > 1:
+            out = _with_gathers(out, sharding)
         programs.append(tuple(out))
     # not validated here: whoever runs or prices it does (a broken input is refused there, named)
     meta = {k: v for k, v in schedule.meta.items() if k != "overlap_backward"}
@@ -481,3 +493,20 @@ def with_allreduce(schedule: Schedule, data_parallel: int, *, overlap: bool = Tr
         meta["overlap_backward"] = False
     return Schedule(schedule.name, schedule.graph, schedule.num_microbatches, schedule.stage_to_rank,
                     tuple(programs), schedule.split_backward, meta, data_parallel=data_parallel, sharding=sharding)
+
+
+def _with_gathers(program: list[Action], sharding: str) -> list[Action]:
+    """A rank's program with its stages' parameter all-gathers (:func:`with_allreduce`)."""
+    if sharding == "shard_grad_op":
+        stages = list(dict.fromkeys(a.stage for a in program if a.kind is ActionKind.F))
+        return [Action(ActionKind.ALLGATHER, s, 0) for s in stages] + program
+    if sharding != "full_shard":
+        return program
+    out: list[Action] = []
+    for a in program:
+        if a.kind is ActionKind.F:  # right before it: after the receives of its inputs, posted already
+            out.append(Action(ActionKind.ALLGATHER, a.stage, a.mb))
+        elif a.kind is ActionKind.B:
+            out.append(Action(ActionKind.ALLGATHER_B, a.stage, a.mb))
+        out.append(a)
+    return out

@@ -28,7 +28,9 @@ class StageCosts:
     flight (optional). ``allreduce[s]`` is the time of stage s's gradient all-reduce over
     its data-parallel replicas (a schedule with ALLREDUCE actions), ``allreduce_tail[s]``
     that of its last bucket (what is left once an overlapped backward ends; default: all
-    of it). ``recompute[s]``: seconds
+    of it). ``allgather[s]`` and ``reduce_scatter[s]``: one all-gather of stage s's parameters
+    and the reduce-scatter of its gradients over its replicas (a sharded schedule's ALLGATHER,
+    ALLGATHER_B and REDUCE_SCATTER actions). ``recompute[s]``: seconds
     of forward that stage s runs again at the start of each B (activation recomputation),
     added to B's duration; ``recompute_bytes[s]``: the activations that recomputation
     re-creates, held from the start of B until the microbatch's backward ends (its W when split).
@@ -41,6 +43,8 @@ class StageCosts:
     act_bytes: Sequence[float] | None = None
     allreduce: Sequence[float] | None = None
     allreduce_tail: Sequence[float] | None = None
+    allgather: Sequence[float] | None = None
+    reduce_scatter: Sequence[float] | None = None
     recompute: Sequence[float] | None = None
     recompute_bytes: Sequence[float] | None = None
 
@@ -52,11 +56,16 @@ class StageCosts:
             self.allreduce = [0.0] * n
         if self.allreduce_tail is None:
             self.allreduce_tail = list(self.allreduce)
+        if self.allgather is None:
+            self.allgather = [0.0] * n
+        if self.reduce_scatter is None:
+            self.reduce_scatter = [0.0] * n
         if self.recompute is None:
             self.recompute = [0.0] * n
         if self.recompute_bytes is None:
             self.recompute_bytes = [0.0] * n
-        for name in ("bwd", "bwd_w", "act_bytes", "allreduce", "allreduce_tail", "recompute", "recompute_bytes"):
+        for name in ("bwd", "bwd_w", "act_bytes", "allreduce", "allreduce_tail", "allgather", "reduce_scatter",
+                     "recompute", "recompute_bytes"):
             v = getattr(self, name)
             if v is not None and len(v) != n:
                 raise ValueError(f"StageCosts.{name} has {len(v)} entries, fwd has {n}")
@@ -169,27 +178,35 @@ def _durations(schedule: Schedule, costs: StageCosts) -> Callable[[Action], floa
     allreduce = costs.allreduce
     assert allreduce is not None
 
-    allreduce_kind = ActionKind.ALLREDUCE  # (bound once: called for every action of every simulated step)
+    assert costs.allgather is not None and costs.reduce_scatter is not None
+    # The collectives, per stage (a dict bound once: called for every action of every simulated step)
+    collective = {ActionKind.ALLREDUCE: allreduce, ActionKind.REDUCE_SCATTER: costs.reduce_scatter,
+                  ActionKind.ALLGATHER: costs.allgather, ActionKind.ALLGATHER_B: costs.allgather}
 
     def duration(a: Action) -> float:
         per_stage = compute.get(a.kind)
         if per_stage is not None:
             return per_stage[a.stage]
-        if a.kind is allreduce_kind:
-            return float(allreduce[a.stage])
+        per_stage = collective.get(a.kind)
+        if per_stage is not None:
+            return float(per_stage[a.stage])
         return float(comm.get(a.edge, 0.0)) if a.is_send else 0.0
 
     return duration
 
 
+#: The timeline's name of each collective's bar (an all-gather before a backward draws as one before a forward).
+COLLECTIVE_BARS = {ActionKind.ALLREDUCE: "AR", ActionKind.REDUCE_SCATTER: "RS", ActionKind.ALLGATHER: "AG",
+                   ActionKind.ALLGATHER_B: "AG"}
+
+
 def _events(rank: int, a: Action, start: float, end: float, recompute: float) -> list[TimelineEvent]:
-    """The timeline's bars for one compute or all-reduce action: a B that recomputes is an R bar (the forward run
+    """The timeline's bars for one compute or collective action: a B that recomputes is an R bar (the forward run
     again) followed by the B bar proper."""
     if a.kind is ActionKind.B and recompute > 0:
         return [TimelineEvent(rank, a.stage, "R", a.mb, start, start + recompute),
                 TimelineEvent(rank, a.stage, "B", a.mb, start + recompute, end)]
-    kind = "AR" if a.kind is ActionKind.ALLREDUCE else a.kind.value
-    return [TimelineEvent(rank, a.stage, kind, a.mb, start, end)]
+    return [TimelineEvent(rank, a.stage, COLLECTIVE_BARS.get(a.kind, a.kind.value), a.mb, start, end)]
 
 
 def simulate(schedule: Schedule, costs: StageCosts, *, timeline: bool = True, label: str = "predicted",

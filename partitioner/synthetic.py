@@ -429,7 +429,7 @@ def check_partition(graph: OpGraph | nx.DiGraph, part: Partition, *,
         fresh = evaluate(graph, part.stage_of, cluster=Cluster.from_dict(part.cluster),
                          microbatches=part.microbatches, schedule=part.schedule, training=part.training,
                          memory_limit=part.memory_limit, state_factor=part.state_factor,
-                         workspace_factor=part.workspace_factor,
+                         workspace_factor=part.workspace_factor, working_factor=part.working_factor,
                          stages=part.num_stages, recompute=part.recompute, ranks=ranks,
                          active_microbatches=part.active_microbatches)
     except ValueError as err:

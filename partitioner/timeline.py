@@ -17,7 +17,11 @@ KIND_COLORS: dict[str, str] = {
     "R": "#C44E52",  # red (forward recomputed at the start of a B: activation recomputation)
 }
 #: Collectives a rank runs beside its compute (drawn as thin bars under the rank's row).
-COLLECTIVE_COLORS: dict[str, str] = {"AR": "#8172B3"}  # purple: gradient all-reduce over replicas
+COLLECTIVE_COLORS: dict[str, str] = {
+    "AR": "#8172B3",  # purple: gradient all-reduce over replicas
+    "RS": "#937860",  # brown: gradient reduce-scatter (sharded)
+    "AG": "#DA8BC3",  # pink: parameter all-gather (sharded)
+}
 _OTHER_COLOR = "#9E9E9E"
 
 
@@ -174,10 +178,11 @@ def render_timeline(timelines: Timeline | Sequence[Timeline], path: str | Path, 
         ax.set_xlim(0, t_max * scale * 1.01)
         ax.grid(axis="x", alpha=0.3)
     axes[-1, 0].set_xlabel(f"time ({unit})")
-    order = [k for k in ("F", "R", "B", "W", "AR") if k in kinds_seen] + sorted(
+    order = [k for k in ("F", "R", "B", "W", "AR", "AG", "RS") if k in kinds_seen] + sorted(
         kinds_seen - set(KIND_COLORS) - set(COLLECTIVE_COLORS))
     names = {"F": "F forward", "R": "R recomputed forward", "B": "B backward (input grad when W is split off)",
-             "W": "W weight grad", "AR": "gradient all-reduce (over replicas, beside compute)"}
+             "W": "W weight grad", "AR": "gradient all-reduce (over replicas, beside compute)",
+             "AG": "parameter all-gather (sharded)", "RS": "gradient reduce-scatter (sharded)"}
     colors = {**KIND_COLORS, **COLLECTIVE_COLORS}
     handles = [Patch(color=colors.get(k, _OTHER_COLOR), label=names.get(k, k)) for k in order]
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)

@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from partitioner.ir import (
+    COLLECTIVE_KINDS,
     COMPUTE_KINDS,
+    GATHER_KINDS,
     MATCHING_KIND,
     SEND_KINDS,
     Action,
@@ -36,11 +38,12 @@ from partitioner.ir import (
     made_action,
 )
 
-__all__ = ["Walk", "walk", "validate", "peak_held", "peak_held_bytes", "format_table", "format_program"]
+__all__ = ["Walk", "walk", "validate", "sharded_actions", "peak_held", "peak_held_bytes", "format_table", "format_program"]
 
 
 # The kinds as module constants: ``ActionKind.F`` is a lookup on the enum class, a microsecond a time
 _F, _B, _W, _ALLREDUCE = ActionKind.F, ActionKind.B, ActionKind.W, ActionKind.ALLREDUCE
+_REDUCE_SCATTER, _ALLGATHER, _ALLGATHER_B = ActionKind.REDUCE_SCATTER, ActionKind.ALLGATHER, ActionKind.ALLGATHER_B
 _SEND_F, _RECV_F, _SEND_B, _RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B
 _TRANSFER = frozenset(MATCHING_KIND)
 
@@ -122,16 +125,17 @@ class Walk:
         program reaches them (after the compute before them): a transfer starts when both
         ends are posted and takes ``duration`` of its SEND (the link time), overlapping
         compute on both ranks; data handed over within a rank costs nothing. Transfers
-        do not contend for links. An ALLREDUCE starts when the rank's program reaches it
-        and its previous all-reduce has ended, and runs beside its later compute; one that
-        overlaps its backward (:attr:`overlapped`) may start with that B, but ends no earlier
-        than ``tail(action)`` (its last bucket) after the B.
+        do not contend for links. A collective (ALLREDUCE, REDUCE_SCATTER, ALLGATHER)
+        starts when the rank's program reaches it and its previous collective has ended, and
+        runs beside its later compute (a compute that needs its gathered parameters waits for
+        it); an all-reduce that overlaps its backward (:attr:`overlapped`) may start with that
+        B, but ends no earlier than ``tail(action)`` (its last bucket) after the B.
         """
         n = len(self.actions)
         start = [0.0] * n
         end = [0.0] * n
         clock = [0.0] * self.schedule.num_ranks
-        reducing = [0.0] * self.schedule.num_ranks  # when each rank's last all-reduce ends
+        reducing = [0.0] * self.schedule.num_ranks  # when each rank's last collective ends
         done = [False] * n
         actions, rank, needs = self.actions, self.rank, self.needs
         for i in self.sequence:
@@ -146,8 +150,8 @@ class Walk:
                         t = end[d]
                 start[i] = t
                 end[i] = clock[r] = t + duration(a)
-            elif a.kind is _ALLREDUCE:  # posted, it runs beside the rank's later compute
-                # ... but after the rank's earlier all-reduces: they share its data-parallel group,
+            elif a.kind in COLLECTIVE_KINDS:  # posted, it runs beside the rank's later compute
+                # ... but after the rank's earlier collectives: they share its data-parallel group,
                 # whose collectives run one after another (NCCL and gloo alike)
                 during = self.overlapped.get(i) if tail is not None else None
                 if during is None:
@@ -206,12 +210,12 @@ class _Walker:
                 self.rank.append(r)
         # Plain-tuple keys (an Action's dataclass hash is a Python call; a schedule of 64 ranks x
         # 256 microbatches has ~10^5 actions, each looked up a few times).
-        self.compute_id: dict[tuple[ActionKind, int, int], int] = {}
+        self.compute_id: dict[tuple[ActionKind, int, int], int] = {}  # the parameter all-gathers too
         self.transfer_id: dict[tuple[int, ActionKind, int, int, int | None, str | None], int] = {}
         for i, a in enumerate(self.actions):
-            if a.kind in COMPUTE_KINDS:
+            if a.kind in COMPUTE_KINDS or a.kind in GATHER_KINDS:
                 self.compute_id[a.kind, a.stage, a.mb] = i
-            elif a.kind is not _ALLREDUCE:
+            elif a.kind not in COLLECTIVE_KINDS:
                 self.transfer_id[self.rank[i], a.kind, a.stage, a.mb, a.peer, a.tensor] = i
 
     def _inputs(self, a: Action) -> list[Action]:
@@ -226,21 +230,31 @@ class _Walker:
         kind = a.kind
         if kind is _F:
             return [(_F, e.src, mb) if self.implicit or s2r[e.src] == here
-                    else (_RECV_F, a.stage, mb, e.src, e.tensor) for e in self.ins[a.stage]]
+                    else (_RECV_F, a.stage, mb, e.src, e.tensor) for e in self.ins[a.stage]] + self._gathered(a)
         if kind is _B:
             return [(_F, a.stage, mb)] + [
                 (_B, e.dst, mb) if self.implicit or s2r[e.dst] == here
-                else (_RECV_B, a.stage, mb, e.dst, e.tensor) for e in self.outs[a.stage]]
+                else (_RECV_B, a.stage, mb, e.dst, e.tensor) for e in self.outs[a.stage]] + self._gathered(a)
         if kind is _W:
             return [(_B, a.stage, mb)]
         if kind is _SEND_F:
             return [(_F, a.stage, mb)]
         if kind is _SEND_B:
             return [(_B, a.stage, mb)]
-        if kind is _ALLREDUCE:  # every microbatch's weight gradients are final
+        if kind is _ALLREDUCE or kind is _REDUCE_SCATTER:  # every microbatch's weight gradients are final
             last = _W if self.sch.split_backward else _B
             return [(last, a.stage, k) for k in range(self.sch.num_microbatches)]
         return []
+
+    def _gathered(self, a: Action) -> list[tuple]:
+        """The all-gather of its stage's parameters a forward or backward waits for (sharded schedules):
+        shard_grad_op's once a step, before the first forward; full_shard's, before each F and B."""
+        sch = self.sch
+        if self.implicit or sch.data_parallel < 2 or sch.forward_only or sch.sharding == "none":
+            return []
+        if sch.sharding == "full_shard":
+            return [(_ALLGATHER if a.kind is _F else _ALLGATHER_B, a.stage, a.mb)]
+        return [(_ALLGATHER, a.stage, 0)] if a.kind is _F and a.mb == 0 else []
 
     def _input_ids(self, i: int) -> list[int]:
         """Ids of action i's inputs (-1 where no action of the schedule makes it)."""
@@ -374,8 +388,12 @@ def _check_structure(sch: Schedule) -> None:
                 raise ScheduleError("W in a schedule whose backward is not split (split_backward=False)", r, i, a)
             if sch.forward_only and a.kind in backward:
                 raise ScheduleError("backward action in a forward-only schedule", r, i, a)
-            if a.kind is ActionKind.ALLREDUCE and (sch.data_parallel < 2 or sch.forward_only):
-                raise ScheduleError("ALLREDUCE in a schedule without data-parallel replicas to reduce over",
+            if a.kind in COLLECTIVE_KINDS and (sch.data_parallel < 2 or sch.forward_only):
+                raise ScheduleError(f"{a.kind.value} in a schedule without data-parallel replicas to reduce over",
+                                    r, i, a)
+            if a.kind in COLLECTIVE_KINDS and (a.kind not in _SHARDED_KINDS[sch.sharding] or (
+                    a.kind is _ALLGATHER and a.mb and sch.sharding == "shard_grad_op")):
+                raise ScheduleError(f"{a.kind.value} does not belong to a schedule under sharding={sch.sharding!r}",
                                     r, i, a)
             if a.is_transfer:
                 if a.edge not in edges:
@@ -397,10 +415,13 @@ def _check_structure(sch: Schedule) -> None:
                 a = Action(kind, s, k)
                 if a not in seen:
                     raise ScheduleError(f"missing {a}: rank {s2r[s]} never runs it", s2r[s], None, a)
-        if sch.data_parallel > 1 and not sch.forward_only and Action(ActionKind.ALLREDUCE, s, 0) not in seen:
-            a = Action(ActionKind.ALLREDUCE, s, 0)
-            raise ScheduleError(f"missing {a}: stage {s}'s gradients are never reduced over its "
-                                f"{sch.data_parallel} replicas", s2r[s], None, a)
+        if sch.data_parallel > 1 and not sch.forward_only:
+            for a in sharded_actions(sch, s):
+                if a not in seen:
+                    what = "gradients are never reduced" if a.kind in (_ALLREDUCE, _REDUCE_SCATTER) else \
+                        "parameters are not gathered for it"
+                    raise ScheduleError(f"missing {a}: stage {s}'s {what} over its {sch.data_parallel} replicas "
+                                        f"(sharding={sch.sharding!r})", s2r[s], None, a)
     for a, (r, i) in seen.items():
         if a.is_transfer and a.matching() not in seen:
             what = "send without a matching receive" if a.is_send else "receive without a matching send"
@@ -416,6 +437,21 @@ def _check_structure(sch: Schedule) -> None:
                 if a not in seen:
                     raise ScheduleError(f"cut edge {e.src}->{e.dst} t={e.tensor} mb={k} is never sent: "
                                         f"missing {a}", s2r[a.stage], None, a)
+
+
+#: The collectives each sharding mode runs (:func:`sharded_actions` says which, per stage).
+_SHARDED_KINDS = {"none": frozenset((_ALLREDUCE,)), "shard_grad_op": frozenset((_ALLGATHER, _REDUCE_SCATTER)),
+                  "full_shard": frozenset((_ALLGATHER, _ALLGATHER_B, _REDUCE_SCATTER))}
+
+
+def sharded_actions(sch: Schedule, stage: int) -> list[Action]:
+    """The collectives a training schedule with replicas runs for ``stage`` under its sharding
+    (:func:`~partitioner.schedule.with_allreduce` places them)."""
+    if sch.sharding == "none":
+        return [Action(_ALLREDUCE, stage, 0)]
+    gathers = [Action(_ALLGATHER, stage, 0)] if sch.sharding == "shard_grad_op" else \
+        [Action(kind, stage, k) for k in range(sch.num_microbatches) for kind in (_ALLGATHER, _ALLGATHER_B)]
+    return gathers + [Action(_REDUCE_SCATTER, stage, 0)]
 
 
 # --------------------------------------------------------------------------- memory held

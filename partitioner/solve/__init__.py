@@ -132,7 +132,7 @@ def solve(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None =
           memory_limit: float | None = None, colocate: Iterable[Iterable[Hashable]] = (),
           method: str = "auto", time_limit: float | None = None,
           state_factor: float = DEFAULT_STATE_FACTOR, workspace_factor: float = DEFAULT_WORKSPACE_FACTOR,
-          workers: int = 1,
+          working_factor: float = 0.0, workers: int = 1,
           objective: str = "bottleneck", ranks: int | None = None,
           wall_limit: float | None = None, recompute: str = "auto",
           active_microbatches: int | None = None) -> Partition:
@@ -163,9 +163,11 @@ def solve(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None =
     "full" on every stage. Under ``"none"`` a limit nothing fits raises a
     :class:`MemoryLimitError` that gives the least memory a plan needs and says whether
     recomputation would fit. ``active_microbatches``: a cap on microbatches in flight (gpipe,
-    1f1b) that the memory is counted under. ``state_factor`` and ``workspace_factor``: bytes
-    held per parameter byte, and the optimizer step's workspace per parameter byte (a stage
-    peaks at its state + max(activations, workspace); docs/cost-model.md).
+    1f1b) that the memory is counted under. ``state_factor``, ``workspace_factor`` and
+    ``working_factor``: bytes held per parameter byte the whole step, the optimizer step's
+    workspace per parameter byte, and what sharding holds only while a stage computes (a stage
+    peaks at its state + max(working + activations, workspace); docs/cost-model.md,
+    :func:`partitioner.sharding.state_bytes`).
     """
     _check_choices(method, objective)
     t0 = time.perf_counter()
@@ -177,7 +179,8 @@ def solve(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None =
     blocks = colocation_blocks(g, program_order, colocate)
     prob = Problem(graph, stages, cluster=cluster, microbatches=microbatches, schedule=schedule,
                    training=training, memory_limit=memory_limit, state_factor=state_factor,
-                   workspace_factor=workspace_factor, order=blocks.order, ranks=ranks, recompute=recompute,
+                   workspace_factor=workspace_factor, working_factor=working_factor, order=blocks.order, ranks=ranks,
+                   recompute=recompute,
                    active_microbatches=active_microbatches)
     blocks.check_stages(prob.p, lonely=[i for i, out in enumerate(prob.is_output) if out])
     if method in BASELINES:
@@ -548,7 +551,8 @@ def _recompute_rescue(prob: Problem, allowed: np.ndarray) -> str | None:
     """When recomputation was not (fully) allowed: what recompute='auto' makes fit, or None."""
     auto = Problem(prob.graph, prob.p, cluster=prob.cluster, microbatches=prob.microbatches,
                    schedule=prob.schedule, training=prob.training, memory_limit=prob.memory_limit_arg,
-                   state_factor=prob.state_factor, workspace_factor=prob.workspace_factor, order=prob.order,
+                   state_factor=prob.state_factor, workspace_factor=prob.workspace_factor,
+                   working_factor=prob.working_factor, order=prob.order,
                    ranks=prob.ranks, recompute="auto",
                    active_microbatches=prob.active_microbatches)
     dp = dp_solve(auto, allowed)

@@ -137,6 +137,7 @@ def manual_plan(base: Plan, stage_of: dict[str, int], memory_limit: float | None
     part = evaluate(base.graph, stage_of, microbatches=base.microbatches, schedule=base.schedule_name,
                     training=True, memory_limit=memory_limit, stages=ranks, ranks=ranks,
                     method="manual (smp.partition)", active_microbatches=base.active_microbatches,
-                    state_factor=base.partition.state_factor, workspace_factor=base.partition.workspace_factor)
+                    state_factor=base.partition.state_factor, workspace_factor=base.partition.workspace_factor,
+                    working_factor=base.partition.working_factor)
     sched = schedule_for(base.schedule_name, part, base.microbatches, ranks, base.data_parallel)
     return replace(base, partition=part, schedule=sched, simulated=simulate_partition(sched, part, base.dp_link))
