@@ -20,6 +20,7 @@ from partitioner.ir import Schedule, ScheduleError, ScheduleKind, stage_graph_fr
 from partitioner.profile_measured import unstable_timing_warning
 from partitioner.recompute import CHOICES
 from partitioner.schedule import CAPPABLE, check_active_microbatches, make_schedule
+from partitioner.sharding import state_bytes
 from partitioner.simulate import SimResult, simulate, stage_costs_from
 from partitioner.timeline import Timeline
 from partitioner.units import format_bytes
@@ -441,7 +442,7 @@ class Plan:
         """One dict per stage with the figures people look at first."""
         part = self.partition
         rows = []
-        for s in part.stages:
+        for s, split in zip(part.stages, self.memory_split()):
             rows.append({
                 "stage": s.index,
                 "rank": self.schedule.stage_to_rank[s.index],
@@ -463,8 +464,31 @@ class Plan:
                 "memory": s.memory,
                 "memory_limit": s.memory_limit,
                 "share": s.time / part.bottleneck if part.bottleneck > 0 else 0.0,
+                "memory_split": split,
             })
         return rows
+
+    def memory_split(self) -> list[dict[str, float]]:
+        """Each stage's rank at its peak, by what it holds (bytes): ``parameters`` (its shard, and the gathered
+        copy), ``gradients`` (their shard, and the whole ones before the reduce-scatter, or plain data
+        parallelism's buckets), ``optimizer`` state, ``activations`` (in flight and recomputed), ``other``
+        (buffers, the optimizer step's workspace where it is the peak; less a tied weight held once). The memory the sharding mode holds, :func:`partitioner.sharding.state_bytes`.
+        """
+        part = self.partition
+        held = state_bytes(self.sharding, self.data_parallel, part.workspace_factor, stages_per_rank=self.virtual_stages)
+        out = []
+        for s in part.stages:
+            p = float(s.params)
+            if part.training:
+                split = {"parameters": p * (held.parameters + held.gathered),
+                         "gradients": p * (held.gradients + held.unsharded_gradients + held.buckets),
+                         "optimizer": p * held.optimizer}
+            else:
+                split = {"parameters": p, "gradients": 0.0, "optimizer": 0.0}
+            split["activations"] = float(s.activation_peak)
+            split["other"] = max(0.0, float(s.memory) - sum(split.values()))
+            out.append(split)
+        return out
 
     def summary(self) -> str:
         """The per-stage table and the headline figures, as plain text."""

@@ -123,6 +123,8 @@ class Candidate:
                 "samples_per_second": self.samples_per_second if p is not None else None,
                 "bubble": p.bubble if p is not None else None, "memory_bytes": self.memory,
                 "proven": self.proven, "recompute": self.recompute, "lower_bound": self.lower_bound,
+                "sharding": p.sharding if p is not None else None,
+                "sharding_weighed": dict(p.sharding_weighed) if p is not None else None,
                 "final": self.final,
                 "reason": self.reason or None}
 

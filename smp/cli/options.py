@@ -8,10 +8,11 @@ from typing import Annotated, Optional
 import typer
 
 from partitioner.request import default_microbatches
+from partitioner.sharding import SHARDING_MODES
 from smp.cli.errors import CLIUsageError
 
 __all__ = [
-    "SCHEDULE_CHOICES", "METHOD_CHOICES", "RECOMPUTE_CHOICES", "TIMING_CHOICES", "DEVICE_CHOICES",
+    "SCHEDULE_CHOICES", "METHOD_CHOICES", "RECOMPUTE_CHOICES", "SHARDING_CHOICES", "TIMING_CHOICES", "DEVICE_CHOICES",
     "ModelArg", "StagesOpt", "MicrobatchesOpt", "ScheduleOpt", "ClusterOpt", "MemoryOpt", "MethodOpt", "TimeLimitOpt",
     "StepBatchOpt", "SeqOpt", "DeviceOpt", "TimingOpt", "MetaOpt", "DtypeOpt", "RepeatsOpt", "JsonOpt", "TimelineOpt",
     "choice", "positive", "timing_for", "check_cluster", "microbatches_for", "plan_args",
@@ -21,6 +22,7 @@ __all__ = [
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # ScheduleKind's values (the CLI starts without torch)
 METHOD_CHOICES = ("auto", "dp", "cpsat", "uniform", "params", "blocks")
 RECOMPUTE_CHOICES = ("auto", "none", "selective", "full")
+SHARDING_CHOICES = ("auto", *SHARDING_MODES)
 TIMING_CHOICES = ("measured", "analytic")
 DEVICE_CHOICES = ("cpu", "cuda")
 

@@ -9,8 +9,8 @@ import typer
 
 from smp.cli.errors import CLIUsageError
 from smp.cli.files import is_graph_file, load_graph, load_plan
-from smp.cli.options import (DEVICE_CHOICES, METHOD_CHOICES, RECOMPUTE_CHOICES, SCHEDULE_CHOICES, ClusterOpt,
-                             DeviceOpt, DtypeOpt, JsonOpt, MemoryOpt, MetaOpt, MethodOpt, MicrobatchesOpt, RepeatsOpt,
+from smp.cli.options import (DEVICE_CHOICES, METHOD_CHOICES, RECOMPUTE_CHOICES, SCHEDULE_CHOICES, SHARDING_CHOICES,
+                             ClusterOpt, DeviceOpt, DtypeOpt, JsonOpt, MemoryOpt, MetaOpt, MethodOpt, MicrobatchesOpt, RepeatsOpt,
                              ScheduleOpt, SeqOpt, StagesOpt, StepBatchOpt, TimeLimitOpt, TimelineOpt, TimingOpt,
                              check_cluster, choice, microbatches_for, plan_args, positive, timing_for)
 from smp.cli.output import print_json, progress_bar, rich_console, spinner
@@ -133,6 +133,10 @@ def plan_cmd(
     active_microbatches: Annotated[Optional[int], typer.Option(
         "--active-microbatches", help="most microbatches a stage holds in flight (gpipe, 1f1b; SMP v1's name): "
                                       "less activation memory, a longer bubble \\[default: the schedule's own]")] = None,
+    sharding: Annotated[str, typer.Option(
+        "--sharding", help="how a stage's data-parallel replicas hold its state: auto (the fastest mode that fits, "
+                           "per plan) | none (whole, all-reduce) | shard_grad_op (gradients and optimizer state "
+                           "sharded) | full_shard (parameters too)")] = "auto",
     cluster: ClusterOpt = None,
     memory_limit: MemoryOpt = None,
     method: MethodOpt = "auto",
@@ -159,6 +163,7 @@ def plan_cmd(
     """
     objective = choice(objective.replace("-", "_"), ("bottleneck", "step_time"), "--objective")
     recompute = choice(recompute, RECOMPUTE_CHOICES, "--recompute")
+    sharding = choice(sharding, SHARDING_CHOICES, "--sharding")
     auto_m = microbatches is not None and microbatches.strip().lower() == "auto"
     auto_s = schedule.strip().lower() == "auto"
     count = None if auto_m or microbatches is None else _count(microbatches, "--microbatches")
@@ -191,7 +196,7 @@ def plan_cmd(
                        batch_size=batch_size, seq_len=seq_len, stages=stages, devices=devices,
                        global_batch=global_batch, microbatches=m, schedule=sched, memory_limit=limit, method=meth,
                        time_limit=time_limit, virtual_stages=virtual_stages, objective=objective,
-                       recompute=recompute, active_microbatches=active_microbatches)
+                       recompute=recompute, active_microbatches=active_microbatches, sharding=sharding)
     if searching:
         search, note = _search_plans(model, request, batch_size=batch_size, seq_len=seq_len, meta=meta,
                                      show_progress=not json_out)

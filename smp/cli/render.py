@@ -170,6 +170,7 @@ def report(plan: Plan, *, plan_file: str | Path | None = None, files: dict[str, 
             "comm_in_bytes": _num(r["comm_in_bytes"]), "comm_out_bytes": _num(r["comm_out_bytes"]),
             "time_s": _num(r["time"]), "recompute": r["recompute"], "recompute_s": _num(r["recompute_time"]),
             "memory_bytes": _num(r["memory"]),
+            "memory_split_bytes": {k: _num(v) for k, v in r["memory_split"].items()},
             "memory_limit_bytes": _num(r["memory_limit"]), "share": _num(r["share"]),
         })
     out: dict[str, Any] = {
@@ -183,6 +184,9 @@ def report(plan: Plan, *, plan_file: str | Path | None = None, files: dict[str, 
         "microbatches": plan.microbatches,
         "num_ranks": plan.num_ranks,
         "num_stages": plan.num_stages,
+        "data_parallel": plan.data_parallel,
+        "sharding": plan.sharding,
+        "sharding_weighed": dict(plan.sharding_weighed),
         "cluster": part.cluster.get("name"),
         "memory_limit_bytes": _num(part.memory_limit),
         "recompute_mode": part.recompute_mode,
@@ -264,7 +268,8 @@ def candidate_table(candidates: Sequence[Any], *, shapes: bool = False, title: s
     t = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD, show_edge=False,
               pad_edge=False)
     num = {"justify": "right", "no_wrap": True}
-    cols: list[tuple[str, dict[str, Any]]] = [("replicas x stages", num), ("placement", {})] if shapes else []
+    cols: list[tuple[str, dict[str, Any]]] = [("replicas x stages", num), ("placement", {}),
+                                              ("sharding", {"overflow": "fold", "max_width": 36})] if shapes else []
     cols += [("microbatches", num), ("schedule", {}), ("step time", num), ("samples/s", num), ("bubble", num),
              ("peak memory", num), ("fits", {}), ("proven", {}), ("recompute", {"overflow": "fold"}),
              ("why not", {"overflow": "fold", "max_width": 40})]
@@ -278,7 +283,7 @@ def candidate_table(candidates: Sequence[Any], *, shapes: bool = False, title: s
         rec = ", ".join(f"{n} {x}" for x, n in runs_of(c.recompute)) if c.recompute else "-"
         why = "" if p is not None else (c.reason if len(c.reason) <= 120 else c.reason[:117] + "...")
         row = [f"{c.shape.data_parallel} x {c.shape.stages}", p.placement if p is not None and
-               c.shape.data_parallel > 1 and c.shape.stages > 1 else "-"] if shapes else []
+               c.shape.data_parallel > 1 and c.shape.stages > 1 else "-", _sharding(p)] if shapes else []
         row += [str(c.shape.microbatches), c.shape.schedule, format_time(c.step_time) if p is not None else "-",
                 f"{c.samples_per_second:,.1f}" if p is not None else "-",
                 f"{p.bubble:.1%}" if p is not None else "-", peak,
@@ -286,6 +291,22 @@ def candidate_table(candidates: Sequence[Any], *, shapes: bool = False, title: s
                 "yes" if c.proven else "", rec, escape(why)]
         t.add_row(*row)
     return t
+
+
+def _sharding(plan: Plan | None) -> str:
+    """A candidate's sharding mode, and in short why not the others the planner weighed."""
+    if plan is None:
+        return "-"
+    others = [f"{mode} {_short(verdict)}" for mode, verdict in plan.sharding_weighed.items() if mode != plan.sharding]
+    return plan.sharding + (escape(f" [{', '.join(others)}]") if others else "")
+
+
+def _short(verdict: str) -> str:
+    """A sharding verdict in a word or two: "no fit", "1.04x", "pruned", "not weighed"."""
+    if verdict.startswith("fits, step "):
+        return verdict.split()[2]
+    word = {"does": "no fit", "pruned:": "pruned", "not": "not weighed"}.get(verdict.split()[0])
+    return word or (verdict if len(verdict) <= 40 else verdict[:37] + "...")
 
 
 def runs_of(choices: Sequence[str]) -> list[tuple[str, int]]:
@@ -346,7 +367,7 @@ def headline(plan: Plan, *, solved: Plan | None = None) -> list[str]:
     recompute = (f"recompute            {part.recompute_mode}: " + (
         ", ".join(f"stage {s.index} {s.recompute} (+{format_time(s.recompute_time)} per microbatch)"
                   for s in recomputing) if recomputing else "none on every stage"))
-    return [
+    lines = [
         f"predicted step time  {format_time(plan.step_time)}  ({plan.schedule_name}, {plan.microbatches} "
         f"microbatches, {plan.num_ranks} ranks)",
         f"bubble               {plan.bubble:.1%}",
@@ -357,6 +378,24 @@ def headline(plan: Plan, *, solved: Plan | None = None) -> list[str]:
         f"solver               {part.method}, {format_time(part.solve_seconds)}: {proven}; {limit}",
         recompute,
     ]
+    if plan.data_parallel > 1:
+        lines += sharding_lines(plan)
+    return lines
+
+
+def sharding_lines(plan: Plan) -> list[str]:
+    """How the replicas hold the state (and why that mode, when the planner chose it), and the fullest rank's
+    memory by what it holds."""
+    weighed = "; ".join(f"{mode}: {verdict}" for mode, verdict in plan.sharding_weighed.items()
+                        if mode != plan.sharding)
+    peak = max(range(plan.num_stages), key=lambda s: plan.partition.stages[s].memory)
+    split = plan.memory_split()[peak]
+    return [f"sharding             {plan.sharding} over {plan.data_parallel} replicas"
+            + (f" (chosen; {weighed})" if weighed else ""),
+            f"memory per rank      stage {peak}, the fullest: " + ", ".join(
+                f"{name} {format_bytes(split[key])}" for key, name in (
+                    ("parameters", "parameters"), ("gradients", "gradients"), ("optimizer", "optimizer state"),
+                    ("activations", "activations"), ("other", "other")))]
 
 
 def cut_table(plan: Plan) -> Table:
@@ -398,7 +437,7 @@ def plan_header(plan) -> str:
         cl = "none (free links)"
     where = (f"stages on {plan.num_ranks} ranks" if plan.data_parallel == 1 else
              f"stages on {plan.pipeline_ranks} ranks x {plan.data_parallel} replicas = {plan.num_ranks} ranks "
-             f"({plan.placement})")
+             f"({plan.placement}, sharding {plan.sharding})")
     cap = f" (at most {plan.active_microbatches} in flight)" if plan.active_microbatches is not None else ""
     return (f"[bold]{spec_name(m.name)}[/]: {len(plan.graph)} ops{params} → {plan.num_stages} "
             f"{where} · {plan.schedule_name}{cap} · {mb}{' per replica' if plan.data_parallel > 1 else ''}\n"
