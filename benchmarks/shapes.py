@@ -1,6 +1,7 @@
 """The shape the planner picks (replicas x stages x microbatches) against the usual rules, on H100 clusters.
 
 Run:  .venv/bin/python benchmarks/shapes.py [--write docs/benchmarks.md]
+      .venv/bin/python benchmarks/shapes.py --sharding [--write docs/benchmarks.md]
 
 Each model is a zoo GPT at real size built on the meta device and profiled analytically
 on the ``h100-sxm`` profile in bf16 (8 GPUs per node on NVLink, nodes on InfiniBand; fp32
@@ -129,6 +130,71 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+SHARDING_MODELS = {
+    "GPT 13B": MODELS["GPT 13B"],
+    # Llama-3-70B's width, depth, heads and vocabulary as a zoo GPT (4d MLP and full attention where Llama has a
+    # 3.5d SwiGLU and 8 KV heads): 66.6B parameters against Llama's 70.6B.
+    "Llama-3-70B-shaped": "gpt:layers=80,d_model=8192,heads=64,vocab=128256,seq_len=2048",
+}
+SHARDING_DEVICES = 64
+SHARDING_BATCH = 512
+SHARDING_SECTION = "## Sharded data parallelism inside the pipeline on 64 H100s"
+SHARDING_DOC = f"""Each model is built on the meta device and profiled analytically on ``h100-sxm`` in bf16, as above;
+``smp.plan_shapes`` weighs every D x P = {SHARDING_DEVICES} and microbatch count for a global batch of
+{SHARDING_BATCH} sequences of 2048 tokens twice: with ``sharding="none"`` (every replica holds its stage's
+whole state) and with ``sharding="auto"`` (each shape weighs none, shard_grad_op and full_shard,
+docs/sharding.md). Predicted samples per second of each search's fastest plan that fits in 80 GB,
+its shape, how many of its stages recompute activations, and the sharding chosen."""
+
+
+def run_sharding(name: str, spec: str) -> dict[str, Any]:
+    """The fastest plan with sharding weighed and the fastest without, for ``spec`` on 64 H100s."""
+    from partitioner.cluster import Cluster
+    from partitioner.compile import plan_from_graph, profile_model
+    from partitioner.request import PlanRequest
+    from partitioner.shapes import search_shapes
+    from smp.models import build
+
+    built = build(spec + ",batch=1", seed=0, meta=True)
+    graph, info = profile_model(built.model, built.example_args, None,
+                                PlanRequest.build(device_profile="h100-sxm", dtype="bf16"), microbatches=1)
+    cluster = Cluster.load("h100-sxm", devices=SHARDING_DEVICES)
+    row: dict[str, Any] = {"model": name, "spec": spec, "params": info.num_params, "devices": SHARDING_DEVICES,
+                           "global_batch": SHARDING_BATCH}
+    for sharding in ("none", "auto"):
+        t0 = time.perf_counter()
+        search = search_shapes(graph, PlanRequest(devices=SHARDING_DEVICES, global_batch=SHARDING_BATCH,
+                                                  cluster=cluster, sharding=sharding),
+                               profiled_batch=1, solve_plan=plan_from_graph, model_info=info)
+        best = search.candidates[0]
+        plan = best.plan
+        row[sharding] = None if plan is None else {
+            "data_parallel": best.shape.data_parallel, "stages": best.shape.stages,
+            "microbatches": best.shape.microbatches, "schedule": best.shape.schedule, "sharding": plan.sharding,
+            "samples_per_second": best.samples_per_second, "memory_bytes": best.memory,
+            "recomputing_stages": sum(r != "none" for r in plan.recompute), "search_s": time.perf_counter() - t0}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def sharding_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| model | without sharding: D x P, m (recomputing stages) | samples/s | with sharding weighed: "
+             "D x P, m, mode (recomputing stages) | samples/s | ratio |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        off, on = r["none"], r["auto"]
+
+        def shape(c: dict[str, Any], mode: bool) -> str:
+            return (f"{c['data_parallel']} x {c['stages']}, m={c['microbatches']}"
+                    + (f", {c['sharding']}" if mode else "") + f" ({c['recomputing_stages']} of {c['stages']})")
+
+        lines.append(f"| {r['model']} | {shape(off, False) if off else 'does not fit'} | "
+                     f"{off['samples_per_second']:.1f} | " if off else f"| {r['model']} | does not fit | - | ")
+        lines[-1] += (f"{shape(on, True)} | {on['samples_per_second']:.1f} | "
+                      + (f"{on['samples_per_second'] / off['samples_per_second']:.2f}x |" if off else "- |")
+                      if on else "does not fit | - | - |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python benchmarks/shapes.py", description=__doc__)
     ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
@@ -137,7 +203,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--write", type=Path, help="replace this benchmark's section of a markdown file")
     ap.add_argument("--resume", type=Path, help="the output of an interrupted run: its rows (the JSON lines this "
                                                 "script prints) are kept, the others computed")
+    ap.add_argument("--sharding", action="store_true", help=f"instead: {SHARDING_SECTION[3:]} (the plan with "
+                                                             "sharding weighed against the best without)")
     a = ap.parse_args(argv)
+    if a.sharding:
+        rows = [run_sharding(name, spec) for name, spec in SHARDING_MODELS.items()]
+        text = sharding_table(rows)
+        print(text)
+        out = ROOT / "benchmarks/results/sharding.json"
+        out.write_text(json.dumps(rows, indent=1) + "\n")
+        if a.write is not None:
+            write_section(a.write, SHARDING_SECTION, "`.venv/bin/python benchmarks/shapes.py --sharding --write "
+                          "docs/benchmarks.md` (written by the script; raw rows in `benchmarks/results/sharding.json`)."
+                          f"\n{SHARDING_DOC}\n\n{text}")
+        return
     done = {}
     if a.resume is not None:
         for line in a.resume.read_text().splitlines():
