@@ -123,16 +123,17 @@ class Arrivals:
         keys = {r: f"{self.scope}/arrived/{what}/{r}" for r in ranks}
         try:
             self.store.set(keys[self.rank], str(n))
+            waiting = [r for r in ranks if r != self.rank]
 
-            def arrived(r: int) -> bool:
-                return self.store.check([keys[r]]) and int(self.store.get(keys[r])) >= n
+            def all_arrived() -> bool:  # a count only grows: a rank seen arrived is not asked again
+                waiting[:] = [r for r in waiting if not (self.store.check([keys[r]])
+                                                         and int(self.store.get(keys[r])) >= n)]
+                return not waiting
 
-            if wait_watching(lambda: all(arrived(r) for r in ranks), seconds, self.note, self.rank,
-                             f"the other ranks at {what}"):
+            if wait_watching(all_arrived, seconds, self.note, self.rank, f"the other ranks at {what}") \
+                    or all_arrived():  # the last may have come as the deadline passed
                 return
-            absent = [r for r in ranks if not arrived(r)]
-            if not absent:  # the last came as the deadline passed
-                return
+            absent = list(waiting)
         except PipelineError:
             raise
         except Exception as err:  # noqa: BLE001 - the store's host died

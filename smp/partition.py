@@ -355,8 +355,7 @@ class PipelinedModel:
         the plan's), e.g. one per call of a step function; the pipeline must be partitioned (a first step, or
         :meth:`prepare`)."""
         self._need_loss()
-        with self._together.failing():
-            eng = self._engine_for(micro)
+        eng = self._engine_for(micro)  # a failure in the step is told by the engine (Engine._run_rank)
         if self.broadcast_buffers and self.dp_size > 1:
             self._broadcast_buffers()
         flat = micro.flat(eng.program.gm)
@@ -425,10 +424,9 @@ class PipelinedModel:
     def forward_microbatches(self, micro: Microbatches) -> list[Any] | None:
         """Each microbatch's output of a forward-only pass (no gradients) on the rank holding the output stage
         (every rank in one process); None on the others. The pipeline must be partitioned."""
-        with self._together.failing():
-            eng = self._engine_for(micro)
-            with torch.no_grad():
-                _, outputs = eng.run(micro.flat(eng.program.gm), None, None, training=False)
+        eng = self._engine_for(micro)
+        with torch.no_grad():
+            _, outputs = eng.run(micro.flat(eng.program.gm), None, None, training=False)
         return outputs or None
 
     def _need_loss(self) -> None:
@@ -437,13 +435,11 @@ class PipelinedModel:
                                      "(a function (output, target) -> scalar tensor)")
 
     def _cut(self, args: tuple, kwargs: dict, target: Any = None) -> Microbatches:
-        """The batch cut into the plan's microbatches (runtime.batch, the one place that cuts); a batch only this
-        rank cannot cut fails together."""
-        with self._together.failing():
-            try:
-                return Microbatches.cut(args, kwargs, self._plan.microbatches, target)  # type: ignore[union-attr]
-            except MicrobatchError as err:
-                raise RuntimeConfigError(str(err)) from None
+        """The batch cut into the plan's microbatches (runtime.batch, the one place that cuts)."""
+        try:
+            return Microbatches.cut(args, kwargs, self._plan.microbatches, target)  # type: ignore[union-attr]
+        except MicrobatchError as err:
+            raise RuntimeConfigError(str(err)) from None
 
     def _engine_for(self, micro: Microbatches) -> Engine:
         """The engine of the current mode, for as many microbatches as the plan's."""
