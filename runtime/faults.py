@@ -35,10 +35,9 @@ class FailureNote:
         self.key = f"{scope}/failure"
 
     def publish(self, message: str) -> None:
-        """Record ``message`` unless a rank already recorded its own."""
+        """Record ``message`` unless a rank already recorded its own (one atomic compare-and-set)."""
         try:
-            if not self.store.check([self.key]):
-                self.store.set(self.key, message)
+            self.store.compare_set(self.key, "", message)
         except Exception:  # noqa: BLE001 - the store may be gone with its host; nothing more to tell
             pass
 
