@@ -10,21 +10,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .errors import PipelineError
+from .faults import FailureNote
 from .teardown import destroy_groups_at_exit, mark_failed
 
-__all__ = ["PipelineError", "Comm", "LocalComm", "Pending", "FAILURE_KEY"]
+__all__ = ["Comm", "LocalComm", "Pending"]
 
-#: Store key where the first rank that fails writes why; the others read it when they stop.
-FAILURE_KEY = "smp/pipeline_failure"
-
-
-class PipelineError(RuntimeError):
-    """A pipeline step could not complete: a peer died, hung or raised; the message names the rank."""
-
-    def __init__(self, message: str, *, rank: int | None = None, peer: int | None = None) -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.peer = peer
+#: The tag of the receive that :meth:`Comm.sever` posts and abandons (no transfer ever uses it).
+_SEVER_TAG = 2**31 - 7
 
 
 @dataclass
@@ -55,22 +48,21 @@ class Comm:
     global ranks.
 
     A failed wait raises :class:`PipelineError` naming the peer. The first rank to fail
-    writes its reason to the rendezvous store; the others report that root cause. A
-    rank whose process dies closes its gloo connections, so peers blocked on it fail at
-    once; a rank that hangs is detected by the timeout.
+    writes its reason on the pipeline's ``note`` (runtime/faults.py); the others report that
+    root cause. A rank whose process dies closes its gloo connections, so peers blocked on it
+    fail at once; a rank that fails and lives on closes them itself (:meth:`sever`); a rank
+    that hangs is detected by the timeout.
     """
 
     def __init__(self, rank: int, timeout: float, stage_of_rank: Sequence[Sequence[int]] = (),
-                 global_ranks: Sequence[int] | None = None) -> None:
+                 global_ranks: Sequence[int] | None = None, note: FailureNote | None = None) -> None:
         self.rank = rank
         self.timeout = float(timeout)
         self.stage_of_rank = [list(s) for s in stage_of_rank]
         self.global_ranks = list(global_ranks) if global_ranks is not None else list(range(len(self.stage_of_rank)))
         self.me = self.global_ranks[rank] if rank < len(self.global_ranks) else rank
-        try:
-            self.store = dist.distributed_c10d._get_default_store()
-        except Exception:  # noqa: BLE001 - a custom init without a store: failures are still named locally
-            self.store = None
+        self.note = note
+        self.groups: list[Any] = []  # the groups of the collectives started here: severed with the default one
         destroy_groups_at_exit()
 
     # ------------------------------------------------------------------ transfers
@@ -102,6 +94,8 @@ class Comm:
     def _collective(self, start: Callable[[], Any], tensor: torch.Tensor, group: Any, what: str) -> Pending:
         """Launch a collective over ``group``: a peer already gone fails here, named, as it would in the wait."""
         others = tuple(r for r in dist.get_process_group_ranks(group) if r != self.me)
+        if not any(g is group for g in self.groups):
+            self.groups.append(group)
         pending = Pending([], [tensor], what, -1, others)
         try:
             pending.works.append(start())
@@ -152,32 +146,45 @@ class Comm:
         if cause is None:
             self.report_failure(desc)
             return PipelineError(f"pipeline step failed: {desc}", rank=self.rank, peer=peer)
+        self.sever()  # the peers blocked on this rank learn it now too
         return PipelineError(f"pipeline step failed: {cause} (seen on rank {self.me}: {desc})",
                              rank=self.rank, peer=peer)
 
     # ------------------------------------------------------------------ failure notes
 
     def report_failure(self, message: str) -> None:
-        """Record why the pipeline stopped (first writer wins), so that the other ranks can say it."""
+        """Record why the pipeline stopped (first writer wins), so that the other ranks can say it, and close this
+        rank's connections so that a peer blocked on it fails now, not after the timeout."""
         mark_failed()
-        if self.store is None:
-            return
-        try:
-            if not self.store.check([FAILURE_KEY]):
-                self.store.set(FAILURE_KEY, message)
-        except Exception:  # noqa: BLE001 - the store may be gone with its host; nothing more to tell
-            pass
+        if self.note is not None:
+            self.note.publish(message)
+        self.sever()
 
     def failure(self) -> str | None:
         """The root cause another rank recorded, if any."""
-        if self.store is None:
-            return None
-        try:
-            if self.store.check([FAILURE_KEY]):
-                return self.store.get(FAILURE_KEY).decode(errors="replace")
-        except Exception:  # noqa: BLE001
-            return None
-        return None
+        return self.note.read() if self.note is not None else None
+
+    def sever(self) -> None:
+        """Close this rank's gloo connections (the default group's, and those of the groups of its collectives):
+        every peer blocked on a transfer with it fails at once with a closed connection, and reads the cause.
+
+        A gloo wait that times out closes its connections; a receive no one will ever match, waited for 1 ms, is
+        that. The groups are of no further use after a failure. An NCCL group refuses the CPU tensor: its peers
+        still see the failure when this process exits, or after the timeout.
+        """
+        tiny = datetime.timedelta(milliseconds=1)
+        for group in [None, *self.groups]:
+            try:
+                peers = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+            except Exception:  # noqa: BLE001 - the groups are gone (destroyed at exit)
+                return
+            for peer in peers:
+                if peer == self.me:
+                    continue
+                try:  # the first closes the group's connections (gloo); the others then fail at once
+                    dist.irecv(torch.empty(1), peer, group=group, tag=_SEVER_TAG).wait(timeout=tiny)
+                except Exception:  # noqa: BLE001 - the expected timeout, or a connection already closed
+                    pass
 
 
 def _ranks_text(ranks: Sequence[int]) -> str:

@@ -15,8 +15,8 @@ from partitioner.buckets import gradient_buckets
 from partitioner.ir import Action, ActionKind, Schedule, ScheduleError
 from partitioner.timeline import Timeline, TimelineEvent
 from partitioner.walk import validate, walk
-from runtime.comm import Comm, LocalComm, Pending, PipelineError
-from runtime.errors import RuntimeConfigError
+from runtime.comm import Comm, LocalComm, Pending
+from runtime.errors import PipelineError, RuntimeConfigError
 from runtime.precision import Precision
 from runtime.program import Ownership, Program
 from runtime.recompute import forward_for_recompute, recompute

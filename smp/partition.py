@@ -26,9 +26,10 @@ from partitioner.trace import trace
 from runtime.batch import Microbatches, join_outputs
 from runtime.checkpoint import (CheckpointError, MissingStateError, load_pipeline, merge_partial_states, open_weights,
                                 save_pipeline)
-from runtime.comm import Comm, PipelineError
+from runtime.comm import Comm
 from runtime.engine import Engine
-from runtime.errors import RuntimeConfigError
+from runtime.errors import PipelineError, RuntimeConfigError
+from runtime.faults import ARRIVAL_DEADLINE, FailTogether
 from runtime.gradients import global_grad_norm
 from runtime.layout import ReplicaLayout
 from runtime.materialize import MaterializeError, materialize
@@ -47,7 +48,7 @@ DEFAULT_TIMEOUT = 300.0
 def partition(model: nn.Module, **options: Any) -> PipelinedModel:
     """Wrap ``model`` so that ``step()`` trains it as a pipeline over the ranks of the default process group.
 
-    The options are :class:`PipelinedModel`'s (``plan``, ``loss_fn``, ``timeout``, ``device``,
+    The options are :class:`PipelinedModel`'s (``plan``, ``loss_fn``, ``timeout``, ``arrival_deadline``, ``device``,
     ``checkpoint``, ``init_fn``, ``init_seed``, ``broadcast_output``, ``broadcast_buffers``,
     ``precision``, ``grad_scaler``) and the planning request's (``request``, or its fields:
     ``stages``, ``microbatches``, ``schedule``, ``cluster``, ``memory_limit``, ``placement``,
@@ -102,7 +103,9 @@ class PipelinedModel:
     first ``step()`` (or call, or ``prepare()``) from that batch: rank 0 plans (measured
     profiling differs between ranks) and broadcasts the plan; every rank traces the model
     itself and checks the plan's fingerprint. With ``plan=...`` a planning option given
-    too must agree with the plan. ``timeout`` (seconds) bounds every wait on a peer.
+    too must agree with the plan. ``timeout`` (seconds) bounds every wait on a peer. A failure on any
+    rank makes the others raise it at once (:class:`PipelineError` "rank 0 failed: ..."); a collective
+    call names a rank that did not enter it within ``arrival_deadline`` seconds (runtime/faults.py).
 
     Placement and weights: this rank's stages run on ``device`` (default ``cuda:LOCAL_RANK``
     with a GPU, else where the model is; CPU for a model on the meta device); only the
@@ -129,7 +132,8 @@ class PipelinedModel:
 
     def __init__(self, model: nn.Module, *, plan: Plan | str | Path | None = None,
                  request: PlanRequest | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-                 timeout: float = DEFAULT_TIMEOUT, device: str | torch.device | None = None,
+                 timeout: float = DEFAULT_TIMEOUT, arrival_deadline: float = ARRIVAL_DEADLINE,
+                 device: str | torch.device | None = None,
                  checkpoint: str | Path | None = None, init_fn: Callable[[nn.Module], None] | None = None,
                  init_seed: int = 0, broadcast_output: bool = False, broadcast_buffers: bool = True,
                  precision: str = "fp32", grad_scaler: PipelineGradScaler | None = None, **planning: Any) -> None:
@@ -139,7 +143,6 @@ class PipelinedModel:
         self.loss_fn = loss_fn
         self.timeout = float(timeout)
         self.device = _resolve_device(device, model)
-        self.checkpoint = open_weights(checkpoint) if checkpoint is not None else None
         self.init_fn = init_fn
         self.init_seed = int(init_seed)
         self.broadcast_output = bool(broadcast_output)
@@ -164,6 +167,11 @@ class PipelinedModel:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
+        self._together = FailTogether(self.rank, self.world_size, timeout=self.timeout,
+                                      arrival_deadline=float(arrival_deadline), distributed=self.distributed)
+        self._setup: _SetUp | None = None
+        with self._together.failing():  # the file may be missing or damaged on this rank's machine only
+            self.checkpoint = open_weights(checkpoint) if checkpoint is not None else None
         if isinstance(plan, (str, Path)):
             plan = Plan.load(plan)
         self._plan: Plan | None = plan
@@ -182,7 +190,6 @@ class PipelinedModel:
             raise RuntimeConfigError(f"data_parallel={given['data_parallel']!r} disagrees with the world: "
                                      f"{self.world_size} ranks of {self.stages} stages run {self.layout.dp_size} "
                                      "replicas; drop data_parallel= (the world size decides it)")
-        self._setup: _SetUp | None = None
         self._engine: Engine | None = None  # the engine of the last mode used
         self._engines: dict[bool, Engine] = {}
         release_at_exit(self._release_groups)
@@ -223,20 +230,23 @@ class PipelinedModel:
 
     def _ensure(self, args: tuple, kwargs: dict, first: tuple[tuple, dict] | None = None) -> Engine:
         """The engine of the module's current mode (a trace records train/eval behaviour), built on first use
-        from the batch ``args, kwargs`` (or, with a plan, from its ``first`` microbatch)."""
-        if self._setup is None:
-            self._setup = self._set_up(args, kwargs, first)
+        from the batch ``args, kwargs`` (or, with a plan, from its ``first`` microbatch); the ranks meet after it."""
         mode = self.module.training
         engine = self._engines.get(mode)
         if engine is None:
+            with self._together.failing():
+                if self._setup is None:
+                    self._setup = self._set_up(args, kwargs, first)
             setup = self._setup
             program = setup.programs.get(mode)
-            if program is None:
-                raise RuntimeConfigError(f"the model cannot run in {'train' if mode else 'eval'} mode as partitioned: "
-                                         f"{setup.errors[mode]}")
-            engine = Engine(program, setup.ownership, rank=self.pp_rank, comm=setup.comm, device=setup.device,
-                            example_flat=setup.example_flat[mode], dp_group=self.layout.dp_group,
-                            dp_size=self.layout.dp_size, precision=self.precision)
+            if program is None:  # the same on every rank (one trace): the pipeline still runs in the other mode
+                raise RuntimeConfigError(f"the model cannot run in {'train' if mode else 'eval'} mode as "
+                                         f"partitioned: {setup.errors[mode]}")
+            with self._together.failing():
+                engine = Engine(program, setup.ownership, rank=self.pp_rank, comm=setup.comm, device=setup.device,
+                                example_flat=setup.example_flat[mode], dp_group=self.layout.dp_group,
+                                dp_size=self.layout.dp_size, precision=self.precision)
+            self._together.meet_after_setup()
             self._engines[mode] = engine
         self._engine = engine
         return engine
@@ -291,7 +301,8 @@ class PipelinedModel:
             raise RuntimeConfigError(f"rank {self.rank}: {err}") from None
         ownership.rekey(replaced)
         comm = Comm(self.pp_rank, self.timeout, [plan.schedule.stages_of(r) for r in range(plan.pipeline_ranks)],
-                    global_ranks=self.layout.pp_ranks) if self.distributed else None
+                    global_ranks=self.layout.pp_ranks, note=self._together.note) if self.distributed else None
+        self._together.comm = comm
         return _SetUp(programs, errors, ownership, comm, self.device, flat)
 
     def _make_plan(self, args: tuple, kwargs: dict) -> Plan:
@@ -306,7 +317,7 @@ class PipelinedModel:
                 return make_plan(self.module, args, kwargs, request)
 
         store = dist.distributed_c10d._get_default_store() if self.distributed else None
-        return plan_on_rank0(build, rank=self.rank, store=store, timeout=self.timeout)
+        return plan_on_rank0(build, rank=self.rank, store=store, timeout=self.timeout, note=self._together.note)
 
     def prepare(self, *args: Any, **kwargs: Any) -> PipelinedModel:
         """Partition now, on this sample batch (plan, trace, keep and materialize this rank's stages), without a step.
@@ -314,7 +325,8 @@ class PipelinedModel:
         For what needs this rank's parameters before the first step: an optimizer that
         holds only them, ``load_checkpoint``. Every rank must call it (planning may broadcast).
         """
-        self._ensure(args, kwargs)
+        with self._together.collective("prepare()", "call it on every rank"):
+            self._ensure(args, kwargs)
         return self
 
     def prepare_microbatches(self, micro: Microbatches) -> PipelinedModel:
@@ -322,7 +334,8 @@ class PipelinedModel:
         if self._plan is None:
             raise RuntimeConfigError("prepare_microbatches() partitions by a plan made already: pass plan=... to "
                                      "smp.partition, or prepare(*batch) to plan on the whole batch")
-        self._ensure((), {}, first=micro.inputs[0])
+        with self._together.collective("prepare_microbatches()", "call it on every rank"):
+            self._ensure((), {}, first=micro.inputs[0])
         return self
 
     # ------------------------------------------------------------------ running
@@ -342,7 +355,7 @@ class PipelinedModel:
         the plan's), e.g. one per call of a step function; the pipeline must be partitioned (a first step, or
         :meth:`prepare`)."""
         self._need_loss()
-        eng = self._engine_for(micro)
+        eng = self._engine_for(micro)  # a failure in the step is told by the engine (Engine._run_rank)
         if self.broadcast_buffers and self.dp_size > 1:
             self._broadcast_buffers()
         flat = micro.flat(eng.program.gm)
@@ -393,15 +406,17 @@ class PipelinedModel:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Forward-only pipelined pass (no gradients). The output is returned on the rank holding the
-        output stage (every rank in a single process); the other ranks get None."""
-        self._ensure(args, kwargs)
-        outputs = self.forward_microbatches(self._cut(args, kwargs))
-        output = join_outputs(outputs) if outputs else None
-        if self.broadcast_output and self.distributed:
-            box = [output]
-            dist.broadcast_object_list(box, src=self.layout.pp_ranks[self._engine.out_rank],  # type: ignore[union-attr]
-                                       group=self.layout.pp_group)
-            output = box[0]
+        output stage (every rank in a single process); the other ranks get None. A collective."""
+        with self._together.collective("pipe(x)", "call it on every rank: its output comes back on the rank "
+                                                  "holding the last stage (on every rank with broadcast_output=True)"):
+            self._ensure(args, kwargs)
+            outputs = self.forward_microbatches(self._cut(args, kwargs))
+            output = join_outputs(outputs) if outputs else None
+            if self.broadcast_output and self.distributed:
+                box = [output]
+                dist.broadcast_object_list(box, src=self.layout.pp_ranks[self._engine.out_rank],  # type: ignore[union-attr]
+                                           group=self.layout.pp_group)
+                output = box[0]
         return output
 
     forward = __call__
@@ -491,17 +506,18 @@ class PipelinedModel:
                  if isinstance(v, torch.Tensor) and not v.is_meta}
         if not self.distributed:
             return local
-        if not self.layout.is_first_replica:
-            return {}
-        first = self.layout.pp_ranks[0]
-        gathered: list[Any] | None = [None] * self.layout.pp_size if self.rank == first else None
-        dist.gather_object(local, gathered, dst=first, group=self.layout.pp_group)
-        if self.rank != first:
-            return {}
-        try:
-            return merge_partial_states(gathered or [], list(self.module.state_dict().keys()))
-        except MissingStateError as err:
-            raise PipelineError(f"state_dict: {err}") from None
+        with self._together.collective("state_dict()", "call it on every rank, then save on rank 0"):
+            if not self.layout.is_first_replica:
+                return {}
+            first = self.layout.pp_ranks[0]
+            gathered: list[Any] | None = [None] * self.layout.pp_size if self.rank == first else None
+            dist.gather_object(local, gathered, dst=first, group=self.layout.pp_group)
+            if self.rank != first:
+                return {}
+            try:
+                return merge_partial_states(gathered or [], list(self.module.state_dict().keys()))
+            except MissingStateError as err:
+                raise PipelineError(f"state_dict: {err}") from None
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
         """Load a full (unpartitioned) state dict: each rank copies the entries it holds."""
@@ -539,8 +555,9 @@ class PipelinedModel:
         uninterrupted one would.
         """
         state, names = self._local_state("save_checkpoint()")
-        save_pipeline(directory, {k: v.detach() for k, v in state.items()}, optimizer, names,
-                      scaler_state=self.grad_scaler.state_dict() if self.grad_scaler is not None else None)
+        with self._together.collective("save_checkpoint()", "call it on every rank: each writes its own tensors"):
+            save_pipeline(directory, {k: v.detach() for k, v in state.items()}, optimizer, names,
+                          scaler_state=self.grad_scaler.state_dict() if self.grad_scaler is not None else None)
 
     def load_checkpoint(self, directory: str | Path, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Read this rank's tensors (and its parameters' optimizer state) from ``save_checkpoint``'s directory.
@@ -550,12 +567,13 @@ class PipelinedModel:
         (saved under fp16); otherwise the scaler keeps its own.
         """
         state, names = self._local_state("load_checkpoint()")
-        try:
-            scaler_state = load_pipeline(directory, state, optimizer, names)
-        except CheckpointError as err:
-            raise RuntimeConfigError(f"rank {self.rank}: {err}") from None
-        if scaler_state is not None and self.grad_scaler is not None:
-            self.grad_scaler.load_state_dict(scaler_state)
+        with self._together.collective("load_checkpoint()", "call it on every rank: each reads its own tensors"):
+            try:
+                scaler_state = load_pipeline(directory, state, optimizer, names)
+            except CheckpointError as err:
+                raise RuntimeConfigError(f"rank {self.rank}: {err}") from None
+            if scaler_state is not None and self.grad_scaler is not None:
+                self.grad_scaler.load_state_dict(scaler_state)
 
     # ------------------------------------------------------------------ gradients
 
@@ -567,7 +585,8 @@ class PipelinedModel:
         mine = [p for p in self.parameters() if p.grad is not None
                 and (not self.distributed or min(setup.ownership.holders.get(id(p), {self.pp_rank})) == self.pp_rank)]
         group = self.layout.pp_group if self.distributed else None  # the replicas' gradients are the same
-        total = global_grad_norm([p.grad for p in mine], float(norm_type), group)
+        with self._together.collective("clip_grad_norm_()", "call it on every rank, after step()"):
+            total = global_grad_norm([p.grad for p in mine], float(norm_type), group)
         clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in self.parameters():
             if p.grad is not None:

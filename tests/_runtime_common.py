@@ -147,7 +147,7 @@ def fault_worker(rank: int, world: int, *, spec: str, plan: dict, victim: int, h
     if rank == victim:
         eng = pipe._engine
         calls = {"n": 0}
-        original = eng.program.stages[next(iter(eng.program.stages))].gm.forward
+        original = eng.split.stages[next(iter(eng.split.stages))].gm.forward
 
         def dying(*args: Any, **kwargs: Any) -> Any:
             calls["n"] += 1
@@ -157,7 +157,7 @@ def fault_worker(rank: int, world: int, *, spec: str, plan: dict, victim: int, h
                 raise ValueError("injected failure")
             return original(*args, **kwargs)
 
-        eng.program.stages[next(iter(eng.program.stages))].gm.forward = dying
+        eng.split.stages[next(iter(eng.split.stages))].gm.forward = dying
     import time
 
     start = time.monotonic()

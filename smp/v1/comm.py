@@ -6,7 +6,6 @@ configured ``timeout``: a rank that never comes is named (v1 hung instead).
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Sequence
 from enum import Enum
 from typing import Any
@@ -15,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from runtime.faults import NotArrived
 from smp.v1.errors import V1Error
 from smp.v1.state import State, current
 
@@ -74,21 +74,12 @@ def rendezvous(what: str, ranks: Sequence[int], state: State | None = None) -> N
     st = state or current()
     if len(ranks) <= 1:
         return
-    key = st.next_key(what)
-    st.store.set(f"{key}/{st.topology.rank}", "1")
+    assert st.arrivals is not None  # made by smp.init with the process group
     try:
-        st.store.wait([f"{key}/{r}" for r in ranks], datetime.timedelta(seconds=st.config.timeout))
-    except Exception as err:  # noqa: BLE001 - a timeout, or the store's host died
-        try:
-            absent = [r for r in ranks if not st.store.check([f"{key}/{r}"])]
-        except Exception:  # noqa: BLE001 - the store is gone with rank 0
-            raise V1Error(f"{what} is a collective over ranks {list(ranks)}: the rendezvous store is gone "
-                          f"({err}); rank 0 exited or crashed") from None
-        if not absent:
-            raise
-        raise V1Error(f"{what} is a collective over ranks {list(ranks)}: rank{'s' if len(absent) > 1 else ''} "
-                      f"{', '.join(map(str, absent))} did not call it within {st.config.timeout:g} s. Call it on "
-                      "every one of those ranks (v1 hung here instead)") from None
+        st.arrivals.meet(what, ranks, st.config.timeout)
+    except NotArrived as err:
+        tail = ". Call it on every one of those ranks (v1 hung here instead)" if err.absent else ""
+        raise V1Error(f"{what} is a collective over ranks {list(ranks)}: {err}{tail}") from None
 
 
 def gather_objects(what: str, obj: Any, ranks: Sequence[int], state: State | None = None) -> list[Any]:

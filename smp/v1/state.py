@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from runtime.faults import Arrivals
 from runtime.teardown import destroy_groups_at_exit, release_at_exit
 from smp.v1.config import V1Config, load_config
 from smp.v1.errors import V1Error
@@ -22,7 +23,8 @@ __all__ = ["State", "init", "is_initialized", "current"]
 @dataclass
 class State:
     """What ``smp.init`` set up: ``group`` is a gloo group over every rank for object collectives (None alone);
-    ``store`` is the rendezvous store (bounded waits that name an absent rank); ``gloo_groups`` and
+    ``store`` is the rendezvous store, ``arrivals`` the checks on it that every rank entered a collective (bounded
+    waits that name an absent rank); ``gloo_groups`` and
     ``process_groups`` hold, for the ranks of every model replica (mp group) and of every partition's
     replicas (dp group), a gloo group (object collectives) and a group of the default backend (the script's).
     ``model`` and ``optimizer`` are the script's DistributedModel and DistributedOptimizer (typed by their base
@@ -34,6 +36,7 @@ class State:
     topology: Topology
     group: Any = None
     store: Any = None
+    arrivals: Arrivals | None = None
     gloo_groups: dict[tuple[int, ...], Any] = field(default_factory=dict)
     process_groups: dict[tuple[int, ...], Any] = field(default_factory=dict)
     model: nn.Module | None = None
@@ -82,6 +85,7 @@ def init(config: dict[str, Any] | None = None) -> None:
     state = State(cfg, launch, topo, generation=_generation)
     if launch.world > 1:
         state.group, state.store = _join(launch, cfg.timeout)
+        state.arrivals = Arrivals(state.store, f"smp.v1/{_generation}", launch.rank)
         state.gloo_groups, state.process_groups = _subgroups(cfg, launch.world, state.group, cfg.timeout)
         destroy_groups_at_exit()  # v1 scripts never destroy them; exiting with them alive can abort
         release_at_exit(state.release_groups)
