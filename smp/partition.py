@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -37,11 +36,10 @@ from runtime.precision import PipelineGradScaler, Precision
 from runtime.program import Ownership, Program, program_for
 from runtime.split import SplitError
 from runtime.teardown import release_at_exit
+from smp.launch import DEFAULT_TIMEOUT, init_distributed, launched_by_torchrun, local_gpu
 from smp.rank0_plan import plan_on_rank0
 
 __all__ = ["partition", "PipelinedModel", "PipelineError", "RuntimeConfigError"]
-
-DEFAULT_TIMEOUT = 300.0
 
 
 def partition(model: nn.Module, **options: Any) -> PipelinedModel:
@@ -56,30 +54,13 @@ def partition(model: nn.Module, **options: Any) -> PipelinedModel:
     return PipelinedModel(model, **options)
 
 
-def _init_from_launcher(device: torch.device, timeout: float) -> None:
-    """Join the default process group when a launcher (torchrun) started this process and nobody did yet.
-
-    torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; a script that does not
-    call ``init_process_group`` itself gets NCCL when its stages run on a GPU and gloo
-    otherwise, with ``timeout`` on the group's collectives.
-    """
-    if not dist.is_available() or dist.is_initialized():
-        return
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_ADDR" not in os.environ:
-        return
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout))
-
-
 def _resolve_device(device: str | torch.device | None, model: nn.Module) -> torch.device:
     """Where this rank's stages run: ``device``, else ``cuda:LOCAL_RANK`` when there is a GPU, else the model's."""
-    local = int(os.environ.get("LOCAL_RANK", "0"))
     if device is not None:
         d = torch.device(device)
-        return torch.device("cuda", local) if d.type == "cuda" and d.index is None else d
+        return local_gpu() if d.type == "cuda" and d.index is None else d
     if torch.cuda.is_available():
-        return torch.device("cuda", local)
+        return local_gpu()
     return _model_device(model)
 
 
@@ -160,7 +141,8 @@ class PipelinedModel:
         if self.request.searching:
             raise RuntimeConfigError("smp.partition runs one pipeline shape: fix stages and microbatches (or choose "
                                      "them first with smp.plan(..., devices=N) and pass plan=...)")
-        _init_from_launcher(self.device, self.timeout)
+        if dist.is_available() and launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:  # not joined yet
+            init_distributed(timeout=self.timeout, device=self.device)
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
