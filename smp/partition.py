@@ -510,7 +510,8 @@ class PipelinedModel:
                  if i in setup.ownership.canonical}
         return state, names
 
-    def save_checkpoint(self, directory: str | Path, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def save_checkpoint(self, directory: str | Path, optimizer: torch.optim.Optimizer | None = None, *,
+                        step: int | None = None) -> None:
         """Every rank writes its own tensors (and its optimizer's state), in parallel, to one checkpoint directory.
 
         A collective. Names are the original model's, so the checkpoint loads into a
@@ -518,26 +519,34 @@ class PipelinedModel:
         ``smp.partition``) and converts to one file for the unpartitioned model
         (``smp.consolidate_checkpoint``). Written with torch.distributed.checkpoint. Under
         ``precision="fp16"`` the loss scaler's state goes with it, so a resumed run scales as the
-        uninterrupted one would.
+        uninterrupted one would. For an exact resume it also records ``step`` (the steps done;
+        ``smp.latest_checkpoint`` finds the highest) and each rank's random generators. The
+        directory appears only once every rank has written its part: a rank that dies while
+        saving leaves no checkpoint under that name (an older one of that name stays whole).
         """
         state, names = self._local_state("save_checkpoint()")
         save_pipeline(directory, {k: v.detach() for k, v in state.items()}, optimizer, names,
-                      scaler_state=self.grad_scaler.state_dict() if self.grad_scaler is not None else None)
+                      scaler_state=self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
+                      step=step, device=self.device)
 
-    def load_checkpoint(self, directory: str | Path, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Read this rank's tensors (and its parameters' optimizer state) from ``save_checkpoint``'s directory.
+    def load_checkpoint(self, directory: str | Path, optimizer: torch.optim.Optimizer | None = None) -> int | None:
+        """Read this rank's tensors (and its parameters' optimizer state) from ``save_checkpoint``'s directory; returns
+        the ``step`` it was saved with (None when saved without one).
 
         The checkpoint may come from any number of stages; each rank reads only its keys. Under
         ``precision="fp16"`` the loss scaler's state is restored where the checkpoint has one
-        (saved under fp16); otherwise the scaler keeps its own.
+        (saved under fp16); otherwise the scaler keeps its own. Saved by as many ranks as
+        there are now, each rank's random generators are put back as they were at the save.
         """
         state, names = self._local_state("load_checkpoint()")
         try:
-            scaler_state = load_pipeline(directory, state, optimizer, names)
+            restored = load_pipeline(directory, state, optimizer, names, rank=self.rank, world_size=self.world_size,
+                                     device=self.device)
         except CheckpointError as err:
             raise RuntimeConfigError(f"rank {self.rank}: {err}") from None
-        if scaler_state is not None and self.grad_scaler is not None:
-            self.grad_scaler.load_state_dict(scaler_state)
+        if restored.scaler_state is not None and self.grad_scaler is not None:
+            self.grad_scaler.load_state_dict(restored.scaler_state)
+        return restored.step
 
     # ------------------------------------------------------------------ gradients
 
