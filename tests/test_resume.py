@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,30 +22,60 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "resume_after_failure.py"
 
 
-def _torchrun(ranks: int, *args: str) -> tuple[str, dict[str, Any]]:
-    """Run the example under ``torchrun --max-restarts 1`` (c10d rendezvous on a free port); its stdout and result."""
+@dataclass
+class _Run:
+    """One torchrun job of the example, started in a session of its own: its process, log and result file."""
+
+    proc: subprocess.Popen[bytes]
+    log: Path
+    out: Path
+
+    def stop(self) -> None:
+        """Kill the job (agent and ranks) if it is still running."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def finish(self) -> tuple[str, dict[str, Any]]:
+        """Wait for the job; its output and what its rank 0 saved."""
+        try:
+            self.proc.wait(timeout=600)
+        finally:
+            self.stop()
+        text = self.log.read_text()
+        assert self.proc.returncode == 0, text[-6000:]
+        return text, torch.load(self.out, weights_only=True)
+
+
+def _torchrun(ranks: int, folder: Path, *args: str) -> _Run:
+    """Start the example under ``torchrun --max-restarts 1`` (c10d rendezvous on a free port), writing in ``folder``."""
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    out = Path(args[args.index("--checkpoints") + 1]).parent / f"result-{port}.pt"
+    folder.mkdir(parents=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-                           "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}",
-                           str(EXAMPLE), *args, "--out", str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    return done.stdout, torch.load(out, weights_only=True)
+    with open(folder / "log.txt", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+                                 "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                                 f"localhost:{port}", str(EXAMPLE), "--checkpoints", str(folder / "ckpt"), *args,
+                                 "--out", str(folder / "result.pt")],
+                                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+    return _Run(proc, folder / "log.txt", folder / "result.pt")
 
 
 def _check_resumes_exactly(tmp_path: Path, ranks: int, *options: str, kill_at: int, kill_rank: int) -> None:
-    """The same job uninterrupted and with ``kill_rank`` killed after step ``kill_at``: the restarted attempt resumes
-    from the last checkpoint before the kill, and every loss from there and every final weight are bit for bit
-    the uninterrupted run's."""
+    """The same job uninterrupted and with ``kill_rank`` killed after step ``kill_at`` (both at once): the restarted
+    attempt resumes from the last checkpoint before the kill, and every loss from there and every final weight
+    are bit for bit the uninterrupted run's."""
     steps, every = 6, 2
     common = ["--steps", str(steps), "--save-every", str(every), *options]
-    _, whole = _torchrun(ranks, "--checkpoints", str(tmp_path / "whole" / "ckpt"), *common)
-    log, cut = _torchrun(ranks, "--checkpoints", str(tmp_path / "cut" / "ckpt"), *common,
-                         "--kill-at", str(kill_at), "--kill-rank", str(kill_rank))
+    runs = [_torchrun(ranks, tmp_path / "whole", *common),
+            _torchrun(ranks, tmp_path / "cut", *common, "--kill-at", str(kill_at), "--kill-rank", str(kill_rank))]
+    try:
+        (_, whole), (log, cut) = (run.finish() for run in runs)
+    finally:
+        for run in runs:
+            run.stop()
     resumed_at = kill_at - kill_at % every
     assert f"attempt 1: resuming from step-{resumed_at} (step {resumed_at})" in log, log
     assert re.search(rf"attempt 0 step {kill_at}:", log) and not re.search(rf"attempt 0 step {kill_at + 1}:", log)
