@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import smp  # noqa: E402
 from smp.models import build  # noqa: E402
 from smp.partition import partition  # noqa: E402
 
@@ -27,8 +27,8 @@ def main() -> None:
     ap.add_argument("--save", default=None, help="write the full state dict here (rank 0)")
     args = ap.parse_args()
 
-    if "RANK" in os.environ:  # launched by torchrun
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    if "RANK" in os.environ:  # launched by torchrun; joined here (not left to smp.partition) to know the rank
+        smp.init_distributed("gloo", timeout=120)
         torch.set_num_threads(1)
     rank = dist.get_rank() if dist.is_initialized() else 0
     stages = args.stages or (dist.get_world_size() if dist.is_initialized() else 2)

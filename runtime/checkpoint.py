@@ -10,15 +10,19 @@ or by the unpartitioned model, loads into any pipeline.
 from __future__ import annotations
 
 import json
+import shutil
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["CheckpointError", "WeightSource", "open_weights", "save_pipeline", "load_pipeline", "consolidate",
-           "save_sharded", "merge_partial_states", "MissingStateError", "MODEL_PREFIX", "OPTIM_PREFIX"]
+from runtime.resume import RNG_PREFIX, publish, read_progress, rng_state, set_rng_state, staging_dir
+
+__all__ = ["CheckpointError", "WeightSource", "open_weights", "save_pipeline", "load_pipeline", "Restored",
+           "consolidate", "save_sharded", "merge_partial_states", "MissingStateError", "MODEL_PREFIX", "OPTIM_PREFIX"]
 
 #: Keys of an smp checkpoint: ``model/<name>`` for weights, ``optim/<name>/<state>`` for optimizer state.
 MODEL_PREFIX = "model/"
@@ -256,33 +260,59 @@ def _optimizer_entries(optimizer: torch.optim.Optimizer, names: Mapping[int, str
 
 def save_pipeline(directory: str | Path, tensors: Mapping[str, torch.Tensor],
                   optimizer: torch.optim.Optimizer | None, param_names: Mapping[int, str],
-                  scaler_state: Mapping[str, float | int] | None = None) -> None:
-    """Every rank writes its own tensors (and optimizer state) to one DCP checkpoint, in parallel.
+                  scaler_state: Mapping[str, float | int] | None = None, *, step: int | None = None,
+                  device: torch.device = torch.device("cpu")) -> None:
+    """Every rank writes its own tensors (and optimizer state) to one DCP checkpoint, in parallel; the checkpoint
+    appears under ``directory`` only once whole (runtime/resume.py).
 
     ``tensors``: this rank's state by original name; ``param_names``: id of each local
     parameter -> its name. A tensor several ranks hold (a tied weight) is written once.
     ``scaler_state``: the fp16 loss scaler's, the same on every rank (its decisions are global).
+    ``step``: the training step reached, recorded for the resume. Each rank's random
+    generators (the CPU one and ``device``'s) go with it, so that dropout draws on as it would have.
     """
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
+    single = not (dist.is_available() and dist.is_initialized())
+    rank, world_size = (0, 1) if single else (dist.get_rank(), dist.get_world_size())
     state: dict[str, Any] = {MODEL_PREFIX + n: t for n, t in tensors.items()}
     if optimizer is not None:
         state.update(_optimizer_entries(optimizer, param_names))
     if scaler_state is not None:
         state[SCALER_KEY] = json.dumps(dict(scaler_state))
-    import torch.distributed as dist
-
-    single = not (dist.is_available() and dist.is_initialized())
+    state.update(rng_state(rank, device))
+    staging = staging_dir(directory)
+    if rank == 0:  # what a save cut short left behind
+        shutil.rmtree(staging, ignore_errors=True)
+    if not single:
+        dist.barrier()  # nobody writes into the staging directory before it is cleared
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: intended
-        dcp.save(state, checkpoint_id=str(directory), no_dist=single)
+        dcp.save(state, checkpoint_id=str(staging), no_dist=single)  # returns once the metadata is written
+    if rank == 0:
+        publish(staging, directory, step, world_size)
+    if not single:
+        dist.barrier()  # every rank returns once the checkpoint is under its name (a load may follow)
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What ``load_pipeline`` read besides tensors: the step saved (None when not recorded) and the fp16 loss
+    scaler's state (None when the checkpoint has none)."""
+
+    step: int | None
+    scaler_state: dict[str, float | int] | None
 
 
 def load_pipeline(directory: str | Path, tensors: Mapping[str, torch.Tensor],
-                  optimizer: torch.optim.Optimizer | None, param_names: Mapping[int, str]
-                  ) -> dict[str, float | int] | None:
-    """Read this rank's tensors (and its parameters' optimizer state) from a checkpoint written by any stage count;
-    returns the fp16 loss scaler's state when the checkpoint has one."""
+                  optimizer: torch.optim.Optimizer | None, param_names: Mapping[int, str], *, rank: int = 0,
+                  world_size: int = 1, device: torch.device = torch.device("cpu")) -> Restored:
+    """Read this rank's tensors (and its parameters' optimizer state) from a checkpoint written by any stage count.
+
+    Where it was written by as many ranks as there are now, rank ``rank``'s random generators
+    are put back as they were when it saved (another world size draws differently anyway).
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -300,8 +330,12 @@ def load_pipeline(directory: str | Path, tensors: Mapping[str, torch.Tensor],
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(staged_scaler, checkpoint_id=str(directory), no_dist=True)
         scaler_state = json.loads(staged_scaler[SCALER_KEY])
+    progress = read_progress(directory)
+    if progress is not None and progress["world_size"] == world_size:
+        _restore_rng(directory, metadata, rank, device)
+    restored = Restored(progress["step"] if progress is not None else None, scaler_state)
     if optimizer is None:
-        return scaler_state
+        return restored
     params = {id(p): p for group in optimizer.param_groups for p in group["params"]}
     for pid, name in param_names.items():
         p = params.get(pid)
@@ -328,7 +362,21 @@ def load_pipeline(directory: str | Path, tensors: Mapping[str, torch.Tensor],
         for k, v in extra["group"].items():
             if k in group:
                 group[k] = tuple(v) if isinstance(group[k], tuple) else v
-    return scaler_state
+    return restored
+
+
+def _restore_rng(directory: str | Path, metadata: Mapping[str, Any], rank: int, device: torch.device) -> None:
+    """Put back rank ``rank``'s random generators from the checkpoint's ``rng/<rank>/...`` entries."""
+    import torch.distributed.checkpoint as dcp
+
+    staged = {k: torch.empty(md.size, dtype=md.properties.dtype) for k, md in metadata.items()
+              if k.startswith(f"{RNG_PREFIX}{rank}/")}
+    if not staged:
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(staged, checkpoint_id=str(directory), no_dist=True)
+    set_rng_state(staged, rank, device)
 
 
 def consolidate(directory: str | Path, path: str | Path) -> Path:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -38,11 +37,10 @@ from runtime.precision import PipelineGradScaler, Precision
 from runtime.program import Ownership, Program, program_for
 from runtime.split import SplitError
 from runtime.teardown import release_at_exit
+from smp.launch import DEFAULT_TIMEOUT, init_distributed, launched_by_torchrun, local_gpu
 from smp.rank0_plan import plan_on_rank0
 
 __all__ = ["partition", "PipelinedModel", "PipelineError", "RuntimeConfigError"]
-
-DEFAULT_TIMEOUT = 300.0
 
 
 def partition(model: nn.Module, **options: Any) -> PipelinedModel:
@@ -57,30 +55,13 @@ def partition(model: nn.Module, **options: Any) -> PipelinedModel:
     return PipelinedModel(model, **options)
 
 
-def _init_from_launcher(device: torch.device, timeout: float) -> None:
-    """Join the default process group when a launcher (torchrun) started this process and nobody did yet.
-
-    torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; a script that does not
-    call ``init_process_group`` itself gets NCCL when its stages run on a GPU and gloo
-    otherwise, with ``timeout`` on the group's collectives.
-    """
-    if not dist.is_available() or dist.is_initialized():
-        return
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_ADDR" not in os.environ:
-        return
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout))
-
-
 def _resolve_device(device: str | torch.device | None, model: nn.Module) -> torch.device:
     """Where this rank's stages run: ``device``, else ``cuda:LOCAL_RANK`` when there is a GPU, else the model's."""
-    local = int(os.environ.get("LOCAL_RANK", "0"))
     if device is not None:
         d = torch.device(device)
-        return torch.device("cuda", local) if d.type == "cuda" and d.index is None else d
+        return local_gpu() if d.type == "cuda" and d.index is None else d
     if torch.cuda.is_available():
-        return torch.device("cuda", local)
+        return local_gpu()
     return _model_device(model)
 
 
@@ -163,7 +144,8 @@ class PipelinedModel:
         if self.request.searching:
             raise RuntimeConfigError("smp.partition runs one pipeline shape: fix stages and microbatches (or choose "
                                      "them first with smp.plan(..., devices=N) and pass plan=...)")
-        _init_from_launcher(self.device, self.timeout)
+        if dist.is_available() and launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:  # not joined yet
+            init_distributed(timeout=self.timeout, device=self.device)
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
@@ -544,7 +526,8 @@ class PipelinedModel:
                  if i in setup.ownership.canonical}
         return state, names
 
-    def save_checkpoint(self, directory: str | Path, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def save_checkpoint(self, directory: str | Path, optimizer: torch.optim.Optimizer | None = None, *,
+                        step: int | None = None) -> None:
         """Every rank writes its own tensors (and its optimizer's state), in parallel, to one checkpoint directory.
 
         A collective. Names are the original model's, so the checkpoint loads into a
@@ -552,28 +535,36 @@ class PipelinedModel:
         ``smp.partition``) and converts to one file for the unpartitioned model
         (``smp.consolidate_checkpoint``). Written with torch.distributed.checkpoint. Under
         ``precision="fp16"`` the loss scaler's state goes with it, so a resumed run scales as the
-        uninterrupted one would.
+        uninterrupted one would. For an exact resume it also records ``step`` (the steps done;
+        ``smp.latest_checkpoint`` finds the highest) and each rank's random generators. The
+        directory appears only once every rank has written its part: a rank that dies while
+        saving leaves no checkpoint under that name (an older one of that name stays whole).
         """
         state, names = self._local_state("save_checkpoint()")
         with self._together.collective("save_checkpoint()", "call it on every rank: each writes its own tensors"):
             save_pipeline(directory, {k: v.detach() for k, v in state.items()}, optimizer, names,
-                          scaler_state=self.grad_scaler.state_dict() if self.grad_scaler is not None else None)
+                          scaler_state=self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
+                          step=step, device=self.device)
 
-    def load_checkpoint(self, directory: str | Path, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Read this rank's tensors (and its parameters' optimizer state) from ``save_checkpoint``'s directory.
+    def load_checkpoint(self, directory: str | Path, optimizer: torch.optim.Optimizer | None = None) -> int | None:
+        """Read this rank's tensors (and its parameters' optimizer state) from ``save_checkpoint``'s directory; returns
+        the ``step`` it was saved with (None when saved without one).
 
         The checkpoint may come from any number of stages; each rank reads only its keys. Under
         ``precision="fp16"`` the loss scaler's state is restored where the checkpoint has one
-        (saved under fp16); otherwise the scaler keeps its own.
+        (saved under fp16); otherwise the scaler keeps its own. Saved by as many ranks as
+        there are now, each rank's random generators are put back as they were at the save.
         """
         state, names = self._local_state("load_checkpoint()")
         with self._together.collective("load_checkpoint()", "call it on every rank: each reads its own tensors"):
             try:
-                scaler_state = load_pipeline(directory, state, optimizer, names)
+                restored = load_pipeline(directory, state, optimizer, names, rank=self.rank,
+                                         world_size=self.world_size, device=self.device)
             except CheckpointError as err:
                 raise RuntimeConfigError(f"rank {self.rank}: {err}") from None
-            if scaler_state is not None and self.grad_scaler is not None:
-                self.grad_scaler.load_state_dict(scaler_state)
+            if restored.scaler_state is not None and self.grad_scaler is not None:
+                self.grad_scaler.load_state_dict(restored.scaler_state)
+        return restored.step
 
     # ------------------------------------------------------------------ gradients
 

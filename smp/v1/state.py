@@ -13,6 +13,7 @@ from torch import nn
 
 from runtime.faults import Arrivals
 from runtime.teardown import destroy_groups_at_exit, release_at_exit
+from smp.launch import init_distributed
 from smp.v1.config import V1Config, load_config
 from smp.v1.errors import V1Error
 from smp.v1.ranks import Launch, Topology, export_for_torch, from_environment, topology
@@ -96,11 +97,7 @@ def _join(launch: Launch, timeout: float) -> tuple[Any, Any]:
     """The default process group (made here unless the script made one), a gloo group, and the store."""
     export_for_torch(launch, os.environ)
     limit = datetime.timedelta(seconds=timeout)
-    if not dist.is_initialized():
-        cuda = torch.cuda.is_available()
-        if cuda:
-            torch.cuda.set_device(launch.local_rank)
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=limit)
+    init_distributed(timeout=timeout)  # unless the script joined: NCCL on cuda:LOCAL_RANK where there is a GPU
     if dist.get_world_size() != launch.world or dist.get_rank() != launch.rank:
         raise V1Error(f"the process group (rank {dist.get_rank()} of {dist.get_world_size()}) is not the launch's "
                       f"(rank {launch.rank} of {launch.world})")
