@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import bisect
 import json
-from dataclasses import dataclass
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from partitioner.errors import ProfileError
 
-__all__ = ["DeviceSpec", "load_profile", "find_profile", "list_profiles", "dtype_key", "PROFILE_SCHEMA_VERSION",
-           "PROFILES_DIR"]
+__all__ = ["DeviceSpec", "EfficiencyCurve", "Kernel", "KERNEL_KINDS", "load_profile", "find_profile",
+           "list_profiles", "dtype_key", "PROFILE_SCHEMA_VERSION", "PROFILES_DIR"]
 
 PROFILE_SCHEMA_VERSION = 1
 
@@ -77,34 +80,126 @@ def dtype_key(dtype: torch.dtype) -> str:
     }.get(dtype, "fp32")
 
 
+#: What a counted FLOP runs in: a matrix product (mm, bmm, addmm, attention) or a convolution.
+KERNEL_KINDS = ("gemm", "conv")
+
+
+class Kernel(NamedTuple):
+    """One FLOP-counted kernel of an op: its kind (``KERNEL_KINDS``) and FLOPs."""
+
+    kind: str
+    flops: int
+
+
+@dataclass(frozen=True)
+class EfficiencyCurve:
+    """Fraction of peak FLOP/s a kernel reaches, by log2 of its FLOPs: linear between points, flat beyond them."""
+
+    points: tuple[tuple[float, float], ...]
+
+    @classmethod
+    def parse(cls, points: Iterable[Iterable[float]], where: str) -> EfficiencyCurve:
+        pairs = tuple(sorted((float(x), float(y)) for x, y in points))
+        if not pairs or any(y <= 0 for _, y in pairs) or len({x for x, _ in pairs}) != len(pairs):
+            raise ProfileError(f"{where}: give [log2 FLOPs, efficiency] points with distinct log2 FLOPs and "
+                               "efficiencies above 0")
+        return cls(pairs)
+
+    def at(self, flops: float) -> float:
+        x = _log2(flops)
+        xs = [p[0] for p in self.points]
+        i = bisect.bisect_left(xs, x)
+        if i == 0:
+            return self.points[0][1]
+        if i == len(xs):
+            return self.points[-1][1]
+        (x0, y0), (x1, y1) = self.points[i - 1], self.points[i]
+        return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def _log2(value: float) -> float:
+    return math.log2(value) if value > 0 else float("-inf")
+
+
+def _curves(tables: Mapping[str, Any] | None, where: str) -> dict[str, EfficiencyCurve]:
+    """A profile's efficiency tables: dtype (or "*", any other dtype) -> curve."""
+    return {dtype: EfficiencyCurve.parse(points, f"{where}.{dtype}") for dtype, points in (tables or {}).items()}
+
+
 @dataclass(frozen=True)
 class DeviceSpec:
-    """The compute figures of one device: peak FLOP/s per dtype, memory, bandwidth, efficiency."""
+    """The compute figures of one device: peak FLOP/s per dtype, memory, bandwidth, and how much of them ops reach.
+
+    An op's price (docs/cost-model.md#what-an-op-costs) is its kernel time, a roofline of its counted
+    FLOPs at the efficiency its kernels' kind and size reach (``gemm_efficiency``/``conv_efficiency``
+    tables, else the flat ``efficiency``) against the bytes it moves at ``memory_efficiency`` of the
+    bandwidth, combined with the host's ``dispatch_fwd``/``dispatch_bwd`` seconds per op: the larger
+    of the two on an asynchronous device (cuda), their sum on a synchronous one (cpu). A profile
+    without the newer figures prices as it always did: flat efficiency, full bandwidth, no dispatch.
+    """
 
     name: str
     peak_flops: dict[str, float]
     memory_bytes: float
     memory_bandwidth: float
     efficiency: float = 0.5
+    gemm_efficiency: dict[str, EfficiencyCurve] = field(default_factory=dict)
+    conv_efficiency: dict[str, EfficiencyCurve] = field(default_factory=dict)
+    memory_efficiency: float = 1.0
+    dispatch_fwd: float = 0.0
+    dispatch_bwd: float = 0.0
+    asynchronous: bool = False
 
     @classmethod
     def from_profile(cls, profile: str | Path | dict) -> DeviceSpec:
         device = load_profile(profile)["device"]
+        dispatch = device.get("dispatch", {})
         return cls(
             name=device.get("name", "device"),
             peak_flops=dict(device["peak_flops"]),
             memory_bytes=float(device.get("memory_bytes", 0)),
             memory_bandwidth=float(device["memory_bandwidth"]),
             efficiency=float(device.get("efficiency", 0.5)),
+            gemm_efficiency=_curves(device.get("gemm_efficiency"), "device.gemm_efficiency"),
+            conv_efficiency=_curves(device.get("conv_efficiency"), "device.conv_efficiency"),
+            memory_efficiency=float(device.get("memory_efficiency", 1.0)),
+            dispatch_fwd=float(dispatch.get("fwd", 0.0)),
+            dispatch_bwd=float(dispatch.get("bwd", 0.0)),
+            asynchronous=device.get("type") == "cuda",
         )
 
-    def flops_per_second(self, dtype: str) -> float:
-        """Achievable FLOP/s for ``dtype``: peak times efficiency (fp32 peak when unknown)."""
+    def _peak(self, dtype: str) -> float:
         peak = self.peak_flops.get(dtype, self.peak_flops.get("fp32"))
         if peak is None:
             raise ValueError(f"device profile {self.name!r} gives no peak FLOP/s for {dtype} or fp32")
-        return peak * self.efficiency
+        return peak
 
-    def op_time(self, flops: float, bytes_moved: float, dtype: str) -> float:
-        """Roofline time of an op: bound by compute or by memory traffic, whichever is slower."""
-        return max(flops / self.flops_per_second(dtype), bytes_moved / self.memory_bandwidth)
+    def flops_per_second(self, dtype: str) -> float:
+        """Achievable FLOP/s for ``dtype``: peak times the flat efficiency (fp32 peak when unknown)."""
+        return self._peak(dtype) * self.efficiency
+
+    def kernel_efficiency(self, kind: str, flops: float, dtype: str) -> float:
+        """The fraction of peak a ``kind`` kernel of ``flops`` reaches in ``dtype``: its table, the GEMM
+        table for a convolution without one, else the flat ``efficiency``."""
+        for tables in ((self.conv_efficiency,) if kind == "conv" else ()) + (self.gemm_efficiency,):
+            curve = tables.get(dtype, tables.get("*"))
+            if curve is not None:
+                return curve.at(flops)
+        return self.efficiency
+
+    def kernel_time(self, kernels: Iterable[Kernel], bytes_moved: float, dtype: str) -> float:
+        """Roofline time of an op's kernels: its FLOPs at the efficiency each kernel reaches, or its memory
+        traffic at the achieved bandwidth, whichever is slower."""
+        flops_by_rate: dict[float, int] = {}  # summed before dividing: the flat case is total / rate, as it was
+        peak = self._peak(dtype)
+        for kind, flops in kernels:
+            rate = peak * self.kernel_efficiency(kind, flops, dtype)
+            flops_by_rate[rate] = flops_by_rate.get(rate, 0) + flops
+        compute = sum(flops / rate for rate, flops in flops_by_rate.items())
+        return max(compute, bytes_moved / (self.memory_bandwidth * self.memory_efficiency))
+
+    def op_time(self, kernel_seconds: float, phase: str) -> float:
+        """An op's price in ``phase`` ("fwd" or "bwd"): its kernels and the host's dispatch of it, the larger
+        on an asynchronous device (the host runs ahead while kernels run), their sum on a synchronous one."""
+        dispatch = self.dispatch_fwd if phase == "fwd" else self.dispatch_bwd
+        return max(kernel_seconds, dispatch) if self.asynchronous else kernel_seconds + dispatch

@@ -27,7 +27,7 @@ from partitioner.graph import OpGraph
 from partitioner.profile_analytic import analytic_costs
 from partitioner.profile_measured import (PROFILE_THREADS, OneOpAtATime, SweepTimer, profiling_threads, to_device,
                                          unstable_timing_warning)
-from partitioner.profile_ops import OpCaller, OpCosts, count_flops, fresh_args, requires_grad, tensor_bytes
+from partitioner.profile_ops import OpCaller, OpCosts, count_kernels, fresh_args, requires_grad, tensor_bytes
 from partitioner.program import flatten_inputs, is_inplace, op_nodes, retarget_device
 from partitioner.trace import TraceError, trace
 
@@ -367,13 +367,13 @@ class _OpRunner:
 
     def _count_cost(self, node: fx.Node, args: tuple, kwargs: dict, out: Any) -> OpCosts:
         inplace = is_inplace(node, self.gm)
-        flops_fwd = count_flops(lambda: self.ops.call(node, *fresh_args(args, kwargs, inplace)))
+        kernels_fwd = count_kernels(lambda: self.ops.call(node, *fresh_args(args, kwargs, inplace)))
         if self.timing == "analytic":
             assert self.spec is not None
             needs_bwd = self.training and requires_grad(out)
             return analytic_costs(self.ops, self.spec, self.dtype, node, args, kwargs, out,
-                                  self.ops.grad_inputs(node, args, kwargs), needs_bwd, flops_fwd, inplace)
-        return OpCosts(0.0, 0.0, 0.0, flops_fwd)
+                                  self.ops.grad_inputs(node, args, kwargs), needs_bwd, kernels_fwd, inplace)
+        return OpCosts(0.0, 0.0, 0.0, sum(k.flops for k in kernels_fwd))
 
 
 # ------------------------------------------------------------------ helpers

@@ -8,34 +8,37 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from partitioner.devices import DeviceSpec, dtype_key
-from partitioner.profile_ops import OpCaller, OpCosts, count_flops, tensor_bytes
+from partitioner.devices import DeviceSpec, Kernel, dtype_key
+from partitioner.profile_ops import OpCaller, OpCosts, count_kernels, tensor_bytes
 
 __all__ = ["analytic_costs"]
 
 
 def analytic_costs(ops: OpCaller, spec: DeviceSpec, dtype: str | None, node: fx.Node, args: tuple, kwargs: dict,
-                   out: Any, grad_inputs: list[int], needs_bwd: bool, flops_fwd: int, inplace: bool) -> OpCosts:
-    """``node``'s times on ``spec`` in ``dtype`` (default: its own floating dtype), from its forward's
-    ``flops_fwd`` and the FLOPs its backward counts when ``needs_bwd``."""
+                   out: Any, grad_inputs: list[int], needs_bwd: bool, kernels_fwd: list[Kernel],
+                   inplace: bool) -> OpCosts:
+    """``node``'s prices on ``spec`` in ``dtype`` (default: its own floating dtype), from its forward's
+    FLOP-counted ``kernels_fwd`` and those its backward counts when ``needs_bwd``; each phase priced with
+    the host's dispatch of the op (``DeviceSpec.op_time``)."""
     dtype = dtype or _dominant_dtype(out, args)
     state_bytes = sum(tensor_bytes(t) for t in ops.state_tensors(node))
     in_bytes = tensor_bytes((args, kwargs))
     out_bytes = tensor_bytes(out)
-    fwd = spec.op_time(flops_fwd, in_bytes + out_bytes, dtype)
+    fwd = spec.op_time(spec.kernel_time(kernels_fwd, in_bytes + out_bytes, dtype), "fwd")
     bwd = bwd_input = 0.0
     if needs_bwd:
         full = ops.backward_closure(node, args, kwargs, inplace, grad_inputs, weights=True)
         only_input = ops.backward_closure(node, args, kwargs, inplace, grad_inputs, weights=False)
         if full is not None:
             run = full()
-            bwd = spec.op_time(count_flops(run), 2 * in_bytes + out_bytes + state_bytes, dtype)
+            bwd = spec.op_time(spec.kernel_time(count_kernels(run), 2 * in_bytes + out_bytes + state_bytes, dtype),
+                               "bwd")
         if only_input is not None and ops.weights(node):
             run = only_input()
-            bwd_input = spec.op_time(count_flops(run), in_bytes + out_bytes, dtype)
+            bwd_input = spec.op_time(spec.kernel_time(count_kernels(run), in_bytes + out_bytes, dtype), "bwd")
         elif only_input is not None:
             bwd_input = bwd
-    return OpCosts(fwd, bwd, min(bwd_input, bwd), flops_fwd)
+    return OpCosts(fwd, bwd, min(bwd_input, bwd), sum(k.flops for k in kernels_fwd))
 
 
 def _dominant_dtype(out: Any, args: Any) -> str:

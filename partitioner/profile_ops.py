@@ -11,7 +11,9 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["OpCaller", "OpCosts", "count_flops", "fresh_args", "requires_grad", "tensor_bytes"]
+from partitioner.devices import Kernel
+
+__all__ = ["OpCaller", "OpCosts", "count_kernels", "fresh_args", "requires_grad", "tensor_bytes"]
 
 
 @dataclass
@@ -91,12 +93,27 @@ class OpCaller:
         return prepare
 
 
-def count_flops(fn: Callable[[], Any]) -> int:
-    """The FLOPs ``torch.utils.flop_counter`` counts while ``fn`` runs."""
-    counter = FlopCounterMode(display=False)
+def count_kernels(fn: Callable[[], Any]) -> list[Kernel]:
+    """Each kernel ``torch.utils.flop_counter`` counts FLOPs of while ``fn`` runs: its kind and FLOPs."""
+    counter = _KernelCounter()
     with counter:
         fn()
-    return int(counter.get_total_flops())
+    return counter.kernels
+
+
+class _KernelCounter(FlopCounterMode):
+    """A FLOP counter that keeps each counted call apart (their sum is its total): a price needs each
+    kernel's size, as a small matrix product reaches less of the peak than a large one."""
+
+    def __init__(self) -> None:
+        super().__init__(display=False)
+        self.kernels: list[Kernel] = []
+
+    def _count_flops(self, func_packet: Any, out: Any, args: tuple, kwargs: dict) -> Any:
+        if func_packet in self.flop_registry:
+            flops = int(self.flop_registry[func_packet](*args, **kwargs, out_val=out))
+            self.kernels.append(Kernel("conv" if "conv" in str(func_packet) else "gemm", flops))
+        return super()._count_flops(func_packet, out, args, kwargs)
 
 
 def requires_grad(value: Any) -> bool:

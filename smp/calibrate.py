@@ -6,6 +6,11 @@ What is measured (docs/cli.md#smp-calibrate):
   is not much slower than fp32), the best of a few timed runs after a warm-up. These
   are *achieved* figures, so ``efficiency`` is 1.0 (the shipped profiles hold vendor
   peaks with efficiency < 1).
+- ``device.gemm_efficiency``: matmuls of a few smaller sizes per dtype (fp32, and bf16 where it
+  is not emulated), each as a fraction of that dtype's ``peak_flops``, by log2 of its FLOPs.
+- ``device.dispatch``: seconds per op the host takes to run a traced chain of tiny ops (Linear,
+  LayerNorm, GELU, add: kernels too small to matter), forward with autograd recording, and its
+  backward; on a GPU the kernels queue behind the host, which is the time the GPU waits.
 - ``device.memory_bandwidth``: a large tensor copy, counted as bytes read + bytes written.
 - ``device.memory_bytes``: physical RAM (CPU) or the GPU's total memory.
 - ``links.intra_node``: a point-to-point ping-pong between two local processes
@@ -18,6 +23,7 @@ What is measured (docs/cli.md#smp-calibrate):
 from __future__ import annotations
 
 import datetime as _dt
+import math
 import os
 import platform
 import socket
@@ -28,12 +34,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["calibrate", "measure_matmul", "measure_copy", "measure_link", "CalibrationError"]
+__all__ = ["calibrate", "measure_matmul", "measure_copy", "measure_link", "measure_dispatch", "measure_gemm_table",
+           "CalibrationError", "ProgressFn"]
 
 #: Ping-pong message sizes in bytes (full and --quick).
 LINK_SIZES = (8, 1024, 64 * 1024, 1 << 20, 16 << 20, 64 << 20)
 LINK_SIZES_QUICK = (8, 1024, 64 * 1024, 1 << 20, 8 << 20)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
+#: Square matmul sizes of the GEMM efficiency table, below the peak's size (full and --quick), per device type.
+GEMM_SIZES = {"cpu": ((32, 64, 128, 256, 512), (32, 96)), "cuda": ((128, 256, 512, 1024, 2048, 4096), (256, 1024))}
+#: Blocks of four tiny ops in the dispatch chain (full and --quick).
+DISPATCH_BLOCKS = (100, 25)
+ProgressFn = Callable[[int, int], None]
 
 
 class CalibrationError(ValueError):
@@ -77,6 +89,67 @@ def measure_copy(device: torch.device, nbytes: int, *, budget: float) -> float:
     dst = torch.empty_like(src)
     seconds = _best_time(lambda: dst.copy_(src), device, budget=budget)
     return 2.0 * src.numel() * 4 / seconds
+
+
+def measure_gemm_table(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...], peak: float, *,
+                       budget: float) -> list[list[float]]:
+    """[log2 FLOPs, fraction of ``peak``] of ``n x n`` matmuls at each of ``sizes``.
+
+    On a GPU a matmul smaller than the host's dispatch is timed at the dispatch rate: its
+    efficiency reads low, which the price's max(kernel, dispatch) makes harmless."""
+    points = []
+    for n in sizes:
+        rate = measure_matmul(device, dtype, n, budget=budget)
+        points.append([round(math.log2(2.0 * n ** 3), 3), float(f"{rate / peak:.4g}")])
+    return points
+
+
+class _TinyBlock(torch.nn.Module):
+    """Four ops a transformer is made of, on tensors small enough that their kernels cost nothing."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+        self.norm = torch.nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.nn.functional.gelu(self.norm(self.linear(x)))
+
+
+def measure_dispatch(device: torch.device, blocks: int, *, budget: float) -> tuple[float, float, int]:
+    """(forward, backward) host seconds per op of a traced chain of ``blocks`` tiny blocks, and its op count.
+
+    The chain runs as smp runs a stage, a ``torch.fx`` program; ops are counted as the profile counts
+    them (each call node). The forward records autograd's graph, as training does; the backward is
+    timed on its own, from a graph built beforehand. On a CPU it runs on one intra-op thread: tensors
+    this small never use more, and on a busy machine waking idle threads would be timed instead."""
+    import torch.fx as fx
+
+    from partitioner.profile_measured import profiling_threads
+
+    with profiling_threads(1 if device.type == "cpu" else None):
+        return _time_chain(fx.symbolic_trace(torch.nn.Sequential(*(_TinyBlock(8) for _ in range(blocks)))).to(device),
+                           device, budget)
+
+
+def _time_chain(chain: Any, device: torch.device, budget: float) -> tuple[float, float, int]:
+    """(forward, backward) best seconds per op of ``chain`` (a traced program), and its op count."""
+    ops = sum(1 for node in chain.graph.nodes if node.op.startswith("call_"))
+    x = torch.randn(1, 8, device=device, requires_grad=True)
+    fwd = _best_time(lambda: chain(x), device, budget=budget)
+    times: list[float] = []
+    start = time.perf_counter()
+    for i in range(1000):
+        out = chain(x).sum()
+        _sync(device)
+        t0 = time.perf_counter()
+        out.backward()
+        _sync(device)
+        if i > 0:  # the first is a warm-up
+            times.append(time.perf_counter() - t0)
+        if len(times) >= 3 and time.perf_counter() - start >= budget:
+            break
+    return fwd / ops, min(times) / ops, ops
 
 
 def _free_port() -> int:
@@ -177,13 +250,14 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine() or "CPU"
 
 
-def _measure_flops(dev: torch.device, n: int, budget: float, quick: bool,
-                   log: Callable[[str], None]) -> tuple[dict[str, float], dict[str, str]]:
+def _measure_flops(dev: torch.device, n: int, budget: float, quick: bool, log: Callable[[str], None],
+                   tick: Callable[[], None]) -> tuple[dict[str, float], dict[str, str]]:
     """Achieved matmul FLOP/s per dtype, and why a dtype was left out (emulated half precision)."""
     gpu = dev.type == "cuda"
     flops: dict[str, float] = {}
     notes: dict[str, str] = {}
     for key in ("fp32", "bf16", "fp16", "fp64"):
+        tick()
         if gpu and key == "fp64" and quick:
             continue
         t0 = time.perf_counter()
@@ -239,25 +313,53 @@ def _links(link_info: dict[str, Any] | None, where: str) -> tuple[dict, dict, st
 
 
 def calibrate(*, name: str = "this-machine", quick: bool = False, device: str | None = None, link: bool = True,
-              log: Callable[[str], None] = lambda msg: None) -> dict[str, Any]:
-    """Measure this machine and return an ``smp.profile`` dict (see the module docstring)."""
+              log: Callable[[str], None] = lambda msg: None, progress: ProgressFn | None = None) -> dict[str, Any]:
+    """Measure this machine and return an ``smp.profile`` dict (see the module docstring).
+
+    ``progress(done, total)`` is called as each measurement starts and once at the end."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise CalibrationError("--device cuda asked for, but torch sees no GPU here")
     gpu = dev.type == "cuda"
     n = (4096 if quick else 8192) if gpu else (384 if quick else 1024)
     budget = 0.1 if quick else 0.4
-    flops, notes = _measure_flops(dev, n, budget, quick, log)
+    total, done = 4 + 2 + 2 + (1 if link else 0), [0]  # matmul dtypes, table dtypes, copy + dispatch, link
+
+    def tick() -> None:
+        if progress is not None:
+            progress(done[0], total)
+        done[0] += 1
+
+    flops, notes = _measure_flops(dev, n, budget, quick, log, tick)
+    gemm_sizes = GEMM_SIZES[dev.type][1 if quick else 0]
+    gemm_table: dict[str, list[list[float]]] = {}
+    for key in ("fp32", "bf16"):
+        tick()
+        if key not in flops or flops[key] < 0.25 * flops["fp32"]:  # emulated: no curve worth pricing
+            continue
+        gemm_table[key] = measure_gemm_table(dev, _DTYPES[key], gemm_sizes, flops[key], budget=budget / 4)
+        gemm_table[key].append([round(math.log2(2.0 * n ** 3), 3), 1.0])
+        log(f"matmul {key} efficiency: " + ", ".join(f"{s}x{s} {eff:.2f}" for s, (_, eff) in
+                                                     zip(gemm_sizes, gemm_table[key])))
+    tick()
     nbytes = (256 << 20) if gpu else ((32 << 20) if quick else (256 << 20))
     bandwidth = measure_copy(dev, nbytes, budget=budget)
     log(f"copy {nbytes >> 20} MiB: {bandwidth / 1e9:.1f} GB/s")
+    tick()
+    blocks = DISPATCH_BLOCKS[1 if quick else 0]
+    dispatch_fwd, dispatch_bwd, chain_ops = measure_dispatch(dev, blocks, budget=budget)
+    log(f"dispatch per op: forward {dispatch_fwd * 1e6:.1f} µs, backward {dispatch_bwd * 1e6:.1f} µs "
+        f"({chain_ops} tiny ops)")
     dev_name, memory, count = _device_identity(dev)
     link_info = None
     if link:
+        tick()
         log("ping-pong between two local processes…")
         link_info = measure_link(quick=quick)
         log(f"{link_info['backend']}: latency {link_info['latency'] * 1e6:.1f} µs, "
             f"bandwidth {link_info['bandwidth'] / 1e9:.2f} GB/s")
+    if progress is not None:
+        progress(total, total)
     when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     where = f"measured by smp calibrate on {socket.gethostname()} at {when}" + (" (--quick)" if quick else "")
     intra, inter, link_src, inter_src = _links(link_info, where)
@@ -273,6 +375,8 @@ def calibrate(*, name: str = "this-machine", quick: bool = False, device: str | 
             "memory_bytes": memory,
             "memory_bandwidth": bandwidth,
             "efficiency": 1.0,
+            "gemm_efficiency": gemm_table,
+            "dispatch": {"fwd": dispatch_fwd, "bwd": dispatch_bwd},
         },
         "topology": {"nodes": 1, "devices_per_node": count},
         "links": {"intra_node": intra, "inter_node": inter},
@@ -282,12 +386,20 @@ def calibrate(*, name: str = "this-machine", quick: bool = False, device: str | 
             "device.memory_bytes": f"{where}: " + ("torch.cuda total_memory" if gpu else "physical RAM (sysconf)"),
             "device.memory_bandwidth": f"{where}: best copy of a {nbytes >> 20} MiB tensor, read + write bytes",
             "device.efficiency": "1.0 because peak_flops are measured achieved throughput, not vendor peaks",
+            "device.gemm_efficiency": f"{where}: best of timed square matmuls of "
+                                      f"{', '.join(str(s) for s in gemm_sizes)} per dtype, each over that dtype's "
+                                      f"peak_flops (the {n}x{n} point is 1.0); by log2 of the matmul's FLOPs",
+            "device.dispatch": f"{where}: host seconds per op of a torch.fx chain of {chain_ops} tiny ops (Linear, "
+                               "LayerNorm, GELU, add on 1x8 tensors), forward recording autograd's graph, and its "
+                               "backward; best of repeated runs",
             "topology": f"{where}: one node, {count} device(s)",
             "links.intra_node": link_src,
             "links.inter_node": inter_src,
         },
         "measurements": {
             "matmul_size": n,
+            "gemm_sizes": list(gemm_sizes),
+            "dispatch_ops": chain_ops,
             "copy_bytes": nbytes,
             "threads": torch.get_num_threads(),
             "link": None if link_info is None else {

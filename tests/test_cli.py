@@ -311,6 +311,30 @@ def test_calibrate_without_link_measurement_is_fast(work):
     assert "not measured" in data["sources"]["links.intra_node"]
 
 
+def test_calibrated_dispatch_prices_every_op_of_a_plan(work):
+    out = work / "calibrated.json"
+    ok("calibrate", "-o", out, "--quick", "--no-link")
+    data = json.loads(out.read_text())
+    dispatch = data["device"]["dispatch"]
+    assert dispatch["fwd"] > 0 and dispatch["bwd"] > 0 and data["device"]["gemm_efficiency"]["fp32"]
+    for key in ("device.dispatch", "device.gemm_efficiency"):
+        assert data["sources"][key].startswith("measured by smp calibrate on"), key
+    without = work / "no-dispatch.json"
+    del data["device"]["dispatch"]
+    without.write_text(json.dumps(data))
+    cli = ["plan", GPT, "--stages", 2, "-m", 2, "--timing", "analytic", "--method", "dp", "--json", "--cluster"]
+    priced, kernels_only = as_json(ok(*cli, out)), as_json(ok(*cli, without))
+    ops = priced["ops"]
+    assert ops == kernels_only["ops"] == sum(stage["ops"] for stage in priced["stages"])
+
+    def total(plan: dict, key: str) -> float:
+        return sum(stage[key] for stage in plan["stages"])
+
+    # a CPU runs its ops one after another: each op costs its kernels plus its dispatch (the cuts may differ)
+    assert total(priced, "fwd_s") - total(kernels_only, "fwd_s") == pytest.approx(ops * dispatch["fwd"])
+    assert 0 < total(priced, "bwd_s") - total(kernels_only, "bwd_s") <= ops * dispatch["bwd"] * (1 + 1e-9)
+
+
 @pytest.mark.slow
 def test_train_runs_with_torchrun():
     data = as_json(ok("train", SMALL, "--stages", 2, "-m", 2, "--steps", 3, "--json", "--timeout", 300))

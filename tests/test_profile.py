@@ -6,6 +6,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from partitioner import OpGraph, ProfileError, TraceError, flatten_inputs, profile, trace
+from partitioner.devices import DeviceSpec, load_profile
 from partitioner.graph import OUTPUT_OP
 from partitioner.program import op_nodes
 from smp.models import build
@@ -186,7 +187,10 @@ def test_profile_leaves_model_state_untouched():
 
 def test_analytic_timing_plans_a_1b_model_on_meta():
     bundle = build("gpt:size=1b", meta=True)
-    graph = profile(bundle.model, bundle.example_args, timing="analytic", device_profile="h100-sxm",
+    # The roofline's kernels alone: h100-sxm without its host dispatch per op (which the last lines check)
+    kernels_only = load_profile("h100-sxm")
+    kernels_only["device"] = {k: v for k, v in kernels_only["device"].items() if k != "dispatch"}
+    graph = profile(bundle.model, bundle.example_args, timing="analytic", device_profile=kernels_only,
                     dtype="bf16")
     assert graph.meta["timing"] == "analytic"
     assert graph.total_params == _unique_param_bytes(bundle.model)
@@ -199,6 +203,9 @@ def test_analytic_timing_plans_a_1b_model_on_meta():
     # Roofline time of the whole forward cannot beat the device at full efficiency.
     assert graph.total_fwd >= graph.total_flops / 9.894e14
     assert 1.5 <= graph.total_bwd / graph.total_fwd <= 2.5
+    priced = profile(bundle.model, bundle.example_args, timing="analytic", device_profile="h100-sxm", dtype="bf16")
+    spec = DeviceSpec.from_profile("h100-sxm")
+    assert priced.total_fwd >= max(graph.total_fwd, len(priced) * spec.dispatch_fwd)
 
 
 META_MEASURED = ["mlp:layers=4,d_in=256,hidden=512,d_out=256,batch=8",  # fx, one weight per op
