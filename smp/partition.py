@@ -35,6 +35,7 @@ from runtime.materialize import MaterializeError, materialize
 from runtime.memory import OptimizerStepMeter, rank_memory
 from runtime.precision import PipelineGradScaler, Precision
 from runtime.program import Ownership, Program, program_for
+from runtime.sharding import repoint
 from runtime.split import SplitError
 from runtime.teardown import release_at_exit
 from smp.rank0_plan import plan_on_rank0
@@ -227,18 +228,31 @@ class PipelinedModel:
         if self._setup is None:
             self._setup = self._set_up(args, kwargs, first)
         mode = self.module.training
-        engine = self._engines.get(mode)
-        if engine is None:
-            setup = self._setup
-            program = setup.programs.get(mode)
-            if program is None:
-                raise RuntimeConfigError(f"the model cannot run in {'train' if mode else 'eval'} mode as partitioned: "
-                                         f"{setup.errors[mode]}")
-            engine = Engine(program, setup.ownership, rank=self.pp_rank, comm=setup.comm, device=setup.device,
-                            example_flat=setup.example_flat[mode], dp_group=self.layout.dp_group,
-                            dp_size=self.layout.dp_size, precision=self.precision)
-            self._engines[mode] = engine
+        engine = self._engines.get(mode) or self._build_engine(mode)
         self._engine = engine
+        return engine
+
+    def _build_engine(self, mode: bool) -> Engine:
+        """The engine of a mode. Sharded (``plan.sharding``), the training engine wraps its stage programs with
+        FSDP2 first, whatever mode runs first: the model and every traced program then hold the sharded
+        parameters, and an eval-mode engine runs on them gathered."""
+        setup = self._setup
+        assert setup is not None
+        program = setup.programs.get(mode)
+        if program is None:
+            raise RuntimeConfigError(f"the model cannot run in {'train' if mode else 'eval'} mode as partitioned: "
+                                     f"{setup.errors[mode]}")
+        sharded = self._plan.sharding != "none" and self.distributed  # type: ignore[union-attr]
+        train = self._engines.get(True) or (self._build_engine(True) if sharded and not mode else None)
+        engine = Engine(program, setup.ownership, rank=self.pp_rank, comm=setup.comm, device=setup.device,
+                        example_flat=setup.example_flat[mode], dp_group=self.layout.dp_group,
+                        dp_size=self.layout.dp_size, precision=self.precision,
+                        shard_mesh=self.layout.mesh["dp"] if sharded and mode else None,
+                        gathered_by=train.shards if train is not None and not mode else None)
+        if engine.shards is not None:
+            repoint([self.module, *(p.gm for p in setup.programs.values())], engine.shards.replaced)
+            setup.ownership.rekey(engine.shards.replaced)  # after: it finds the ties in the model as it is now
+        self._engines[mode] = engine
         return engine
 
     def _set_up(self, args: tuple, kwargs: dict, first: tuple[tuple, dict] | None) -> _SetUp:
