@@ -530,11 +530,13 @@ class _RankState:
             if choice == "none":
                 res = prog.gm(*args)
             else:
-                gathered = self._gather_for_selective(s)
+                shards = self._selective_shards(s)
+                if shards is not None:
+                    shards.gather(s)
                 res, rerun = forward_for_recompute(prog.gm, args, choice, eng.program.matmul_nodes, eng.device,
                                                    lambda t: self.meter.add((s, mb), t))
-                if gathered is not None and eng.shards.mode == "full_shard":  # type: ignore[union-attr]
-                    gathered.reshard()
+                if shards is not None:
+                    shards.release(s)
             loss = self._output(res, mb) if prog.has_output else None
         self._event("F", s, mb, t0)
         outs = self._outs(s, res)
@@ -550,21 +552,11 @@ class _RankState:
                 self.meter.add((s, mb), t)
             self.meter.forward_done((s, mb))
 
-    def _gather_for_selective(self, s: int) -> Any:
-        """Sharded, a selectively recomputing stage's FSDP module with its parameters gathered (else None).
-
-        Both of its forwards run outside FSDP's hooks: the first node by node (fx.Interpreter),
-        the rerun under the selective cache, which must see the same aten ops as the first (FSDP's
-        gathering would be others). The gathered parameters stay to the end of the stage's
-        backward, which therefore runs without FSDP's hooks as well; full_shard frees them then.
-        """
+    def _selective_shards(self, s: int) -> StageShards | None:
+        """The sharded stages when stage ``s`` recomputes selectively: both its forwards run outside FSDP's hooks
+        (:meth:`StageShards.gather`), the first node by node, the rerun under the selective cache."""
         shards = self.eng.shards
-        if shards is None or self._choice(s) != "selective":
-            return None
-        module = shards.modules[s]
-        module.unshard()
-        self.meter.exclude.update(p.untyped_storage().data_ptr() for p in module.parameters())
-        return module
+        return shards if shards is not None and self._choice(s) == "selective" else None
 
     def _outs(self, s: int, res: Mapping[str, Any]) -> dict[EdgeKey, list[torch.Tensor]]:
         """The tensors stage ``s``'s outputs ``res`` send, per out-edge."""
@@ -579,9 +571,11 @@ class _RankState:
         prog = eng.split.stages[s]
         assert stash.rerun is not None
         t0 = time.perf_counter()
-        gathered = self._gather_for_selective(s)
+        shards = self._selective_shards(s)
+        if shards is not None:
+            shards.gather(s)  # released at the end of this backward
         with self.meter.saving((s, mb)), eng.precision.autocast(eng.device):
-            res = recompute(prog.gm, self._args(s, mb, stash.received), stash.rerun, s, hooks=gathered is None)
+            res = recompute(prog.gm, self._args(s, mb, stash.received), stash.rerun, s, hooks=shards is None)
             if prog.has_output:
                 with torch.enable_grad():
                     stash.loss = self._loss(res, mb)
@@ -655,9 +649,9 @@ class _RankState:
             finally:
                 for h in hooks:
                     h.remove()
-            shards = self.eng.shards
-            if shards is not None and shards.mode == "full_shard" and self._choice(s) == "selective":
-                shards.modules[s].reshard()  # gathered for the rerun, outside FSDP's hooks
+            shards = self._selective_shards(s)
+            if shards is not None:
+                shards.release(s)
             gmap = {id(x): x.grad for x in leaves}
         self._event("B", s, mb, t0)
         for key in self.eng.in_edges[s]:

@@ -27,7 +27,7 @@ from torch import nn
 
 from runtime.errors import RuntimeConfigError
 
-__all__ = ["StageShards", "local", "is_sharded", "repoint"]
+__all__ = ["StageShards", "local", "is_sharded", "repoint", "shard_like", "copy_whole_into"]
 
 
 def is_sharded(t: torch.Tensor | None) -> bool:
@@ -40,6 +40,21 @@ def is_sharded(t: torch.Tensor | None) -> bool:
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t``: a DTensor's local shard (its storage: writes to it change ``t``), else ``t``."""
     return t.to_local() if is_sharded(t) else t
+
+
+def shard_like(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``whole`` cut as the DTensor ``like`` is (this rank's shard, no communication); ``whole`` if ``like`` is plain."""
+    if not is_sharded(like):
+        return whole
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(whole.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+
+
+def copy_whole_into(target: torch.Tensor, whole: torch.Tensor) -> None:
+    """Copy the whole tensor ``whole`` into ``target``: into its shard when ``target`` is sharded."""
+    with torch.no_grad():
+        local(target).copy_(local(shard_like(whole, target)))
 
 
 def repoint(roots: Sequence[nn.Module], pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -122,6 +137,19 @@ class StageShards:
                 group.post_backward()
         # waits for the reduce-scatter (FSDP's streams on a GPU) and resets FSDP's per-backward state
         state._root_post_backward_final_callback()
+
+    def gather(self, stage: int) -> None:
+        """Gather the stage's parameters for a pass that runs outside FSDP's hooks: a selective recomputation's
+        forwards (the first node by node; the rerun under the selective cache, which must see the same aten
+        ops as the first, and FSDP's gathering would be others) and the backward that follows the rerun."""
+        module = self.modules[stage]
+        module.unshard()
+        self.gathered_storages.update(p.untyped_storage().data_ptr() for p in module.parameters())
+
+    def release(self, stage: int) -> None:
+        """After a :meth:`gather`: full_shard frees the parameters again, shard_grad_op keeps them for the step."""
+        if self.mode == "full_shard":
+            self.modules[stage].reshard()
 
     def reshard_all(self) -> None:
         """Free every gathered parameter (after a forward-only pass, which runs no backward to free them)."""

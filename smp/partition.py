@@ -35,7 +35,7 @@ from runtime.materialize import MaterializeError, materialize
 from runtime.memory import OptimizerStepMeter, rank_memory
 from runtime.precision import PipelineGradScaler, Precision
 from runtime.program import Ownership, Program, program_for
-from runtime.sharding import repoint
+from runtime.sharding import copy_whole_into, is_sharded, local, repoint
 from runtime.split import SplitError
 from runtime.teardown import release_at_exit
 from smp.rank0_plan import plan_on_rank0
@@ -374,7 +374,7 @@ class PipelinedModel:
         eng.loss_scale = scaler.scale
         loss, _ = eng.run(flat, targets, self.loss_fn, training=True)
         assert loss is not None
-        fresh = [p.grad for p in params if p.grad is not None]
+        fresh = [local(p.grad) for p in params if p.grad is not None]  # sharded: each rank checks its shard
         self.last_step_skipped = scaler.unscale_and_check(fresh, self.any_rank)
         for p, old in zip(params, before):
             if self.last_step_skipped:  # no gradient anywhere: optimizer.step() changes nothing on any rank
@@ -499,17 +499,18 @@ class PipelinedModel:
         """The full model state with the original names, on rank 0 ({} on the other ranks).
 
         A collective: every rank must call it (the first replica's pipeline gathers; the
-        replicas hold the same weights).
+        replicas hold the same weights; sharded over the replicas, each tensor is gathered
+        whole first).
         """
-        local = {k: v.detach().cpu() for k, v in self.module.state_dict().items()
-                 if isinstance(v, torch.Tensor) and not v.is_meta}
+        mine = {k: (v.full_tensor() if is_sharded(v) else v).detach().cpu()
+                for k, v in self.module.state_dict().items() if isinstance(v, torch.Tensor) and not v.is_meta}
         if not self.distributed:
-            return local
+            return mine
         if not self.layout.is_first_replica:
             return {}
         first = self.layout.pp_ranks[0]
         gathered: list[Any] | None = [None] * self.layout.pp_size if self.rank == first else None
-        dist.gather_object(local, gathered, dst=first, group=self.layout.pp_group)
+        dist.gather_object(mine, gathered, dst=first, group=self.layout.pp_group)
         if self.rank != first:
             return {}
         try:
@@ -518,7 +519,7 @@ class PipelinedModel:
             raise PipelineError(f"state_dict: {err}") from None
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-        """Load a full (unpartitioned) state dict: each rank copies the entries it holds."""
+        """Load a full (unpartitioned) state dict: each rank copies the entries it holds (sharded: its shard)."""
         own = self.module.state_dict(keep_vars=True)
         if strict:
             missing = [k for k in own if k not in state_dict]
@@ -529,7 +530,7 @@ class PipelinedModel:
         with torch.no_grad():
             for k, t in own.items():
                 if k in state_dict and isinstance(t, torch.Tensor) and not t.is_meta:
-                    t.copy_(state_dict[k])
+                    copy_whole_into(t, state_dict[k])
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -575,17 +576,21 @@ class PipelinedModel:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of the whole pipeline to a global norm, as ``torch.nn.utils.clip_grad_norm_`` would
-        on the unpartitioned model; returns that total norm on every rank (a collective)."""
+        on the unpartitioned model; returns that total norm on every rank (a collective). Sharded over the
+        replicas, each rank's shards count: their norms are summed over the replicas, then over the stages."""
         setup = self._require_setup("clip_grad_norm_()")
         # a parameter several ranks hold (a tied weight) counts once, on the lowest of them
         mine = [p for p in self.parameters() if p.grad is not None
                 and (not self.distributed or min(setup.ownership.holders.get(id(p), {self.pp_rank})) == self.pp_rank)]
-        group = self.layout.pp_group if self.distributed else None  # the replicas' gradients are the same
-        total = global_grad_norm([p.grad for p in mine], float(norm_type), group)
+        # unsharded, the replicas' gradients are the same: the pipeline's ranks alone hold all of them once
+        groups = ([self.layout.dp_group] if self._plan.sharding != "none" else []) + [self.layout.pp_group] \
+            if self.distributed else []  # type: ignore[union-attr]
+        total = global_grad_norm([local(p.grad) for p in mine], float(norm_type), groups)
         clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in self.parameters():
             if p.grad is not None:
-                p.grad.mul_(clip_coef.to(p.grad.device, p.grad.dtype))
+                g = local(p.grad)
+                g.mul_(clip_coef.to(g.device, g.dtype))
         return total
 
     # ------------------------------------------------------------------ measurements

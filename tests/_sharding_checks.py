@@ -18,30 +18,39 @@ LR = 1e-3
 # differently in any other summation order. eps=1e-4 damps exactly those entries and leaves the others
 # (gradients ~1e-2) as default AdamW moves them.
 EPS = 1e-4
+MAX_NORM = 1.0  # gradients are clipped to this global norm before every step (the tiny GPT's are ~1.5-2)
 
 
 def adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, eps=EPS)
 
 
-def reference_run(spec: str, pieces: int, steps: int) -> dict[str, Any]:
-    """The unpartitioned model on the global batch, as ``pieces`` microbatches (loss / pieces each), AdamW steps."""
+def reference_run(spec: str, pieces: int, steps: int, precision: str = "fp32") -> dict[str, Any]:
+    """The unpartitioned model on the global batch, as ``pieces`` microbatches (loss / pieces each), clipped AdamW
+    steps; then its eval-mode output on the batch."""
     b = build(spec, seed=0)
     model = b.model
     opt = adamw(model.parameters())
-    losses = []
+    losses, norms = [], []
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
     for _ in range(steps):
         opt.zero_grad()
         total = torch.zeros(())
         inputs = split_microbatches(b.example_args, b.example_kwargs, pieces)
         targets = [t[0][0] for t in split_microbatches((b.target,), None, pieces)]
         for (a, k), tgt in zip(inputs, targets):
-            loss = b.loss_fn(model(*a, **k), tgt)
+            with autocast:
+                loss = b.loss_fn(model(*a, **k), tgt)
             (loss / pieces).backward()
-            total += loss.detach() / pieces
+            total += loss.detach().float() / pieces
         losses.append(total)
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
         opt.step()
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    model.eval()
+    with torch.no_grad(), autocast:
+        output = model(*b.example_args, **b.example_kwargs)
+    return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "eval": output}
 
 
 def optimizer_bytes(opt: torch.optim.Optimizer) -> int:
@@ -51,29 +60,59 @@ def optimizer_bytes(opt: torch.optim.Optimizer) -> int:
 
 
 def shard_worker(rank: int, world: int, *, spec: str, stages: int, sharding: str, out: str, steps: int = 3,
-                 microbatches: int = 2, schedule: str = "1f1b", recompute: str = "none",
+                 microbatches: int = 2, schedule: str = "1f1b", recompute: str = "none", precision: str = "fp32",
                  checkpoint_to: str | None = None) -> None:
-    """One rank of world / stages replicas under ``sharding``: its replica's share of the global batch, AdamW steps
-    on ``pipe.parameters()``; losses, whole parameters (gathered), optimizer bytes, the state dict (rank 0)."""
+    """One rank of world / stages replicas under ``sharding``: its replica's share of the global batch, clipped
+    AdamW steps on ``pipe.parameters()``; losses, norms, whole parameters (gathered), optimizer bytes, the eval
+    output of its rows (output stage), the state dict (rank 0)."""
     b = build(spec, seed=0)
     pipe = partition(b.model, stages=stages, microbatches=microbatches, schedule=schedule, loss_fn=b.loss_fn,
-                     timeout=60, timing="analytic", sharding=sharding, recompute=recompute)
+                     timeout=60, timing="analytic", sharding=sharding, recompute=recompute, precision=precision)
     x, y = b.example_args[0], b.target
     share = x.shape[0] // (world // stages)
     rows = slice(pipe.dp_rank * share, (pipe.dp_rank + 1) * share)
     pipe.prepare(x[rows])
     opt = adamw(pipe.parameters())
-    res: dict[str, Any] = {"losses": [], "dp_rank": pipe.dp_rank, "pp_rank": pipe.pp_rank,
+    res: dict[str, Any] = {"losses": [], "norms": [], "rows": rows, "dp_rank": pipe.dp_rank, "pp_rank": pipe.pp_rank,
                            "sharding": pipe.plan.sharding, "recompute": list(pipe.plan.recompute),
                            "dtensors": [type(p).__name__ for p in pipe.parameters()]}
     for _ in range(steps):
         res["losses"].append(pipe.step(x[rows], target=y[rows]).detach())
+        res["norms"].append(pipe.clip_grad_norm_(MAX_NORM))
         opt.step()
         opt.zero_grad()
+    pipe.eval()
+    res["eval"] = pipe(x[rows])
+    pipe.train()
     res["params"] = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                      for n, p in pipe.named_parameters()}
     res["optimizer_bytes"] = optimizer_bytes(opt)
     res["state_dict"] = pipe.state_dict()
+    res["optimizer"] = whole_optimizer_state(pipe, opt)
     if checkpoint_to is not None:
         pipe.save_checkpoint(checkpoint_to, opt)
     torch.save(res, Path(out) / f"shard-{rank}.pt")
+
+
+def whole_optimizer_state(pipe: Any, opt: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    """Each of this rank's parameters' optimizer state tensors, gathered whole (a collective when sharded)."""
+    return {n: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in opt.state[p].items()}
+            for n, p in pipe.named_parameters() if p in opt.state}
+
+
+def load_worker(rank: int, world: int, *, spec: str, stages: int, sharding: str, checkpoint_from: str, out: str,
+                checkpoint_to: str | None = None) -> None:
+    """One rank of a fresh pipeline (another seed) loading ``checkpoint_from`` with its AdamW state: the state
+    dict (rank 0), the optimizer state gathered whole; saved again to ``checkpoint_to``."""
+    b = build(spec, seed=1)
+    pipe = partition(b.model, stages=stages, microbatches=2, loss_fn=b.loss_fn, timeout=60, timing="analytic",
+                     sharding=sharding)
+    x = b.example_args[0]
+    pipe.prepare(x[: x.shape[0] // (world // stages)])
+    opt = adamw(pipe.parameters())
+    pipe.load_checkpoint(checkpoint_from, opt)
+    res = {"state_dict": pipe.state_dict(), "optimizer": whole_optimizer_state(pipe, opt),
+           "dtensors": [type(p).__name__ for p in pipe.parameters()]}
+    if checkpoint_to is not None:
+        pipe.save_checkpoint(checkpoint_to, opt)
+    torch.save(res, Path(out) / f"load-{rank}.pt")
