@@ -116,3 +116,18 @@ def load_worker(rank: int, world: int, *, spec: str, stages: int, sharding: str,
     if checkpoint_to is not None:
         pipe.save_checkpoint(checkpoint_to, opt)
     torch.save(res, Path(out) / f"load-{rank}.pt")
+
+
+def refusal_worker(rank: int, world: int, *, spec: str, schedule: str, out: str) -> None:
+    """One rank of 2 x 2 under full_shard with ``schedule``: the message partitioning raised ("" if none)."""
+    from runtime.errors import RuntimeConfigError
+
+    b = build(spec, seed=0)
+    pipe = partition(b.model, stages=2, microbatches=2, schedule=schedule, loss_fn=b.loss_fn, timeout=60,
+                     timing="analytic", sharding="full_shard")
+    try:
+        pipe.prepare(b.example_args[0][:4])
+        message = ""
+    except RuntimeConfigError as err:
+        message = str(err)
+    Path(out, f"refusal-{rank}.txt").write_text(message)

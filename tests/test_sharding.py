@@ -147,3 +147,13 @@ def test_state_dict_is_whole_and_checkpoints_reshard_across_modes_replicas_and_s
 def test_eight_ranks_are_exact(replicas: int, stages: int, sharding: str, tmp_path: Path) -> None:
     _check_exact(_run(tmp_path, sharding, world=replicas * stages, stages=stages), replicas,
                  f"{replicas} x {stages} {sharding}")
+
+
+@pytest.mark.slow
+def test_a_split_backward_schedule_is_refused_under_sharding(tmp_path: Path) -> None:
+    results = launch(f"{HERE / '_sharding_checks.py'}:refusal_worker", 4,
+                     {"spec": SPEC, "schedule": "zb-h1", "out": str(tmp_path)}, timeout=300)
+    for r in results:
+        assert r.returncode == 0, f"rank {r.rank}: {r.stdout[-1500:]}\n{r.stderr[-3000:]}"
+        message = (tmp_path / f"refusal-{r.rank}.txt").read_text()
+        assert "splits the backward" in message and "sharding='none'" in message, message
