@@ -217,7 +217,7 @@ def plan_from_graph(
     if request.sharding == "auto" and data_parallel > 1 and training:
         return weigh_sharding(lambda mode: plan_from_graph(graph, request.with_(sharding=mode), model_info=model_info,
                                                            check_schedule=check_schedule, prune_above=prune_above),
-                              request.stages_per_rank)
+                              request.stages_per_rank, request.kind)
     placement = request.placement or "cluster"
     microbatches = request.microbatches_for(None)
     kind = request.kind
@@ -272,14 +272,15 @@ def pipeline_step_bound(part: Partition, kind: ScheduleKind, microbatches: int) 
     return max(b + microbatches * (f + g) + a for b, f, g, a in zip(before, fwd, bwd, after)) * (1 - 1e-9)
 
 
-def weigh_sharding(plan_under: Callable[[str], Plan], stages_per_rank: int) -> Plan:
+def weigh_sharding(plan_under: Callable[[str], Plan], stages_per_rank: int, kind: ScheduleKind) -> Plan:
     """The fastest plan among the sharding modes that fit (the least sharded on a tie), with each mode's verdict
     in ``Plan.sharding_weighed``.
 
     ``full_shard`` is weighed only with interleaved stages: with one stage (one FSDP unit) per
     rank it holds at its peak what ``shard_grad_op`` holds (the stage's parameters gathered
     while it computes, :func:`partitioner.sharding.state_bytes`) and gathers them before
-    every forward and backward instead of once a step, so it is never faster. When no mode
+    every forward and backward instead of once a step, so it is never faster. A schedule that
+    splits the backward (``kind``) runs unsharded (:func:`partitioner.sharding.check_backward`). When no mode
     fits, the most sharded one's error is raised (it needs the least memory).
     """
     plans: dict[str, Plan] = {}
@@ -287,6 +288,9 @@ def weigh_sharding(plan_under: Callable[[str], Plan], stages_per_rank: int) -> P
     failure: Exception | None = None
     bounds: list[float] = []
     for mode in SHARDING_MODES:
+        if mode != "none" and kind.split_backward:
+            verdicts[mode] = f"not weighed: {kind.value} splits the backward, which FSDP2's hooks do not follow"
+            continue
         if mode == "full_shard" and stages_per_rank == 1:
             verdicts[mode] = ("not weighed: with one stage per rank it holds shard_grad_op's peak and gathers the "
                               "parameters before every forward and backward")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from partitioner.errors import PlanError
-from partitioner.sharding import check_sharding
+from partitioner.sharding import check_backward, check_sharding
 
 __all__ = [
     "ActionKind",
@@ -423,6 +423,7 @@ class Schedule:
 
     def __post_init__(self) -> None:
         check_sharding(self.sharding, self.data_parallel)
+        check_backward(self.sharding, self.name, self.split_backward)
         self.stage_to_rank = tuple(int(r) for r in self.stage_to_rank)
         self.actions = tuple(tuple(a) for a in self.actions)
         if len(self.stage_to_rank) != self.graph.num_stages:

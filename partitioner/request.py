@@ -14,7 +14,7 @@ from partitioner.ir import ScheduleKind
 from partitioner.plan import PLACEMENTS
 from partitioner.recompute import check_mode
 from partitioner.schedule import check_active_microbatches
-from partitioner.sharding import SHARDING_MODES, check_sharding
+from partitioner.sharding import SHARDING_MODES, check_backward, check_sharding
 
 __all__ = ["PlanRequest", "Profiling", "default_microbatches", "TIMINGS"]
 
@@ -151,6 +151,11 @@ class PlanRequest:
             raise PlanError(str(err)) from None
         if self.sharding != "auto" and self.sharding not in SHARDING_MODES:
             raise PlanError(f"unknown sharding {self.sharding!r}; use auto or one of {', '.join(SHARDING_MODES)}")
+        if not isinstance(self.schedule, tuple):  # a search leaves zero-bubble kinds unsharded itself
+            try:
+                check_backward(self.sharding, self.schedule, ScheduleKind.parse(self.schedule).split_backward)
+            except ValueError as err:
+                raise PlanError(str(err)) from None
         if self.method not in METHODS:
             raise PlanError(f"unknown method {self.method!r}; use one of {', '.join(METHODS)}")
         if self.objective not in OBJECTIVES:

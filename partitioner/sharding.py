@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["SHARDING_MODES", "StateBytes", "check_sharding", "state_bytes", "PARAMETER_BYTES", "GRADIENT_BYTES",
+__all__ = ["SHARDING_MODES", "StateBytes", "check_sharding", "check_backward", "state_bytes", "PARAMETER_BYTES", "GRADIENT_BYTES",
            "OPTIMIZER_BYTES"]
 
 #: The modes a plan can run under, least sharded first.
@@ -86,6 +86,14 @@ def state_bytes(mode: str, data_parallel: int, workspace: float, stages_per_rank
     gathered = PARAMETER_BYTES if mode == "shard_grad_op" else PARAMETER_BYTES / stages_per_rank
     return StateBytes(PARAMETER_BYTES / d, GRADIENT_BYTES / d, OPTIMIZER_BYTES / d, 0.0, gathered, GRADIENT_BYTES,
                       workspace / d)
+
+
+def check_backward(mode: str, schedule: str, split_backward: bool) -> None:
+    """ValueError when ``mode`` shards and ``schedule`` splits its backward into B and W (zero-bubble): FSDP2's
+    hooks gather and reduce around one backward per microbatch, not two halves of it."""
+    if mode not in ("none", "auto") and split_backward:
+        raise ValueError(f"schedule {schedule!r} splits the backward (B, then W), which FSDP2's hooks do not follow: "
+                         f"sharding={mode!r} runs under gpipe, 1f1b or interleaved; or use sharding='none'")
 
 
 def check_sharding(mode: str, data_parallel: int) -> str:

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import torch
 
 from runtime.resume import RNG_PREFIX, publish, read_progress, rng_state, set_rng_state, staging_dir
+from runtime.sharding import shard_like
 
 __all__ = ["CheckpointError", "WeightSource", "open_weights", "save_pipeline", "load_pipeline", "Restored",
            "consolidate", "save_sharded", "merge_partial_states", "MissingStateError", "MODEL_PREFIX", "OPTIM_PREFIX"]
@@ -355,7 +356,9 @@ def load_pipeline(directory: str | Path, tensors: Mapping[str, torch.Tensor],
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(staged, checkpoint_id=str(directory), no_dist=True)
         extra = json.loads(staged.pop(prefix + _HYPER))
-        state = {k[len(prefix):]: v.to(p.device) if k[len(prefix):] != "step" else v for k, v in staged.items()}
+        # a state tensor shaped like its parameter is cut as the parameter is (sharded over the replicas)
+        state = {k[len(prefix):]: v if k[len(prefix):] == "step" else
+                 shard_like(v, p) if tuple(v.shape) == tuple(p.shape) else v.to(p.device) for k, v in staged.items()}
         state.update(extra["state"])
         optimizer.state[p] = state
         group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from runtime.errors import PipelineError, RuntimeConfigError
 from runtime.precision import Precision
 from runtime.program import Ownership, Program
 from runtime.recompute import forward_for_recompute, recompute
+from runtime.sharding import StageShards, local
 from runtime.split import OUTPUT_KEY, SplitError, SplitProgram, ValueMeta, propagate_meta, split_program
 from runtime.stash import EdgeKey, Stash, StashMeter
 
@@ -53,11 +55,18 @@ class Engine:
     Each stage's forward runs under ``precision``'s autocast and, when training, as its
     ``program.recompute`` choice says (runtime/recompute.py). ``loss_scale`` multiplies the
     loss the backward starts from (fp16 loss scaling; the caller unscales).
+
+    Sharded replicas (the schedule's ``sharding`` is not "none", ``shard_mesh`` the replicas'
+    1-D mesh): this rank's stage programs run under FSDP2 (:class:`runtime.sharding.StageShards`),
+    whose hooks gather the parameters for each forward and backward; a stage's REDUCE_SCATTER
+    reduce-scatters its gradients. ``gathered_by``: the training engine whose sharded
+    parameters this engine's programs read (an eval-mode trace), gathered for each run.
     """
 
     def __init__(self, program: Program, ownership: Ownership, *, rank: int = 0, comm: Comm | None = None,
                  device: torch.device, example_flat: Sequence[Any], dp_group: Any = None,
-                 dp_size: int = 1, precision: Precision = Precision("fp32")) -> None:
+                 dp_size: int = 1, precision: Precision = Precision("fp32"), shard_mesh: Any = None,
+                 gathered_by: StageShards | None = None) -> None:
         self.program = program
         self.precision = precision
         self.loss_scale = 1.0
@@ -87,6 +96,11 @@ class Engine:
         except SplitError as err:
             raise RuntimeConfigError(str(err)) from None
         self.out_rank = self.s2r[self.split.output_stage]
+        self.shards: StageShards | None = None
+        self.gathered_by = gathered_by
+        if shard_mesh is not None and sch.sharding != "none" and not self.single:
+            self.shards = StageShards(sch.sharding, shard_mesh, {s: sp.gm for s, sp in self.split.stages.items()},
+                                      ownership.canonical)
         self.reduced_by = self._reducing_stages()
         self.buckets = {s: [[ps[i] for i in group] for group in gradient_buckets(
             [p.numel() * p.element_size() for p in ps], [p.dtype for p in ps])]
@@ -107,7 +121,7 @@ class Engine:
     def _reducing_stages(self) -> dict[int, list[nn.Parameter]]:
         """Stage -> the parameters its ALLREDUCE reduces: each parameter of this rank once, by the last of its
         stages to reduce (a weight two stages of one rank share is final only after both)."""
-        if self.single or self.dp_size < 2:
+        if self.single or self.dp_size < 2 or self.shards is not None:  # sharded: FSDP reduces
             return {}
         order = [a.stage for a in self.schedule.actions[self.rank] if a.kind is ActionKind.ALLREDUCE]
         last: dict[int, int] = {}
@@ -177,10 +191,16 @@ class Engine:
         self.executed = {}
         self.bucket_launches = []
         self.step_start = time.perf_counter()
-        if self.single:
-            loss, outputs = self._run_single(schedule, meta, micro_flat, targets, loss_fn, training)
-        else:
-            loss, outputs = self._run_rank(schedule, meta, micro_flat, targets, loss_fn, training)
+        if self.shards is not None and training:
+            self.shards.start_step()
+        with self.gathered_by.gathered([sp.gm for sp in self.split.stages.values()]) \
+                if self.gathered_by is not None else contextlib.nullcontext():
+            if self.single:
+                loss, outputs = self._run_single(schedule, meta, micro_flat, targets, loss_fn, training)
+            else:
+                loss, outputs = self._run_rank(schedule, meta, micro_flat, targets, loss_fn, training)
+        if self.shards is not None and not training:  # no backward freed what the forwards gathered
+            self.shards.reshard_all()
         self.step_end = time.perf_counter()
         return loss, outputs
 
@@ -251,9 +271,11 @@ class Engine:
                 tag = self._special_tag(meta, 1 + j)
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                elif not p.grad.is_contiguous():  # sent and received in place
+                elif not local(p.grad).is_contiguous():  # sent and received in place
                     p.grad = p.grad.contiguous()
-                total = p.grad
+                # sharded: the ranks holding the tie shard it alike (same shape, same replicas), so the sum
+                # of the whole gradients is the sum of each replica's shards
+                total = local(p.grad)
                 lead = ranks[0]
                 what = f"the gradient sum of tied parameter {self.ownership.canonical[id(p)]}"
                 if self.rank == lead:
@@ -319,8 +341,10 @@ class _RankState:
         # parameters, buffers and the batch (inputs and targets, which the script holds anyway) are no activations
         model = eng.ownership.model
         batch = [t for t in pytree.tree_leaves((micro_flat, targets)) if isinstance(t, torch.Tensor)]
-        self.meter = StashMeter({t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), *batch]
-                                 if not t.is_meta})
+        self.meter = StashMeter({local(t).untyped_storage().data_ptr()
+                                 for t in [*model.parameters(), *model.buffers(), *batch] if not t.is_meta})
+        if eng.shards is not None:  # FSDP's gathered parameters are parameters too, wherever they are allocated
+            eng.shards.gathered_storages = self.meter.exclude
         self.current = "the step set-up"
 
     def _local(self, key: EdgeKey) -> bool:
@@ -346,6 +370,10 @@ class _RankState:
             self.recv_b[(a.edge, a.mb)] = self._post_recv(a, backward=True)
         elif kind is ActionKind.ALLREDUCE:
             self._all_reduce(a.stage)
+        elif kind is ActionKind.REDUCE_SCATTER and self.eng.shards is not None:
+            self.eng.shards.reduce(a.stage)
+        # ALLGATHER / ALLGATHER_B: FSDP2's pre-forward and pre-backward hooks gather the stage's parameters at
+        # the F or B the action precedes (the schedule says where, for the simulator and the timeline)
 
     def finish(self) -> None:
         """Wait for this rank's sends (their tensors were kept alive until now) and gradient all-reduces; gather
@@ -499,8 +527,13 @@ class _RankState:
             if choice == "none":
                 res = prog.gm(*args)
             else:
+                shards = self._selective_shards(s)
+                if shards is not None:
+                    shards.gather(s)
                 res, rerun = forward_for_recompute(prog.gm, args, choice, eng.program.matmul_nodes, eng.device,
                                                    lambda t: self.meter.add((s, mb), t))
+                if shards is not None:
+                    shards.release(s)
             loss = self._output(res, mb) if prog.has_output else None
         self._event("F", s, mb, t0)
         outs = self._outs(s, res)
@@ -516,6 +549,12 @@ class _RankState:
                 self.meter.add((s, mb), t)
             self.meter.forward_done((s, mb))
 
+    def _selective_shards(self, s: int) -> StageShards | None:
+        """The sharded stages when stage ``s`` recomputes selectively: both its forwards run outside FSDP's hooks
+        (:meth:`StageShards.gather`), the first node by node, the rerun under the selective cache."""
+        shards = self.eng.shards
+        return shards if shards is not None and self._choice(s) == "selective" else None
+
     def _outs(self, s: int, res: Mapping[str, Any]) -> dict[EdgeKey, list[torch.Tensor]]:
         """The tensors stage ``s``'s outputs ``res`` send, per out-edge."""
         values = self.eng.split.edge_values
@@ -529,8 +568,11 @@ class _RankState:
         prog = eng.split.stages[s]
         assert stash.rerun is not None
         t0 = time.perf_counter()
+        shards = self._selective_shards(s)
+        if shards is not None:
+            shards.gather(s)  # released at the end of this backward
         with self.meter.saving((s, mb)), eng.precision.autocast(eng.device):
-            res = recompute(prog.gm, self._args(s, mb, stash.received), stash.rerun, s)
+            res = recompute(prog.gm, self._args(s, mb, stash.received), stash.rerun, s, hooks=shards is None)
             if prog.has_output:
                 with torch.enable_grad():
                     stash.loss = self._loss(res, mb)
@@ -604,6 +646,9 @@ class _RankState:
             finally:
                 for h in hooks:
                     h.remove()
+            shards = self._selective_shards(s)
+            if shards is not None:
+                shards.release(s)
             gmap = {id(x): x.grad for x in leaves}
         self._event("B", s, mb, t0)
         for key in self.eng.in_edges[s]:

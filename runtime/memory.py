@@ -10,6 +10,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from runtime.sharding import local
+
 __all__ = ["rank_memory", "AllocationMeter", "OptimizerStepMeter"]
 
 
@@ -77,6 +79,8 @@ class OptimizerStepMeter:
 
 
 def _bytes(t: torch.Tensor) -> int:
+    """What ``t`` takes on this rank: a DTensor (sharded over the replicas) its local shard."""
+    t = local(t)
     return t.numel() * t.element_size()
 
 

@@ -174,8 +174,11 @@ class _RandomReplay(TorchDispatchMode):
         return out
 
 
-def recompute(gm: fx.GraphModule, args: list[Any], rerun: Rerun, stage: int) -> Any:
-    """The stage's forward again, with autograd, on the same inputs and random state (see the module docstring)."""
+def recompute(gm: fx.GraphModule, args: list[Any], rerun: Rerun, stage: int, *, hooks: bool = True) -> Any:
+    """The stage's forward again, with autograd, on the same inputs and random state (see the module docstring).
+
+    ``hooks=False`` runs ``gm.forward`` without the module's forward hooks (a sharded stage whose
+    parameters the caller gathered: FSDP's hooks would run other ops than the first forward did)."""
     with ExitStack() as stack:
         stack.enter_context(_restored_rng(rerun))
         stack.enter_context(_buffers_kept(gm))
@@ -184,7 +187,7 @@ def recompute(gm: fx.GraphModule, args: list[Any], rerun: Rerun, stage: int) -> 
             for mode in rerun.replay:
                 stack.enter_context(mode)
         try:
-            return gm(*args)
+            return gm(*args) if hooks else gm.forward(*args)
         except RuntimeError as err:
             if rerun.replay is None or "selective activation checkpoint" not in str(err) and \
                     "found in storage" not in str(err):

@@ -35,6 +35,7 @@ from runtime.materialize import MaterializeError, materialize
 from runtime.memory import OptimizerStepMeter, rank_memory
 from runtime.precision import PipelineGradScaler, Precision
 from runtime.program import Ownership, Program, program_for
+from runtime.sharding import copy_whole_into, is_sharded, local, repoint
 from runtime.split import SplitError
 from runtime.teardown import release_at_exit
 from smp.launch import DEFAULT_TIMEOUT, init_distributed, launched_by_torchrun, local_gpu
@@ -219,18 +220,40 @@ class PipelinedModel:
             with self._together.failing():
                 if self._setup is None:
                     self._setup = self._set_up(args, kwargs, first)
-            setup = self._setup
-            program = setup.programs.get(mode)
-            if program is None:  # the same on every rank (one trace): the pipeline still runs in the other mode
-                raise RuntimeConfigError(f"the model cannot run in {'train' if mode else 'eval'} mode as "
-                                         f"partitioned: {setup.errors[mode]}")
+            self._program(mode)  # the same on every rank (one trace): not published, the other mode still runs
             with self._together.failing():
-                engine = Engine(program, setup.ownership, rank=self.pp_rank, comm=setup.comm, device=setup.device,
-                                example_flat=setup.example_flat[mode], dp_group=self.layout.dp_group,
-                                dp_size=self.layout.dp_size, precision=self.precision)
+                engine = self._build_engine(mode)
             self._together.meet_after_setup()
-            self._engines[mode] = engine
         self._engine = engine
+        return engine
+
+    def _program(self, mode: bool) -> Program:
+        """The traced program of a mode (train: True), or the reason the model cannot run in it."""
+        assert self._setup is not None
+        program = self._setup.programs.get(mode)
+        if program is None:
+            raise RuntimeConfigError(f"the model cannot run in {'train' if mode else 'eval'} mode as partitioned: "
+                                     f"{self._setup.errors[mode]}")
+        return program
+
+    def _build_engine(self, mode: bool) -> Engine:
+        """The engine of a mode. Sharded (``plan.sharding``), the training engine wraps its stage programs with
+        FSDP2 first, whatever mode runs first: the model and every traced program then hold the sharded
+        parameters, and an eval-mode engine runs on them gathered."""
+        setup = self._setup
+        assert setup is not None
+        program = self._program(mode)
+        sharded = self._plan.sharding != "none" and self.distributed  # type: ignore[union-attr]
+        train = self._engines.get(True) or (self._build_engine(True) if sharded and not mode else None)
+        engine = Engine(program, setup.ownership, rank=self.pp_rank, comm=setup.comm, device=setup.device,
+                        example_flat=setup.example_flat[mode], dp_group=self.layout.dp_group,
+                        dp_size=self.layout.dp_size, precision=self.precision,
+                        shard_mesh=self.layout.mesh["dp"] if sharded and mode else None,
+                        gathered_by=train.shards if train is not None and not mode else None)
+        if engine.shards is not None:
+            repoint([self.module, *(p.gm for p in setup.programs.values())], engine.shards.replaced)
+            setup.ownership.rekey(engine.shards.replaced)  # after: it finds the ties in the model as it is now
+        self._engines[mode] = engine
         return engine
 
     def _set_up(self, args: tuple, kwargs: dict, first: tuple[tuple, dict] | None) -> _SetUp:
@@ -355,7 +378,7 @@ class PipelinedModel:
         eng.loss_scale = scaler.scale
         loss, _ = eng.run(flat, targets, self.loss_fn, training=True)
         assert loss is not None
-        fresh = [p.grad for p in params if p.grad is not None]
+        fresh = [local(p.grad) for p in params if p.grad is not None]  # sharded: each rank checks its shard
         self.last_step_skipped = scaler.unscale_and_check(fresh, self.any_rank)
         for p, old in zip(params, before):
             if self.last_step_skipped:  # no gradient anywhere: optimizer.step() changes nothing on any rank
@@ -482,18 +505,18 @@ class PipelinedModel:
         """The full model state with the original names, on rank 0 ({} on the other ranks).
 
         A collective: every rank must call it (the first replica's pipeline gathers; the
-        replicas hold the same weights).
+        replicas hold the same weights; sharded over the replicas, each tensor is gathered
+        whole first).
         """
-        local = {k: v.detach().cpu() for k, v in self.module.state_dict().items()
-                 if isinstance(v, torch.Tensor) and not v.is_meta}
         if not self.distributed:
-            return local
+            return self._whole_state()
         with self._together.collective("state_dict()", "call it on every rank, then save on rank 0"):
+            mine = self._whole_state()  # sharded: gathered over the replicas, a collective itself
             if not self.layout.is_first_replica:
                 return {}
             first = self.layout.pp_ranks[0]
             gathered: list[Any] | None = [None] * self.layout.pp_size if self.rank == first else None
-            dist.gather_object(local, gathered, dst=first, group=self.layout.pp_group)
+            dist.gather_object(mine, gathered, dst=first, group=self.layout.pp_group)
             if self.rank != first:
                 return {}
             try:
@@ -501,8 +524,13 @@ class PipelinedModel:
             except MissingStateError as err:
                 raise PipelineError(f"state_dict: {err}") from None
 
+    def _whole_state(self) -> dict[str, torch.Tensor]:
+        """This rank's tensors of the model state, on the CPU; sharded ones gathered whole (a collective then)."""
+        return {k: (v.full_tensor() if is_sharded(v) else v).detach().cpu()
+                for k, v in self.module.state_dict().items() if isinstance(v, torch.Tensor) and not v.is_meta}
+
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-        """Load a full (unpartitioned) state dict: each rank copies the entries it holds."""
+        """Load a full (unpartitioned) state dict: each rank copies the entries it holds (sharded: its shard)."""
         own = self.module.state_dict(keep_vars=True)
         if strict:
             missing = [k for k in own if k not in state_dict]
@@ -513,7 +541,7 @@ class PipelinedModel:
         with torch.no_grad():
             for k, t in own.items():
                 if k in state_dict and isinstance(t, torch.Tensor) and not t.is_meta:
-                    t.copy_(state_dict[k])
+                    copy_whole_into(t, state_dict[k])
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -570,18 +598,22 @@ class PipelinedModel:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of the whole pipeline to a global norm, as ``torch.nn.utils.clip_grad_norm_`` would
-        on the unpartitioned model; returns that total norm on every rank (a collective)."""
+        on the unpartitioned model; returns that total norm on every rank (a collective). Sharded over the
+        replicas, each rank's shards count: their norms are summed over the replicas, then over the stages."""
         setup = self._require_setup("clip_grad_norm_()")
         # a parameter several ranks hold (a tied weight) counts once, on the lowest of them
         mine = [p for p in self.parameters() if p.grad is not None
                 and (not self.distributed or min(setup.ownership.holders.get(id(p), {self.pp_rank})) == self.pp_rank)]
-        group = self.layout.pp_group if self.distributed else None  # the replicas' gradients are the same
+        # unsharded, the replicas' gradients are the same: the pipeline's ranks alone hold all of them once
+        groups = ([self.layout.dp_group] if self._plan.sharding != "none" else []) + [self.layout.pp_group] \
+            if self.distributed else []  # type: ignore[union-attr]
         with self._together.collective("clip_grad_norm_()", "call it on every rank, after step()"):
-            total = global_grad_norm([p.grad for p in mine], float(norm_type), group)
+            total = global_grad_norm([local(p.grad) for p in mine], float(norm_type), groups)
         clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in self.parameters():
             if p.grad is not None:
-                p.grad.mul_(clip_coef.to(p.grad.device, p.grad.dtype))
+                g = local(p.grad)
+                g.mul_(clip_coef.to(g.device, g.dtype))
         return total
 
     # ------------------------------------------------------------------ measurements

@@ -1,0 +1,199 @@
+"""Sharded data parallelism at run time: this rank's stage programs under torch FSDP2's ``fully_shard`` over the replicas.
+
+Each stage program (an fx GraphModule holding the model's own submodules and parameters by
+reference) is wrapped by :func:`torch.distributed.fsdp.fully_shard` on the "dp" dimension of
+the pipeline's DeviceMesh: its parameters become DTensors sharded over the stage's replicas
+(``Shard(0)``), and FSDP2's hooks on the stage program's forward all-gather them for each
+use. The mode (partitioner/sharding.py) sets when they are freed again: ``shard_grad_op``
+keeps them gathered from the step's first forward to its gradient reduction,
+``full_shard`` frees them after every forward and backward.
+
+Gradients are synchronised once a step, as torch.distributed.pipelining's stage does
+with FSDP: every backward of a step accumulates the stage's unsharded gradients without
+communication (``set_requires_gradient_sync(False)``), and the schedule's REDUCE_SCATTER action
+of the stage (:meth:`StageShards.reduce`) runs FSDP's post-backward, which reduce-scatters
+them (mean over the replicas) into the sharded parameters' ``.grad`` and frees the
+unsharded gradients and parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from runtime.errors import RuntimeConfigError
+
+__all__ = ["StageShards", "local", "is_sharded", "repoint", "shard_like", "copy_whole_into"]
+
+
+def is_sharded(t: torch.Tensor | None) -> bool:
+    """Whether ``t`` is a DTensor (a parameter, gradient or optimizer state sharded over the replicas)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: a DTensor's local shard (its storage: writes to it change ``t``), else ``t``."""
+    return t.to_local() if is_sharded(t) else t
+
+
+def shard_like(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``whole`` cut as the DTensor ``like`` is (this rank's shard, no communication); ``whole`` if ``like`` is plain."""
+    if not is_sharded(like):
+        return whole
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(whole.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+
+
+def copy_whole_into(target: torch.Tensor, whole: torch.Tensor) -> None:
+    """Copy the whole tensor ``whole`` into ``target``: into its shard when ``target`` is sharded."""
+    with torch.no_grad():
+        local(target).copy_(local(shard_like(whole, target)))
+
+
+def repoint(roots: Sequence[nn.Module], pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Every module of ``roots`` that holds an old tensor of ``pairs`` holds its new one instead."""
+    new = {id(old): fresh for old, fresh in pairs}
+    seen: set[int] = set()
+    for root in roots:
+        for mod in root.modules():
+            if id(mod) in seen:
+                continue
+            seen.add(id(mod))
+            for key, t in list(mod._parameters.items()):
+                if t is not None and id(t) in new:
+                    mod._parameters[key] = new[id(t)]  # type: ignore[assignment]
+
+
+class StageShards:
+    """This rank's training stage programs, each wrapped by ``fully_shard`` over the replicas (``mesh``: 1-D, "dp").
+
+    ``replaced`` pairs each original parameter with the sharded one that replaced it in the
+    stage programs (the caller points the model and its other programs at the new ones). A
+    parameter two stages of this rank share (a tie) cannot be one FSDP parameter of two
+    modules: refused with the tie's name and the fix.
+    """
+
+    def __init__(self, mode: str, mesh: Any, stages: Mapping[int, nn.Module], names: Mapping[int, str]) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        self.mode = mode
+        self.mesh = mesh
+        _refuse_ties(stages, names)
+        # where each parameter sits before FSDP replaces it there: FSDP names each of its parameters by place
+        before = {(id(mod), name): p for gm in stages.values() for mod in gm.modules()
+                  for name, p in mod._parameters.items() if p is not None}
+        self.modules: dict[int, Any] = {}
+        self.replaced: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for s, gm in stages.items():
+            self.modules[s] = fully_shard(gm, mesh=mesh, reshard_after_forward=(mode == "full_shard"))
+            for fp in _fsdp_params(self.modules[s]):
+                info = fp._module_info
+                self.replaced.append((before[(id(info.module), info.param_name)], fp.sharded_param))
+        for old, _ in self.replaced:  # FSDP copied this rank's shard: the whole tensor is no longer needed
+            old.data = torch.empty(0, dtype=old.dtype, device=old.device)
+        self.gathered_storages: set[int] = set()  # data pointers of the gathered parameters (not activations)
+        for module in self.modules.values():
+            module.register_forward_pre_hook(self._note_gathered)  # after FSDP's own pre-forward: gathered now
+
+    def _note_gathered(self, module: nn.Module, args: Any) -> None:
+        for p in module.parameters():
+            if not is_sharded(p):
+                self.gathered_storages.add(p.untyped_storage().data_ptr())
+
+    def start_step(self) -> None:
+        """Before a training step's first action: every backward accumulates without communicating; full_shard
+        frees the gathered parameters after each backward, shard_grad_op keeps them to the reduction."""
+        from torch.distributed.fsdp import fully_shard
+
+        for module in self.modules.values():
+            # each stage module is its own FSDP root, set up on its first forward through FSDP's hooks (a
+            # selectively recomputing stage runs none): set up here, before the reduction needs it
+            fully_shard.state(module)._lazy_init()
+            module.set_requires_gradient_sync(False)
+            module.set_is_last_backward(False)
+            module.set_reshard_after_backward(self.mode == "full_shard")
+
+    def reduce(self, stage: int) -> None:
+        """The stage's gradient reduction (its REDUCE_SCATTER action): FSDP's post-backward with sync on, which
+        reduce-scatters the accumulated gradients into the sharded ``.grad`` and frees the gathered state."""
+        from torch.distributed.fsdp import fully_shard
+
+        module = self.modules.get(stage)
+        if module is None:
+            return
+        module.set_is_last_backward(True)
+        module.set_reshard_after_backward(True)
+        module.set_requires_gradient_sync(True)
+        state = fully_shard.state(module)
+        for st in state._state_ctx.all_states:
+            for group in st._fsdp_param_groups:
+                group.post_backward()
+        # waits for the reduce-scatter (FSDP's streams on a GPU) and resets FSDP's per-backward state
+        state._root_post_backward_final_callback()
+
+    def gather(self, stage: int) -> None:
+        """Gather the stage's parameters for a pass that runs outside FSDP's hooks: a selective recomputation's
+        forwards (the first node by node; the rerun under the selective cache, which must see the same aten
+        ops as the first, and FSDP's gathering would be others) and the backward that follows the rerun."""
+        module = self.modules[stage]
+        module.unshard()
+        self.gathered_storages.update(p.untyped_storage().data_ptr() for p in module.parameters())
+
+    def release(self, stage: int) -> None:
+        """After a :meth:`gather`: full_shard frees the parameters again, shard_grad_op keeps them for the step."""
+        if self.mode == "full_shard":
+            self.modules[stage].reshard()
+
+    def reshard_all(self) -> None:
+        """Free every gathered parameter (after a forward-only pass, which runs no backward to free them)."""
+        for module in self.modules.values():
+            module.reshard()
+
+    @contextmanager
+    def gathered(self, roots: Sequence[nn.Module]) -> Iterator[None]:
+        """Every parameter whole in ``roots`` (another program on the same parameters: the eval-mode trace)."""
+        for module in self.modules.values():
+            module.unshard()
+        pairs = [(sharded, whole) for module in self.modules.values()
+                 for sharded, whole in zip(_sharded_params(module), _gathered_params(module))]
+        repoint(roots, pairs)
+        try:
+            yield
+        finally:
+            repoint(roots, [(whole, sharded) for sharded, whole in pairs])
+            self.reshard_all()
+
+
+def _fsdp_params(module: Any) -> list[Any]:
+    from torch.distributed.fsdp import fully_shard
+
+    state = fully_shard.state(module)
+    return [fp for group in state._fsdp_param_groups for fp in group.fsdp_params]
+
+
+def _sharded_params(module: Any) -> list[nn.Parameter]:
+    """The module's sharded parameters, in the order its ``parameters()`` gave them to ``fully_shard``."""
+    return [fp.sharded_param for fp in _fsdp_params(module)]
+
+
+def _gathered_params(module: Any) -> list[nn.Parameter]:
+    return [fp.unsharded_param for fp in _fsdp_params(module)]
+
+
+def _refuse_ties(stages: Mapping[int, nn.Module], names: Mapping[int, str]) -> None:
+    owner: dict[int, int] = {}
+    for s, gm in sorted(stages.items()):
+        for p in gm.parameters():
+            first = owner.setdefault(id(p), s)
+            if first != s:
+                raise RuntimeConfigError(
+                    f"parameter {names.get(id(p), '?')!r} is tied between stages {first} and {s}, which run on the "
+                    "same rank: FSDP2 cannot shard one parameter for two stage modules. Use sharding='none', or a "
+                    "plan that puts the two stages on different ranks (another schedule or stage count).")
