@@ -15,7 +15,6 @@ from torch import nn
 
 from partitioner.compile import plan as make_plan
 from partitioner.errors import PlanningError
-from partitioner.ir import ScheduleKind
 from partitioner.microbatch import MicrobatchError
 from partitioner.plan import Plan
 from partitioner.program import flatten_inputs, retarget_device
@@ -39,6 +38,7 @@ from runtime.sharding import copy_whole_into, is_sharded, local, repoint
 from runtime.split import SplitError
 from runtime.teardown import release_at_exit
 from smp.launch import DEFAULT_TIMEOUT, init_distributed, launched_by_torchrun, local_gpu
+from smp.plan_options import check_agrees, given_options
 from smp.rank0_plan import plan_on_rank0
 
 __all__ = ["partition", "PipelinedModel", "PipelineError", "RuntimeConfigError"]
@@ -158,11 +158,11 @@ class PipelinedModel:
         if isinstance(plan, (str, Path)):
             plan = Plan.load(plan)
         self._plan: Plan | None = plan
-        given = _given(request, planning)
+        given = given_options(request, planning)
         if given.get("training") is False:
             raise RuntimeConfigError("smp.partition trains (pipe(x) runs the forward alone): drop training=False")
         if plan is not None:
-            _check_agrees(plan, self.request, given)
+            check_agrees(plan, self.request, given)
             self.stages = plan.pipeline_ranks
         else:
             self.stages = self.request.stages or self.world_size
@@ -672,44 +672,6 @@ class _SetUp:
     comm: Comm | None
     device: torch.device
     example_flat: dict[bool, list[Any]]
-
-
-def _plan_facts(plan: Plan) -> dict[str, Any]:
-    """What a made plan fixes, by the planning option that would have chosen it."""
-    return {"stages": plan.pipeline_ranks, "microbatches": plan.microbatches, "schedule": plan.schedule_name,
-            "active_microbatches": plan.active_microbatches, "data_parallel": plan.data_parallel,
-            "virtual_stages": plan.virtual_stages, "recompute": tuple(plan.recompute)}
-
-
-def _given(request: PlanRequest | None, planning: Mapping[str, Any]) -> dict[str, Any]:
-    """The planning options the caller chose: the keywords, and the fields of ``request`` off their defaults."""
-    chosen = {name: value for name, value in planning.items() if value is not None}  # None: left to the default
-    if request is not None:
-        default = PlanRequest()
-        chosen.update({f.name: getattr(request, f.name) for f in dataclasses.fields(PlanRequest)
-                       if f.name not in chosen and getattr(request, f.name) != getattr(default, f.name)})
-    return chosen
-
-
-def _check_agrees(plan: Plan, request: PlanRequest, given: Mapping[str, Any]) -> None:
-    """A plan is already made: every planning option given with it must say what the plan says."""
-    facts = _plan_facts(plan)
-    moot = sorted(set(given) - set(facts) - {"placement"})  # the replicas' layout stays the runtime's choice
-    if moot:
-        raise RuntimeConfigError(f"{', '.join(moot)} only shape a new plan, and plan= is already made: drop "
-                                 f"{'them' if len(moot) > 1 else 'it'}, or re-plan with smp.plan(..., "
-                                 f"{moot[0]}=...)")
-    for name in facts.keys() & given.keys():
-        value, fixed = getattr(request, name), facts[name]
-        if name == "recompute":
-            agrees = value == "auto" or all(c == value for c in fixed)
-        elif name == "virtual_stages":
-            agrees = not ScheduleKind.parse(plan.schedule_name).interleaved or value == fixed
-        else:
-            agrees = value == fixed
-        if not agrees:
-            raise RuntimeConfigError(f"{name}={given[name]!r} disagrees with the plan's {fixed!r}: a plan fixes "
-                                     f"its {name}; re-plan with smp.plan(..., {name}=...)")
 
 
 def _model_device(model: nn.Module) -> torch.device:

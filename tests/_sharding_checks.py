@@ -87,6 +87,7 @@ def shard_worker(rank: int, world: int, *, spec: str, stages: int, sharding: str
     res["params"] = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                      for n, p in pipe.named_parameters()}
     res["optimizer_bytes"] = optimizer_bytes(opt)
+    res["param_bytes"] = sum(p.numel() * p.element_size() for p in pipe.parameters())  # whole (a DTensor's global)
     res["state_dict"] = pipe.state_dict()
     res["optimizer"] = whole_optimizer_state(pipe, opt)
     if checkpoint_to is not None:
@@ -120,7 +121,7 @@ def load_worker(rank: int, world: int, *, spec: str, stages: int, sharding: str,
 
 def refusal_worker(rank: int, world: int, *, spec: str, schedule: str, out: str) -> None:
     """One rank of 2 x 2 under full_shard with ``schedule``: the message partitioning raised ("" if none)."""
-    from partitioner.errors import PlanError
+    from runtime.errors import RuntimeConfigError
 
     b = build(spec, seed=0)
     try:  # refused by the request itself, on every rank, before any rank plans
@@ -128,6 +129,6 @@ def refusal_worker(rank: int, world: int, *, spec: str, schedule: str, out: str)
                          timing="analytic", sharding="full_shard")
         pipe.prepare(b.example_args[0][:4])
         message = ""
-    except PlanError as err:
+    except RuntimeConfigError as err:
         message = str(err)
     Path(out, f"refusal-{rank}.txt").write_text(message)

@@ -170,3 +170,17 @@ def test_sharding_is_named_checked_and_carried_by_the_plan():
     assert made.sharding == Plan.from_dict(made.to_dict()).sharding == "full_shard"
     with pytest.raises(PlanError, match="data_parallel=1"):
         smp.plan(model, torch.randn(8, 4), stages=2, sharding="shard_grad_op", microbatches=2, timing="analytic")
+
+
+def test_a_made_plan_and_a_sharding_that_disagrees_with_it_are_refused():
+    from smp.plan_options import check_agrees, given_options
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU())
+    made = smp.plan(model, torch.randn(8, 4), stages=2, data_parallel=2, sharding="shard_grad_op", microbatches=2,
+                    timing="analytic")
+    for agreeing in ("auto", "shard_grad_op"):
+        request = PlanRequest(sharding=agreeing)
+        check_agrees(made, request, given_options(request, {}))
+    request = PlanRequest(sharding="none")
+    with pytest.raises(RuntimeConfigError, match="sharding='none' disagrees with the plan's 'shard_grad_op'"):
+        check_agrees(made, request, given_options(request, {"sharding": "none"}))
