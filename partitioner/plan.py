@@ -198,7 +198,8 @@ class Plan:
     @property
     def rank_memory(self) -> list[float]:
         """Each rank's predicted peak bytes: its stages' state plus the larger of the simulated peak of their
-        activations and the optimizer step's workspace (the step comes after the last backward).
+        activations, with what sharding holds whole while they compute (``StageStats.working``), and the
+        optimizer step's workspace (the step comes after the last backward).
 
         With several stages per rank (interleaved) the activations peak together only as
         the schedule's order makes them, which the simulator follows; the stages' own
@@ -209,7 +210,8 @@ class Plan:
         for r in range(self.pipeline_ranks):
             stages = [self.partition.stages[s] for s in self.schedule.stages_of(r)]
             acts = per_rank[r] if per_rank is not None else sum(s.activation_peak for s in stages)
-            out.append(sum(s.state for s in stages) + max(acts, sum(s.workspace for s in stages)))
+            computing = sum(s.working for s in stages) + acts
+            out.append(sum(s.state for s in stages) + max(computing, sum(s.workspace for s in stages)))
         return out
 
     @cached_property

@@ -184,3 +184,10 @@ def test_cli_sharding_flag_is_checked_and_shown(tmp_path) -> None:
                                "--sharding", "shard_grad_op"])
     assert text.exit_code == 0, text.output
     assert "sharding shard_grad_op" in text.output and "optimizer state" in text.output
+
+
+def test_rank_memory_counts_what_sharding_holds_whole_while_computing() -> None:
+    # one stage per rank: the rank's peak is its stage's, gathered parameters and whole gradients included
+    zero2 = _plan(sharding="shard_grad_op", recompute="none")
+    assert all(s.working > 0 for s in zero2.partition.stages)
+    assert zero2.rank_memory == pytest.approx(zero2.stage_memory)
