@@ -115,6 +115,7 @@ class Engine:
         self.stash_peak: dict[int, int] = {}  # rank -> peak stashed activation bytes of the last step
         self.bucket_launches: list[tuple[int, int, str]] = []  # (stage, bucket, during which action), last step
         self.stash_kept: dict[int, int] = {}  # stage -> bytes one microbatch kept from its forward (last step)
+        self.bucket_bytes: dict[int, int] = {}  # rank -> bytes of its all-reduce's flat buckets (last step)
         self.step_start = 0.0
         self.step_end = 0.0
 
@@ -381,6 +382,8 @@ class _RankState:
         for pend in self.sends:
             self.comm.wait(pend)
         self.sends = []
+        # every bucket is alive here, from its launch to the step's end (the plan's ``buckets``)
+        self.eng.bucket_bytes[self.rank] = sum(flat.untyped_storage().nbytes() for _, flat, _ in self.reductions)
         for pend, flat, grads in self.reductions:
             self.comm.wait(pend)
             flat /= self.eng.dp_size
@@ -640,6 +643,8 @@ class _RankState:
             stash.roots, stash.root_grads = roots, grads
         else:
             hooks = self._reducing_backward(s) if self.eng.overlapped.get(s) == mb else []
+            if self.eng.shards is not None:
+                self.eng.shards.backward_starts()
             try:
                 if roots:
                     torch.autograd.backward(roots, grads)

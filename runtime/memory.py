@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from runtime.sharding import local
+from runtime.sharding import WorkingBytes, local
 
 __all__ = ["rank_memory", "AllocationMeter", "OptimizerStepMeter"]
 
@@ -33,11 +33,13 @@ class AllocationMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        # a sharded tensor (DTensor: a sharded optimizer's step) is seen whole here; its storage is its local shard's
+        inputs = {local(t).untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor) or t.is_meta:
                 continue
-            storage = t.untyped_storage()
+            storage = local(t).untyped_storage()
             ptr = storage.data_ptr()
             if ptr == 0 or ptr in inputs or ptr in self._alive:
                 continue
@@ -85,11 +87,19 @@ def _bytes(t: torch.Tensor) -> int:
 
 
 def rank_memory(model: nn.Module, ownership: Any, rank: int, optimizer: torch.optim.Optimizer | None,
-                activations_peak: int, step_meter: OptimizerStepMeter | None = None) -> dict[str, int]:
+                activations_peak: int, step_meter: OptimizerStepMeter | None = None,
+                working: WorkingBytes | None = None, buckets: int = 0) -> dict[str, int]:
     """Bytes rank ``rank`` holds: its parameters, their gradients and optimizer state, its buffers, and
     ``activations_peak`` (the engine's stash meter); with ``step_meter`` the optimizer step's
     workspace, which comes after the stashed activations are gone, so the total holds the
-    larger of the two (as the plan counts it); on a GPU also the allocator's peak."""
+    larger of the two (as the plan counts it); on a GPU also the allocator's peak.
+
+    Under sharding, ``working`` is what the step held whole beside its shards at its peak
+    (``gathered_peak``: all-gathered parameters, ``whole_grads_peak``: the unsharded gradients
+    before the reduce-scatter), freed before the optimizer's step: the total counts it with the
+    activations. Plain data parallelism's all-reduce ``buckets`` (flat copies of the gradients,
+    alive to the step's end) count with the state.
+    """
     held = {i for i, ranks in ownership.holders.items() if rank in ranks}
     params = [p for p in model.parameters() if id(p) in held and not p.is_meta]
     buffers = [b for b in model.buffers() if id(b) in held and not b.is_meta]
@@ -104,10 +114,15 @@ def rank_memory(model: nn.Module, ownership: Any, rank: int, optimizer: torch.op
         "buffers": sum(_bytes(b) for b in buffers),
         "activations_peak": int(activations_peak),
     }
+    if buckets:
+        out["buckets"] = int(buckets)
+    if working is not None:
+        out["gathered_peak"], out["whole_grads_peak"] = int(working.gathered), int(working.gradients)
     if step_meter is not None:
         out["optimizer_step_peak"] = int(step_meter.peak)
-    out["total"] = (sum(v for k, v in out.items() if k not in ("activations_peak", "optimizer_step_peak"))
-                    + max(out["activations_peak"], out.get("optimizer_step_peak", 0)))
+    computing = out["activations_peak"] + out.get("gathered_peak", 0) + out.get("whole_grads_peak", 0)
+    out["total"] = (out["params"] + out["grads"] + out["optimizer"] + out["buffers"] + out.get("buckets", 0)
+                    + max(computing, out.get("optimizer_step_peak", 0)))
     device = params[0].device if params else torch.device("cpu")
     if device.type == "cuda":
         out["cuda_max_allocated"] = int(torch.cuda.max_memory_allocated(device))

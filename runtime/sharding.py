@@ -20,14 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from runtime.errors import RuntimeConfigError
 
-__all__ = ["StageShards", "local", "is_sharded", "repoint", "shard_like", "copy_whole_into"]
+__all__ = ["StageShards", "WorkingBytes", "local", "is_sharded", "repoint", "shard_like", "copy_whole_into"]
 
 
 def is_sharded(t: torch.Tensor | None) -> bool:
@@ -71,6 +71,18 @@ def repoint(roots: Sequence[nn.Module], pairs: Sequence[tuple[torch.Tensor, torc
                     mod._parameters[key] = new[id(t)]  # type: ignore[assignment]
 
 
+class WorkingBytes(NamedTuple):
+    """Bytes a rank holds whole while its stages compute under sharding: ``gathered`` parameters, unsharded
+    ``gradients``."""
+
+    gathered: int
+    gradients: int
+
+    @property
+    def total(self) -> int:
+        return self.gathered + self.gradients
+
+
 class StageShards:
     """This rank's training stage programs, each wrapped by ``fully_shard`` over the replicas (``mesh``: 1-D, "dp").
 
@@ -99,6 +111,9 @@ class StageShards:
         for old, _ in self.replaced:  # FSDP copied this rank's shard: the whole tensor is no longer needed
             old.data = torch.empty(0, dtype=old.dtype, device=old.device)
         self.gathered_storages: set[int] = set()  # data pointers of the gathered parameters (not activations)
+        self.working_peak = WorkingBytes(0, 0)  # the step's most held whole at once (start_step resets it)
+        self._sample_at_grad = False  # set by each backward's start: sample at its first gradient
+        self._watched: set[int] = set()  # gathered parameters carrying the sampling hook
         for module in self.modules.values():
             module.register_forward_pre_hook(self._note_gathered)  # after FSDP's own pre-forward: gathered now
 
@@ -106,6 +121,49 @@ class StageShards:
         for p in module.parameters():
             if not is_sharded(p):
                 self.gathered_storages.add(p.untyped_storage().data_ptr())
+        self._watch(module)
+        self._note_working()
+
+    def _watch(self, module: nn.Module) -> None:
+        """Hook the module's gathered parameters (FSDP2 keeps one object per parameter across gathers) so a
+        backward samples the working bytes at its first accumulated gradient: under full_shard the
+        only moment its parameters are gathered beside the other microbatches' whole gradients."""
+        for fp in _fsdp_params(module):
+            unsharded = getattr(fp, "_unsharded_param", None)
+            if unsharded is not None and unsharded.requires_grad and id(unsharded) not in self._watched:
+                self._watched.add(id(unsharded))
+                unsharded.register_post_accumulate_grad_hook(self._at_grad)
+
+    def _at_grad(self, param: torch.Tensor) -> None:
+        if self._sample_at_grad:
+            self._sample_at_grad = False
+            self._note_working()
+
+    def backward_starts(self) -> None:
+        """The engine runs a backward of a stage of this rank now (its first gradient samples the working bytes)."""
+        self._sample_at_grad = True
+
+    def working(self) -> WorkingBytes:
+        """What this rank's stages hold whole now: the all-gathered parameters' storage, and the unsharded
+        gradients the backwards accumulate until the reduce-scatter (partitioner.sharding's ``working``)."""
+        gathered: dict[int, int] = {}
+        grads = 0
+        for module in self.modules.values():
+            for fp in _fsdp_params(module):
+                for t in fp.all_gather_outputs:  # freed (resized to 0) when resharded
+                    gathered[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                unsharded = getattr(fp, "_unsharded_param", None)  # made at the first gather
+                for g in (unsharded.grad if unsharded is not None else None, fp.unsharded_accumulated_grad):
+                    if g is not None:
+                        grads += g.untyped_storage().nbytes()
+        return WorkingBytes(sum(gathered.values()), grads)
+
+    def _note_working(self) -> None:
+        """Sampled where the working bytes peak: after each forward's gather (the gradients of earlier
+        backwards whole beside), at each backward's first gradient, and before each reduce-scatter."""
+        now = self.working()
+        if now.total > self.working_peak.total:
+            self.working_peak = now
 
     def start_step(self) -> None:
         """Before a training step's first action: every backward accumulates without communicating; full_shard
@@ -119,6 +177,7 @@ class StageShards:
             module.set_requires_gradient_sync(False)
             module.set_is_last_backward(False)
             module.set_reshard_after_backward(self.mode == "full_shard")
+        self.working_peak = WorkingBytes(0, 0)
 
     def reduce(self, stage: int) -> None:
         """The stage's gradient reduction (its REDUCE_SCATTER action): FSDP's post-backward with sync on, which
@@ -128,6 +187,7 @@ class StageShards:
         module = self.modules.get(stage)
         if module is None:
             return
+        self._note_working()
         module.set_is_last_backward(True)
         module.set_reshard_after_backward(True)
         module.set_requires_gradient_sync(True)
@@ -145,6 +205,7 @@ class StageShards:
         module = self.modules[stage]
         module.unshard()
         self.gathered_storages.update(p.untyped_storage().data_ptr() for p in module.parameters())
+        self._watch(module)
 
     def release(self, stage: int) -> None:
         """After a :meth:`gather`: full_shard frees the parameters again, shard_grad_op keeps them for the step."""

@@ -621,7 +621,9 @@ class PipelinedModel:
     def memory_stats(self, optimizer: torch.optim.Optimizer | None = None,
                      step_meter: OptimizerStepMeter | None = None) -> dict[int, dict[str, int]]:
         """What each rank in this process holds, in bytes, counted exactly: parameters, gradients, optimizer
-        state, buffers, and the peak of stashed activations during the last step (``activations_peak``).
+        state, buffers, and the peak of stashed activations during the last step (``activations_peak``);
+        with replicas also the all-reduce's ``buckets`` or, sharded, what the step held whole
+        (``gathered_peak``, ``whole_grads_peak``: :func:`runtime.memory.rank_memory`).
         With ``step_meter`` (a :class:`runtime.memory.OptimizerStepMeter` made on ``optimizer``
         before the steps) also the last optimizer step's workspace (``optimizer_step_peak``); the
         ``total`` holds the larger of it and the activations, as the plan counts them.
@@ -633,7 +635,9 @@ class PipelinedModel:
         eng = self._engine
         ranks = range(self._plan.pipeline_ranks) if not self.distributed else [self.pp_rank]  # type: ignore[union-attr]
         return {r: rank_memory(self.module, setup.ownership, r, optimizer,
-                               eng.stash_peak.get(r, 0) if eng is not None else 0, step_meter) for r in ranks}
+                               eng.stash_peak.get(r, 0) if eng is not None else 0, step_meter,
+                               working=eng.shards.working_peak if eng is not None and eng.shards is not None else None,
+                               buckets=eng.bucket_bytes.get(r, 0) if eng is not None else 0) for r in ranks}
 
 
     def timeline(self, gather: bool = False) -> Timeline:

@@ -132,3 +132,29 @@ def refusal_worker(rank: int, world: int, *, spec: str, schedule: str, out: str)
     except RuntimeConfigError as err:
         message = str(err)
     Path(out, f"refusal-{rank}.txt").write_text(message)
+
+
+def memory_worker(rank: int, world: int, *, spec: str, sharding: str, out: str) -> None:
+    """One rank of 2 x 2 under ``sharding``: two metered AdamW (foreach) steps, then ``memory_stats`` and the
+    whole bytes of this rank's parameters (a DTensor's global size)."""
+    import json
+
+    from runtime.memory import OptimizerStepMeter
+
+    b = build(spec, seed=0)
+    pipe = partition(b.model, stages=2, microbatches=2, loss_fn=b.loss_fn, timeout=60, timing="analytic",
+                     sharding=sharding)
+    x, y = b.example_args[0], b.target
+    share = x.shape[0] // (world // 2)
+    rows = slice(pipe.dp_rank * share, (pipe.dp_rank + 1) * share)
+    pipe.prepare(x[rows])
+    opt = torch.optim.AdamW(pipe.parameters(), lr=LR, foreach=True)
+    meter = OptimizerStepMeter(opt)
+    for _ in range(2):
+        opt.zero_grad(set_to_none=True)
+        pipe.step(x[rows], target=y[rows])
+        opt.step()
+    res = {"stats": pipe.memory_stats(opt, step_meter=meter)[pipe.pp_rank],
+           "whole": sum(p.numel() * p.element_size() for p in pipe.parameters()),
+           "tensors": len(list(pipe.parameters()))}
+    Path(out, f"memory-{rank}.json").write_text(json.dumps(res))

@@ -160,3 +160,32 @@ def test_a_split_backward_schedule_is_refused_under_sharding(tmp_path: Path) -> 
         assert r.returncode == 0, f"rank {r.rank}: {r.stdout[-1500:]}\n{r.stderr[-3000:]}"
         message = (tmp_path / f"refusal-{r.rank}.txt").read_text()
         assert "splits the backward" in message and "sharding='none'" in message, message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["none", "shard_grad_op", "full_shard"])
+def test_memory_stats_counts_the_shards_and_what_is_held_whole(tmp_path: Path, sharding: str) -> None:
+    """Each rank's memory_stats under sharding: the optimizer step metered on DTensors, the shards of parameters,
+    gradients and AdamW state, and what the step held whole (gathered parameters, unsharded gradients), or
+    plain data parallelism's all-reduce buckets, in the total."""
+    import json
+
+    results = launch(f"{HERE / '_sharding_checks.py'}:memory_worker", 4,
+                     {"spec": SPEC, "sharding": sharding, "out": str(tmp_path)}, timeout=300)
+    for r in results:
+        assert r.returncode == 0, f"rank {r.rank}: {r.stdout[-1500:]}\n{r.stderr[-3000:]}"
+    for r in range(4):
+        res = json.loads((tmp_path / f"memory-{r}.json").read_text())
+        got, whole = res["stats"], res["whole"]
+        shard = whole if sharding == "none" else whole // 2
+        assert got["params"] == shard and got["grads"] == shard
+        assert got["optimizer"] == 2 * shard + 4 * res["tensors"]  # exp_avg, exp_avg_sq; a float32 step each
+        assert got["optimizer_step_peak"] > 0
+        if sharding == "none":
+            assert got["buckets"] == whole and "gathered_peak" not in got
+            computing = got["activations_peak"]
+        else:
+            assert got["gathered_peak"] == whole and got["whole_grads_peak"] == whole and "buckets" not in got
+            computing = got["activations_peak"] + 2 * whole
+        state = got["params"] + got["grads"] + got["optimizer"] + got["buffers"] + got.get("buckets", 0)
+        assert got["total"] == state + max(computing, got["optimizer_step_peak"])
