@@ -45,12 +45,46 @@ def test_configuration_from_sagemakers_environment_variable() -> None:
         load_config(None, {ENV_VAR: "{partitions: 2"})
 
 
-@pytest.mark.parametrize("key,value", [("tensor_parallel_degree", 2), ("sharded_data_parallel_degree", 8),
-                                       ("fp16", True), ("shard_optimizer_state", True), ("sdp_max_live_parameters", 1),
+@pytest.mark.parametrize("key,value", [("tensor_parallel_degree", 2), ("fp16", True), ("sdp_max_live_parameters", 1),
                                        ("skip_tracing", True)])
 def test_unsupported_features_are_refused_by_name(key: str, value: object) -> None:
     with pytest.raises(smp.V1Error, match=key):
         load_config({"partitions": 2, key: value})
+
+
+def test_v1_sharding_keys_map_onto_smps_modes() -> None:
+    def cfg(**keys: object):
+        return load_config({"partitions": 2, "ddp": True, **keys})
+
+    assert (cfg().sharding, cfg(shard_optimizer_state=False).sharding) == ("none", "none")  # v1: nothing unasked
+    assert cfg(shard_optimizer_state=True).sharding == "shard_grad_op"
+    assert cfg(sharded_data_parallel_degree=1).sharding == "none"
+    full = cfg(sharded_data_parallel_degree=4)
+    assert full.sharding == "full_shard" and full.request(data_parallel=4).sharding == "full_shard"
+    assert cfg(shard_optimizer_state=True).request(data_parallel=2).sharding == "shard_grad_op"
+    assert cfg().request(data_parallel=2).sharding == "none"
+
+
+@pytest.mark.parametrize(("keys", "replicas", "match"), [
+    ({"sharded_data_parallel_degree": 4}, 2, "sharded_data_parallel_degree=4.*2 data-parallel replicas.*all its"),
+    ({"sharded_data_parallel_degree": 2}, 4, "sharded_data_parallel_degree=2.*4 data-parallel replicas"),
+    ({"shard_optimizer_state": True}, 1, "shard_optimizer_state shards over the data-parallel replicas.*has one"),
+])
+def test_v1_sharding_must_fit_the_replicas(keys: dict, replicas: int, match: str) -> None:
+    with pytest.raises(smp.V1Error, match=match):
+        load_config({"partitions": 2, "ddp": True, **keys}).request(data_parallel=replicas)
+
+
+@pytest.mark.parametrize(("keys", "match"), [
+    ({"shard_optimizer_state": True, "sharded_data_parallel_degree": 2, "ddp": True}, "two kinds of sharding"),
+    ({"shard_optimizer_state": True}, "set \"ddp\": true"),
+    ({"sharded_data_parallel_degree": 2, "ddp": False}, "set \"ddp\": true"),
+    ({"shard_optimizer_state": "yes", "ddp": True}, "shard_optimizer_state='yes': true or false"),
+    ({"sharded_data_parallel_degree": 0, "ddp": True}, "sharded_data_parallel_degree=0: an integer >= 1"),
+])
+def test_bad_v1_sharding_says_what_to_fix(keys: dict, match: str) -> None:
+    with pytest.raises(smp.V1Error, match=match):
+        load_config({"partitions": 2, **keys})
 
 
 def test_keys_that_ask_for_nothing_are_accepted() -> None:

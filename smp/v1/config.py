@@ -47,10 +47,6 @@ _MIXED = ("fp16 training through the v1 configuration is not supported: wrap mod
 REFUSED: dict[str, tuple[Any, str]] = {
     "tensor_parallel_degree": (1, "tensor parallelism is not part of smp (it partitions a model into pipeline "
                                   "stages); use partitions / pipeline_parallel_degree"),
-    "sharded_data_parallel_degree": (1, "sharded data parallelism is not part of smp; use partitions (pipeline "
-                                        "stages) to spread the model's memory"),
-    "shard_optimizer_state": (False, "optimizer state sharding is not part of smp; each rank holds the optimizer "
-                                     "state of its own stages only"),
     "offload_activations": (False, "activation offloading is not part of smp"),
     "prescaled_batch": (False, "it applies to tensor parallelism, which smp does not do"),
     "skip_tracing": (False, "smp plans from a trace of the model; build a model too large for one device under "
@@ -61,10 +57,13 @@ REFUSED: dict[str, tuple[Any, str]] = {
 }
 
 _SHARDED_PREFIX = "sdp_"  # the sharded-data-parallel tuning keys
+_SDP_TUNING = ("tunes v1's own sharded data parallelism, which smp runs with torch FSDP2's defaults (one unit per "
+               "stage); remove the key")
 
 #: Keys that change what smp does (``timeout`` is smp's own).
 HONOURED = ("partitions", "pipeline_parallel_degree", "microbatches", "pipeline", "ddp", "placement_strategy",
-            "auto_partition", "default_partition", "memory_weight", "optimize", "active_microbatches", "timeout")
+            "auto_partition", "default_partition", "memory_weight", "optimize", "active_microbatches",
+            "shard_optimizer_state", "sharded_data_parallel_degree", "timeout")
 
 DEFAULT_TIMEOUT = 300.0
 
@@ -76,6 +75,9 @@ class V1Config:
     ``memory_weight`` is None when neither it nor ``optimize`` was given: smp's planner
     then returns its fastest plan that fits (docs/smp-v1.md). ``active_microbatches`` (the
     most microbatches a partition holds in flight) is None when not given: the schedule's own. ``timeout`` (seconds, smp's own key) bounds every wait on a peer.
+    ``sharding`` (partitioner/sharding.py): "none" unless ``shard_optimizer_state`` (-> "shard_grad_op") or
+    ``sharded_data_parallel_degree`` > 1 (-> "full_shard") asked for it, as v1 sharded nothing unasked;
+    ``sharded_degree`` is that degree (1: not given), checked against the replicas by :meth:`request`.
     """
 
     partitions: int
@@ -88,6 +90,8 @@ class V1Config:
     memory_weight: float | None = None
     active_microbatches: int | None = None
     timeout: float = DEFAULT_TIMEOUT
+    sharding: str = "none"
+    sharded_degree: int = 1
 
     def request(self, data_parallel: int) -> PlanRequest:
         """What the planner is asked for this configuration with ``data_parallel`` replicas of the pipeline.
@@ -95,9 +99,25 @@ class V1Config:
         v1's own defaults stay: one microbatch unless ``microbatches`` says otherwise (not
         smp's :func:`~partitioner.request.default_microbatches`).
         """
+        self.check_replicas(data_parallel)
         return PlanRequest(stages=self.partitions, microbatches=self.microbatches, schedule=self.schedule,
                            placement=self.placement, active_microbatches=self.active_microbatches,
-                           data_parallel=data_parallel)
+                           data_parallel=data_parallel, sharding=self.sharding)
+
+    def check_replicas(self, data_parallel: int) -> None:
+        """V1Error unless the sharding asked for fits ``data_parallel`` replicas of the partitions: smp shards a
+        partition over all its replicas (v1 could shard over sub-groups of them), and needs two or more."""
+        if self.sharded_degree > 1 and self.sharded_degree != data_parallel:
+            raise V1Error(f"v1 parameter sharded_data_parallel_degree={self.sharded_degree}, but this run has "
+                          f"{data_parallel} data-parallel replicas (world size / partitions): smp shards each "
+                          f"partition over all its replicas, so set sharded_data_parallel_degree to {data_parallel}, "
+                          f"or launch {self.sharded_degree * self.partitions} processes")
+        if self.sharding != "none" and data_parallel < 2:
+            asked = ("shard_optimizer_state" if self.sharded_degree == 1 else
+                     f"sharded_data_parallel_degree={self.sharded_degree}")
+            raise V1Error(f"v1 parameter {asked} shards over the data-parallel replicas, and this run has one "
+                          f"({self.partitions} partitions on {self.partitions * data_parallel} processes): launch "
+                          f"more processes than partitions with \"ddp\": true, or remove the key")
 
     @property
     def schedule(self) -> str:
@@ -140,7 +160,7 @@ def load_config(config: Mapping[str, Any] | None, environ: Mapping[str, str] | N
 def _refuse_unsupported(raw: dict[str, Any]) -> None:
     for key, value in raw.items():
         if key.startswith(_SHARDED_PREFIX):
-            raise V1Error(f"v1 parameter {key!r}: {REFUSED['sharded_data_parallel_degree'][1]}; remove the key")
+            raise V1Error(f"v1 parameter {key!r} {_SDP_TUNING}")
         if key in REFUSED:
             off, why = REFUSED[key]
             if value != off:
@@ -149,7 +169,8 @@ def _refuse_unsupported(raw: dict[str, Any]) -> None:
         elif key not in NO_EFFECT and key not in HONOURED:
             known = sorted([*HONOURED, *NO_EFFECT, *REFUSED])
             raise V1Error(f"unknown v1 parameter {key!r}; the parameters are {', '.join(known)} "
-                          f"(and the {_SHARDED_PREFIX}* keys of sharded data parallelism, which smp does not do)")
+                          f"(the {_SHARDED_PREFIX}* keys of v1's sharded data parallelism are refused: each "
+                          f"{_SDP_TUNING})")
 
 
 def _parse(raw: dict[str, Any]) -> V1Config:
@@ -174,8 +195,25 @@ def _parse(raw: dict[str, Any]) -> V1Config:
     cfg = V1Config(partitions=partitions, microbatches=microbatches, pipeline=pipeline, ddp=ddp,
                    placement_strategy=placement, auto_partition=auto, default_partition=default,
                    memory_weight=_memory_weight(raw), active_microbatches=_active(raw),
-                   timeout=float(timeout))
+                   timeout=float(timeout), **_sharding(raw))
     return cfg
+
+
+def _sharding(raw: dict[str, Any]) -> dict[str, Any]:
+    """v1's two sharding keys as smp's mode: ``shard_optimizer_state`` (optimizer state and gradients) ->
+    shard_grad_op, ``sharded_data_parallel_degree`` > 1 (parameters too) -> full_shard."""
+    optimizer_only = _bool(raw, "shard_optimizer_state", False)
+    degree = _int(raw, "sharded_data_parallel_degree", 1)
+    if optimizer_only and degree > 1:
+        raise V1Error(f"v1 parameters shard_optimizer_state=true and sharded_data_parallel_degree={degree} ask for "
+                      "two kinds of sharding: keep sharded_data_parallel_degree (parameters, gradients and optimizer "
+                      "state sharded: smp's full_shard) or shard_optimizer_state (optimizer state and gradients: "
+                      "shard_grad_op)")
+    if (optimizer_only or degree > 1) and not _bool(raw, "ddp", False):
+        raise V1Error("v1 sharding (shard_optimizer_state, sharded_data_parallel_degree) splits state over the "
+                      "data-parallel replicas: set \"ddp\": true")
+    mode = "full_shard" if degree > 1 else "shard_grad_op" if optimizer_only else "none"
+    return {"sharding": mode, "sharded_degree": degree}
 
 
 def _degree(raw: dict[str, Any]) -> int:
