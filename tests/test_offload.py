@@ -232,3 +232,15 @@ def test_offload_under_full_shard_is_exact(tmp_path: Path) -> None:
     _check_exact(ranks, 2, "full_shard offload")
     for res in ranks:
         assert res["sharding"] == "full_shard" and set(res["recompute"]) == {"offload"}
+
+
+def test_cli_takes_offload() -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from smp.cli import app
+
+    out = CliRunner().invoke(app, ["plan", "mlp", "--stages", "2", "--meta", "--recompute", "offload", "--json"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.stdout)["recompute"] == ["offload", "offload"]
