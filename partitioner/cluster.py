@@ -20,20 +20,6 @@ def _num_or_none(x: float | None) -> float | None:
 
 
 @dataclass(frozen=True)
-class Device:
-    """One accelerator: relative ``speed`` (graph times are divided by it) and ``memory`` in bytes."""
-
-    name: str = "device"
-    speed: float = 1.0
-    memory: float | None = None
-    node: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "speed": self.speed, "memory": _num_or_none(self.memory),
-                "node": self.node}
-
-
-@dataclass(frozen=True)
 class Link:
     """A point-to-point link: ``bandwidth`` in bytes/s (inf = free), ``latency`` in seconds."""
 
@@ -80,6 +66,34 @@ class Link:
         bw = d.get("bandwidth")
         return cls(str(d.get("name", "link")), math.inf if bw is None else float(bw),
                    float(d.get("latency", 0.0)))
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator: relative ``speed`` (graph times are divided by it) and ``memory`` in bytes.
+
+    ``host_link``: the link to host memory that activation offloading copies over (PCIe on a
+    GPU); None where the device's memory is host memory already (a CPU), so offloading moves
+    nothing off it (docs/memory.md#activation-offloading)."""
+
+    name: str = "device"
+    speed: float = 1.0
+    memory: float | None = None
+    node: int = 0
+    host_link: Link | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"name": self.name, "speed": self.speed, "memory": _num_or_none(self.memory), "node": self.node}
+        if self.host_link is not None:
+            out["host_link"] = self.host_link.to_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Device:
+        host = d.get("host_link")
+        return cls(d.get("name", "device"), float(d.get("speed", 1.0)),
+                   None if d.get("memory") is None else float(d["memory"]), int(d.get("node", 0)),
+                   None if host is None else Link.from_dict(host))
 
 
 @dataclass(frozen=True)
@@ -177,8 +191,9 @@ class Cluster:
         if count < 1 or per_node < 1:
             raise ProfileError(f"profile {source} describes {count} devices; need at least one")
         memory = dev.get("memory_bytes")
+        host = Link.from_dict({"name": "host", **dev["host_link"]}) if dev.get("host_link") else None
         devs = tuple(Device(f"{dev.get('name', 'device')}#{i}", 1.0,
-                            float(memory) if memory else None, i // per_node) for i in range(count))
+                            float(memory) if memory else None, i // per_node, host) for i in range(count))
         lks = tuple(intra if devs[j].node == devs[j + 1].node else inter for j in range(count - 1))
         return cls(devs, lks, str(data.get("name", Path(source).stem)), {"profile": dict(data)})
 
@@ -244,8 +259,6 @@ class Cluster:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Cluster:
-        devs = tuple(Device(x.get("name", "device"), float(x.get("speed", 1.0)),
-                            None if x.get("memory") is None else float(x["memory"]), int(x.get("node", 0)))
-                     for x in d["devices"])
+        devs = tuple(Device.from_dict(x) for x in d["devices"])
         links = tuple(Link.from_dict(x) for x in d["links"])
         return cls(devs, links, d.get("name", "cluster"))

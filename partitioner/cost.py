@@ -48,9 +48,10 @@ class StageStats:
 
     ``time = compute + recompute_time + comm_in_time + comm_out_time``. ``recompute`` is the
     stage's activation recomputation (:data:`partitioner.recompute.CHOICES`), which the
-    runtime executes: ``recompute_time`` is the forward run again inside each backward,
-    ``activations`` what the stage keeps per microbatch in flight, ``recompute_bytes`` what
-    one microbatch's recomputation re-creates, held for ``recomputing`` microbatches at
+    runtime executes: ``recompute_time`` is the forward run again inside each backward (under
+    "offload": the stash's copies to host memory and back), ``activations`` what the stage keeps
+    per microbatch in flight, ``recompute_bytes`` what one microbatch's recomputation re-creates
+    (offload: copies back), held for ``recomputing`` microbatches at
     the peak, ``workspace`` what the optimizer's step allocates after the backward, ``working``
     what sharding holds while the stage computes and frees before the step (partitioner/sharding.py):
     ``memory = state + max(working + in_flight × activations + recomputing × recompute_bytes, workspace)``.
@@ -148,7 +149,7 @@ class Partition:
 
     @property
     def recompute(self) -> list[str]:
-        """Each stage's activation recomputation: "none", "selective" or "full"."""
+        """Each stage's activation recomputation: "none", "selective", "full" or "offload"."""
         return [s.recompute for s in self.stages]
 
     @property
@@ -369,7 +370,7 @@ def evaluate(graph: OpGraph | nx.DiGraph, stage_of: Mapping[Hashable, int], *,
 
     ``stages`` defaults to the largest stage index + 1; ``ranks`` is the pipeline ranks an
     interleaved schedule spreads them over (default: one stage per rank). ``recompute``:
-    one choice for every stage ("none", "selective", "full"), one per stage, or "auto"
+    one choice for every stage ("none", "selective", "full", "offload"), one per stage, or "auto"
     (each stage the fastest choice that fits its memory). ``active_microbatches``: a cap on
     microbatches in flight (gpipe, 1f1b). Raises
     :class:`~partitioner.errors.InvalidAssignmentError` when the assignment is not a

@@ -192,7 +192,7 @@ class Plan:
 
     @property
     def recompute(self) -> list[str]:
-        """Each stage's activation recomputation, "none", "selective" or "full" (what the runtime executes)."""
+        """Each stage's activation recomputation, "none", "selective", "full" or "offload" (what the runtime executes)."""
         return self.partition.recompute
 
     @property

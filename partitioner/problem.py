@@ -9,15 +9,15 @@ from typing import NamedTuple
 import networkx as nx
 import numpy as np
 
-from partitioner.cluster import Cluster
+from partitioner.cluster import Cluster, Link
 from partitioner.errors import InvalidAssignmentError, PlanningError, StageCountError
 from partitioner.graph import KERNEL_FIELDS, OUTPUT_OP, OpGraph
 from partitioner.ir import ScheduleKind
-from partitioner.recompute import CHOICES, check_mode, op_recompute, peak_recomputing
+from partitioner.recompute import CHOICES, OFFLOAD, RECOMPUTING, check_mode, op_recompute, peak_recomputing
 from partitioner.schedule import check_active_microbatches, peak_in_flight
 from partitioner.sharding import GRADIENT_BYTES, OPTIMIZER_BYTES, PARAMETER_BYTES
 
-__all__ = ["Problem", "StageTerms", "graph_order", "DEFAULT_STATE_FACTOR", "DEFAULT_WORKSPACE_FACTOR"]
+__all__ = ["Problem", "StageTerms", "graph_order", "host_link", "DEFAULT_STATE_FACTOR", "DEFAULT_WORKSPACE_FACTOR"]
 
 #: Bytes kept per parameter byte when training: the weights, their gradients and Adam's
 #: two moments, all in the parameters' dtype (fp32 training, or the fp32 part of mixed
@@ -66,6 +66,15 @@ class StageTerms(NamedTuple):
     working: float = 0.0  # bytes held only while the stage computes (sharding's gathered parameters, whole gradients)
 
 
+def host_link(cluster: Cluster) -> Link | None:
+    """The link offloading copies over: the slowest of the devices' host links (one price for every stage);
+    None when some device has none (its memory is host memory: nothing to offload to)."""
+    links = [d.host_link for d in cluster.devices]
+    if any(lk is None for lk in links):
+        return None
+    return Link("host", min(lk.bandwidth for lk in links), max(lk.latency for lk in links))  # type: ignore[union-attr]
+
+
 def _shared_readers(g: nx.DiGraph, order: Sequence[Hashable]) -> tuple[dict[str, int], list[tuple[int, tuple[str, ...]]]]:
     """(each shared parameter's first reader, by the name it was counted under; each later reader in
     order with the names of the shared parameters it reads)."""
@@ -87,7 +96,7 @@ class Problem:
 
     Every solver and :func:`~partitioner.cost.evaluate` read costs from here, so there is one cost model.
     Position ``i`` is the i-th node of ``order``; ``succ[i]`` are consumer positions.
-    ``recompute``: "none", "selective" or "full" on every stage, "auto" (each stage takes
+    ``recompute``: "none", "selective", "full" or "offload" on every stage, "auto" (each stage takes
     the fastest choice that fits its memory, see :meth:`stage_report`), or one choice per stage.
     """
 
@@ -162,11 +171,13 @@ class Problem:
         self.root = [self.pos.get(g.nodes[v].get("view_of") or v, i) for i, v in enumerate(self.order)]
         self._roots = np.array(self.root, dtype=np.int64)
         self._edges: tuple[np.ndarray, np.ndarray] | None = None
-        # What each recomputation choice keeps, re-creates and runs again, per op.
+        # What each recomputation choice keeps, re-creates and runs again, per op (offloading over the host link).
+        self.host = host_link(self.cluster)
         self.rec = op_recompute(self.fwd, attr("flops"), self.act_bytes,
                                 attr("saved_output_bytes") if saved else self.out_bytes,
                                 attr("storage_bytes") if saved else self.out_bytes, exact=saved,
-                                kernel=tuple(attr(k, -1.0) for k in KERNEL_FIELDS))  # type: ignore[arg-type]
+                                kernel=tuple(attr(k, -1.0) for k in KERNEL_FIELDS),  # type: ignore[arg-type]
+                                host=self.host)
         self.modules = [str(g.nodes[v].get("module", "") or "") for v in self.order]
         # The model's output node (OpGraph.OUTPUT_OP) is no op: a stage must hold a real one.
         self.is_output = [g.nodes[v].get("op") == OUTPUT_OP for v in self.order]
@@ -236,7 +247,9 @@ class Problem:
                                     "recompute='none' (or 'auto')")
             return mode, [("none",)] * self.p
         if mode == "auto":  # where memory is unlimited the fastest choice, none, is the only one worth taking
-            return mode, [CHOICES if lim is not None else CHOICES[:1] for lim in self.mem_limit]
+            # offloading only where it moves the stash off the device (a host link)
+            limited = CHOICES if self.host is not None else RECOMPUTING
+            return mode, [limited if lim is not None else RECOMPUTING[:1] for lim in self.mem_limit]
         return mode, [(mode,)] * self.p
 
     # ---------------------------------------------------------------- pieces
@@ -264,9 +277,10 @@ class Problem:
     def stage_report(self, assign: Sequence[int], choices: Sequence[str] | None = None) -> list[StageTerms]:
         """Each stage's time and memory under its recomputation choice.
 
-        Without ``choices`` each stage takes, among its allowed choices (fastest first), the
-        first that fits its memory limit (the fastest that fits: a stage's choice changes
-        nothing on other stages), or the one needing least memory when none fits.
+        Without ``choices`` each stage takes, among its allowed choices, the fastest that fits
+        its memory limit (a stage's choice changes nothing on other stages): the first
+        recomputing choice that fits (they come fastest first), or offloading where it fits
+        and is strictly faster; the one needing least memory when none fits.
         """
         p = self.p
         a = np.asarray(assign, dtype=np.int64)
@@ -296,7 +310,8 @@ class Problem:
         sent = self.kept_for_sending(a, np.unique(senders), used)
         out = []
         for s in range(p):
-            pick = None
+            fitting: StageTerms | None = None  # the fastest choice that fits (see above)
+            pick: StageTerms | None = None  # else the one needing least memory
             for c in options[s]:
                 kept_s, remade_s, seconds_s = per[c]
                 kept = float(kept_s[s]) + (recv[s] if self.rec.received[c] else 0.0) + sent[c][s]
@@ -308,11 +323,11 @@ class Problem:
                 term = StageTerms(c, float(t[s] + rec_t), float(memory), float(kept), remade, rec_t,
                                   float(workspace[s]), float(working[s]))
                 if self.mem_limit[s] is None or memory <= self.mem_limit[s] * (1 + 1e-12):
+                    if fitting is None or c == OFFLOAD and term.time < fitting.time:
+                        fitting = term
+                elif pick is None or memory < pick.memory:
                     pick = term
-                    break
-                if pick is None or memory < pick.memory:
-                    pick = term
-            out.append(pick)
+            out.append(fitting or pick)
         return out
 
     def shared_counted_twice(self, assign: Sequence[int]) -> np.ndarray:

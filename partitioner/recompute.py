@@ -1,6 +1,6 @@
-"""Activation recomputation as a planner choice: what each choice keeps, re-creates and recomputes, per op.
+"""Activation recomputation and offloading as a planner choice: what each choice keeps, re-creates and recomputes, per op.
 
-Each stage runs under one of three choices (docs/memory.md):
+Each stage runs under one of four choices (docs/memory.md):
 
 - ``none``: autograd keeps what it saves (the profiler's ``saved_bytes``) for every
   microbatch in flight.
@@ -12,6 +12,16 @@ Each stage runs under one of three choices (docs/memory.md):
 - ``full``: keep only the stage's inputs and recompute its whole forward inside the
   backward: gradient checkpointing (Chen et al., "Training Deep Nets with Sublinear
   Memory Cost", 2016) at stage granularity, as GPipe does (Huang et al., NeurIPS 2019).
+- ``offload``: run the forward as ``none`` does, but copy what autograd saves to host memory
+  and back for the backward (``torch.autograd.graph.save_on_cpu``; ZeRO-Offload/ZeRO-R's
+  activation offloading, Rajbhandari et al., SC 2020). On the device it keeps what ``full``
+  keeps (the stage's inputs and the outputs it sends) and, during one microbatch's backward,
+  at most what ``none`` keeps (the copies coming back): priced as ``full``'s memory. Its
+  time is the saved bytes over the device's host link, each way, per op one copy with the
+  link's latency; the copies run on the compute stream, so nothing overlaps them, and both
+  directions are charged to the backward, as recomputation is. A device without a host link
+  (a CPU: its memory is host memory) keeps the stash where it is: priced as ``none`` (no
+  time), and never chosen by ``auto``.
 
 Choosing per stage, together with the partition, is AdaPipe's search (Sun et al.,
 "AdaPipe: Optimizing Pipeline Parallelism with Adaptive Recomputation and
@@ -34,15 +44,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from partitioner.cluster import Link
 from partitioner.errors import PlanningError
 from partitioner.ir import ActionKind, ScheduleKind
 from partitioner.schedule import compute_orders
 from partitioner.walk import peak_held
 
-__all__ = ["CHOICES", "MODES", "OpRecompute", "check_mode", "is_matmul", "op_recompute", "peak_recomputing"]
+__all__ = ["CHOICES", "MODES", "OFFLOAD", "RECOMPUTING", "OpRecompute", "check_mode", "is_matmul", "offload_seconds",
+           "op_recompute", "peak_recomputing"]
 
-#: The per-stage choices, fastest first (each recomputes a superset of the one before).
-CHOICES = ("none", "selective", "full")
+#: The recomputing choices, fastest first: each recomputes a superset of the one before, so the
+#: first that fits a stage's memory is the fastest that fits.
+RECOMPUTING = ("none", "selective", "full")
+#: Offloading: its time is copies, not recomputation, so it is weighed against the recomputing
+#: choice that fits by time (a stage takes it where it fits and is strictly faster).
+OFFLOAD = "offload"
+#: The per-stage choices.
+CHOICES = (*RECOMPUTING, OFFLOAD)
 #: What ``recompute=`` accepts: a choice forced on every stage, or ``auto`` (the solver picks per stage).
 MODES = ("auto", *CHOICES)
 
@@ -88,9 +106,15 @@ class OpRecompute:
     received: dict[str, bool]
 
 
+def offload_seconds(saved: np.ndarray, host: Link) -> np.ndarray:
+    """Per op, seconds to copy what it saves to host memory and back over ``host`` (one copy each way,
+    each paying the link's latency); nothing for an op that saves nothing."""
+    return np.where(saved > 0, 2.0 * (saved / host.bandwidth + host.latency), 0.0)
+
+
 def op_recompute(fwd: np.ndarray, flops: np.ndarray, saved: np.ndarray, saved_output: np.ndarray,
-                 storage: np.ndarray, *, exact: bool, kernel: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-                 ) -> OpRecompute:
+                 storage: np.ndarray, *, exact: bool, kernel: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+                 host: Link | None = None) -> OpRecompute:
     """The per-op terms of every choice.
 
     ``exact``: ``saved``, ``saved_output`` and ``storage`` are the profiler's (autograd's
@@ -101,6 +125,8 @@ def op_recompute(fwd: np.ndarray, flops: np.ndarray, saved: np.ndarray, saved_ou
     not recorded). Where recorded, a selective matmul-like op keeps exactly those storages
     (what the runtime caches) and re-creates what its other ops save (an unfused attention's
     softmax and dropout mask); elsewhere it keeps its output whole and what it saves of its own.
+    ``host``: the devices' link to host memory, which offloading copies over (None: no host
+    memory apart from the device's, offloading is ``none`` at no cost).
     """
     matmul = np.array([is_matmul(f) for f in flops], dtype=bool)
     zero = np.zeros_like(fwd)
@@ -114,7 +140,7 @@ def op_recompute(fwd: np.ndarray, flops: np.ndarray, saved: np.ndarray, saved_ou
         sel_kept = np.where(known, k_bytes, sel_kept)
         sel_remade = np.where(known, np.maximum(saved - k_saved, 0.0), sel_remade)
         sel_sent = np.where(known, np.maximum(storage - k_output, 0.0), sel_sent)
-    return OpRecompute(
+    rec = OpRecompute(
         seconds={"none": zero, "selective": np.where(matmul, 0.0, fwd), "full": fwd.copy()},
         kept={"none": saved.copy(), "selective": np.where(matmul, sel_kept, 0.0), "full": zero},
         remade={"none": zero, "selective": np.where(matmul, sel_remade, saved), "full": saved.copy()},
@@ -122,6 +148,12 @@ def op_recompute(fwd: np.ndarray, flops: np.ndarray, saved: np.ndarray, saved_ou
               "selective": np.where(matmul, sel_sent, storage), "full": storage.copy()},
         received={"none": exact, "selective": True, "full": True},
     )
+    # offload: full's memory (what comes back during one backward is at most none's stash), copies for time
+    like = "full" if host is not None else "none"
+    rec.seconds[OFFLOAD] = offload_seconds(saved, host) if host is not None else zero
+    for terms in (rec.kept, rec.remade, rec.sent, rec.received):
+        terms[OFFLOAD] = terms[like]  # type: ignore[index]
+    return rec
 
 
 def peak_recomputing(kind: ScheduleKind | str, num_stages: int, num_microbatches: int, *,

@@ -99,7 +99,7 @@ class PlanRequest:
 
     One pipeline: ``stages`` ranks (P), ``microbatches`` per step (None: :func:`default_microbatches`
     of the step's batch), under ``schedule`` (``virtual_stages`` per rank when interleaved),
-    ``recompute`` ("auto", "none", "selective", "full"), at most ``active_microbatches`` in
+    ``recompute`` ("auto", "none", "selective", "full", "offload"), at most ``active_microbatches`` in
     flight (gpipe, 1f1b), ``data_parallel`` replicas laid out by ``placement`` (None: both
     tried, the faster kept). A search instead: ``devices`` (N; D x P x m weighed for
     ``global_batch`` samples a step), ``microbatches="auto"`` or a tuple of counts, ``schedule``

@@ -14,11 +14,13 @@ from torch import nn
 
 from partitioner.buckets import gradient_buckets
 from partitioner.ir import Action, ActionKind, Schedule, ScheduleError
+from partitioner.recompute import OFFLOAD
 from partitioner.timeline import Timeline, TimelineEvent
 from partitioner.walk import validate, walk
 from runtime.comm import Comm, LocalComm, Pending
 from runtime.errors import PipelineError, RuntimeConfigError
 from runtime.precision import Precision
+from runtime.offload import kept_storages, offloading
 from runtime.program import Ownership, Program
 from runtime.recompute import forward_for_recompute, recompute
 from runtime.sharding import StageShards, local
@@ -53,7 +55,7 @@ class Engine:
     else at the ALLREDUCE action. The step's loss is the mean over the replicas.
 
     Each stage's forward runs under ``precision``'s autocast and, when training, as its
-    ``program.recompute`` choice says (runtime/recompute.py). ``loss_scale`` multiplies the
+    ``program.recompute`` choice says (runtime/recompute.py; "offload": runtime/offload.py). ``loss_scale`` multiplies the
     loss the backward starts from (fp16 loss scaling; the caller unscales).
 
     Sharded replicas (the schedule's ``sharding`` is not "none", ``shard_mesh`` the replicas'
@@ -529,6 +531,10 @@ class _RankState:
         with torch.set_grad_enabled(self.training), self.meter.saving((s, mb)), eng.precision.autocast(eng.device):
             if choice == "none":
                 res = prog.gm(*args)
+            elif choice == OFFLOAD:  # as none, what autograd saves copied to host memory (runtime/offload.py)
+                on_device = self.meter.exclude | kept_storages([t for ts in received.values() for t in ts])
+                with offloading(eng.device, on_device, lambda t: self.meter.add((s, mb), t)):
+                    res = prog.gm(*args)
             else:
                 shards = self._selective_shards(s)
                 if shards is not None:

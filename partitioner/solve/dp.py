@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from partitioner.problem import Problem
-from partitioner.recompute import CHOICES
+from partitioner.recompute import CHOICES, OFFLOAD
 from partitioner.solve.baselines import BASELINES, baseline_assign, cuts_to_assign, minmax_cuts
 from partitioner.bounds import trivial_lower_bound
 
@@ -182,7 +182,9 @@ def _lower_dp(prob: Problem, allowed: np.ndarray, limit: float, minimise: str = 
         # The optimizer step's memory (state + workspace), the same under every choice.
         step = (cstep[j] - cstep[lj:j])[None, :]
         step_fits = step <= lim_c if has_limit and minimise != "memory" else True
-        for c, (ck, cr, cs, ok) in sums.items():  # fastest first: the first choice that fits is taken
+        for c, (ck, cr, cs, ok) in sums.items():  # recomputing fastest first: the first that fits is taken
+            if c != OFFLOAD and taken.all():
+                continue  # every (stage, start) has its fastest recomputing choice: the slower ones cannot win
             fits = allowed_c[c]  # broadcast against the (stage, start) grid
             if has_limit or minimise == "memory":
                 kept = ck[j] - ck[lj:j] + sent[own_row[c]]
@@ -193,12 +195,13 @@ def _lower_dp(prob: Problem, allowed: np.ndarray, limit: float, minimise: str = 
                     cost = np.where(fits, np.minimum(cost, np.maximum(mem, step)), cost)
                     continue
                 fits = fits & (mem <= lim_c) & step_fits
+            if c == OFFLOAD:  # weighed by time against the recomputing choice taken (see Problem.stage_report)
+                cost = np.where(fits, np.minimum(cost, base + inv_speed_c * (cs[j] - cs[lj:j])), cost)
+                continue
             take = fits & ~taken
             if take.any():
                 cost[take] = (base + inv_speed_c * (cs[j] - cs[lj:j]))[take]
                 taken |= take
-                if taken.all():
-                    break  # every (stage, start) has its fastest choice: the slower ones cannot win
         if keep is not None:
             keep.append((j, lj, cost))  # every stage's lower cost of every segment [i, j) in the band
         if lj == 0:
@@ -265,15 +268,18 @@ def _branch_and_bound(prob: Problem, allowed: np.ndarray, assign0: list[int], va
     finished = True
 
     def segment(s: int, i: int, j: int) -> float | None:
-        """Seconds stage s recomputes at least with positions [i, j) (the fastest choice whose memory
-        without the cut fits: the cut only adds); None when no choice fits even so."""
+        """Seconds stage s recomputes (or offloads) at least with positions [i, j) (the fastest choice whose
+        memory without the cut fits: the cut only adds); None when no choice fits even so."""
         if cstep[j] - cstep[i] > lim[s]:  # the optimizer step's memory
             return None
+        least = None
         for c in prob.choices[s]:
             ck, cr, cs = sums[c]
             if cf[j] - cf[i] + prob.in_flight[s] * (ck[j] - ck[i]) + prob.recomputing[s] * (cr[j] - cr[i]) <= lim[s]:
-                return (cs[j] - cs[i]) / speed[s]
-        return None
+                seconds = (cs[j] - cs[i]) / speed[s]
+                if least is None or c == OFFLOAD and seconds < least:
+                    least = seconds  # the first recomputing choice, or offloading where faster
+        return least
 
     def place(s: int, i: int, j: int, recompute: float) -> list[tuple[int, int, float]]:
         """Put positions [i, j) on stage s; return the transfers added (for undo)."""

@@ -31,6 +31,7 @@ import numpy as np
 
 from partitioner.bounds import cheapest_links, consumer_chains, ConsumerChains, trivial_lower_bound
 from partitioner.problem import Problem
+from partitioner.recompute import OFFLOAD
 from partitioner.solve.dp import link_prices, node_runs
 
 __all__ = ["IdealResult", "ideal_dp", "MAX_IDEALS", "MAX_PAIRS"]
@@ -348,12 +349,21 @@ class _ChainDP:
                 + out_b[s] * cols["sb"][part] + out_l[s] * cols["sc"][part])
         # The fastest recomputation choice whose memory fits: what the segment keeps (with the
         # tensors it receives, exact; what it sends is left out, so memory is a relaxation).
+        # Recomputing choices fastest first (the first that fits is taken), offloading where it is faster.
         cost = np.full_like(base, math.inf)
-        for c in reversed(prob.choices[s]):
-            mem = seg["fixed"][part] + prob.in_flight[s] * self.kept_of[c][part] + prob.recomputing[s] * seg[f"remade:{c}"][part]
-            cost = np.where((mem <= lim) & (seg["step"][part] <= lim),
-                            base + seg[f"seconds:{c}"][part] / prob.speed[s], cost)
+        recomputing = [c for c in prob.choices[s] if c != OFFLOAD]
+        for c in reversed(recomputing):
+            cost = np.where(self._fits(s, c, part, lim), base + seg[f"seconds:{c}"][part] / prob.speed[s], cost)
+        if OFFLOAD in prob.choices[s]:
+            cost = np.where(self._fits(s, OFFLOAD, part, lim),
+                            np.minimum(cost, base + seg[f"seconds:{OFFLOAD}"][part] / prob.speed[s]), cost)
         return np.where(self.j[part] == 0, cost, math.inf) if s == 0 else cost
+
+    def _fits(self, s: int, c: str, part: slice, lim: float) -> np.ndarray:
+        """Which pairs in ``part`` fit stage s's memory under choice ``c`` (and at the optimizer's step)."""
+        prob, seg = self.prob, self.seg
+        mem = seg["fixed"][part] + prob.in_flight[s] * self.kept_of[c][part] + prob.recomputing[s] * seg[f"remade:{c}"][part]
+        return (mem <= lim) & (seg["step"][part] <= lim)
 
     def _spread_cost(self, s: int, without: int) -> np.ndarray:
         """Per set of multi-copy sends (``bc``), what stage s pays at least to send them but tensor

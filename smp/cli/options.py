@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from partitioner.recompute import MODES as RECOMPUTE_MODES
 from partitioner.request import default_microbatches
 from partitioner.sharding import SHARDING_MODES
 from smp.cli.errors import CLIUsageError
@@ -21,7 +22,7 @@ __all__ = [
 
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # ScheduleKind's values (the CLI starts without torch)
 METHOD_CHOICES = ("auto", "dp", "cpsat", "uniform", "params", "blocks")
-RECOMPUTE_CHOICES = ("auto", "none", "selective", "full")
+RECOMPUTE_CHOICES = RECOMPUTE_MODES
 SHARDING_CHOICES = ("auto", *SHARDING_MODES)
 TIMING_CHOICES = ("measured", "analytic")
 DEVICE_CHOICES = ("cpu", "cuda")

@@ -129,7 +129,8 @@ def plan_cmd(
                                  "fits)")] = "1f1b",
     recompute: Annotated[str, typer.Option(
         "--recompute", help="activation recomputation per stage: auto (chosen with the partition, only where the "
-                            "memory limit needs it) | none | selective | full")] = "auto",
+                            "memory limit needs it) | none | selective | full | offload (stashed activations copied to host memory and "
+                            "back; docs/memory.md)")] = "auto",
     active_microbatches: Annotated[Optional[int], typer.Option(
         "--active-microbatches", help="most microbatches a stage holds in flight (gpipe, 1f1b; SMP v1's name): "
                                       "less activation memory, a longer bubble \\[default: the schedule's own]")] = None,

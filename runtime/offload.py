@@ -1,0 +1,62 @@
+"""Activation offloading at run time: what a stage's forward saves for its backward, copied to host memory and back.
+
+A stage planned with ``recompute="offload"`` (partitioner/recompute.py, docs/memory.md) runs its
+forward with autograd, as under ``none``, inside :func:`offloading`: saved-tensor hooks that copy
+every tensor autograd saves into host memory (pinned on a GPU, so the copy is a DMA) and copy it
+back when the backward reads it, as ``torch.autograd.graph.save_on_cpu`` does. Two differences
+from ``save_on_cpu``, each for the plan's accounting:
+
+- what stays on the device anyway is not copied: the stage's parameters and the tensors it
+  received (the engine keeps those for the backward), so the stash that leaves the device is
+  exactly the activations the stage made;
+- on a CPU device the copy is made too (``save_on_cpu`` keeps a CPU tensor as it is): the same
+  path runs everywhere, and the copies are counted as the device's memory, which on a CPU they are.
+
+The copies run on the current (compute) stream: nothing overlaps them with compute, as the planner
+prices them. The values are copied, not changed: losses and gradients equal those without offloading.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from typing import Any, Union
+
+import torch
+from torch import nn
+
+__all__ = ["kept_storages", "offloading"]
+
+Packed = Union[torch.Tensor, tuple[torch.device, torch.Tensor]]
+
+
+def offloading(device: torch.device, on_device: Collection[int],
+               count: Callable[[torch.Tensor], None]) -> torch.autograd.graph.saved_tensors_hooks:
+    """Saved-tensor hooks that keep what autograd saves in host memory until the backward reads it.
+
+    ``on_device``: data pointers of storages the device keeps anyway (left in place, not copied);
+    ``count`` is told of every tensor that stays in the device's memory (on a CPU device, the copies)."""
+    pin = device.type == "cuda" and torch.cuda.is_available()
+
+    def pack(t: torch.Tensor) -> Packed:
+        if isinstance(t, nn.Parameter) or t.is_meta or t.untyped_storage().data_ptr() in on_device:
+            count(t)
+            return t
+        # (no sharing of one copy between two saves of a tensor: a freed tensor's address is reused)
+        host = torch.empty_like(t, device="cpu", pin_memory=pin)  # the same strides (dense) as on the device
+        host.copy_(t, non_blocking=pin)
+        if device.type == "cpu":
+            count(host)
+        return (t.device, host)
+
+    def unpack(packed: Packed) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        where, host = packed
+        return host.to(where, non_blocking=pin)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def kept_storages(tensors: Collection[Any]) -> set[int]:
+    """Data pointers of the storages of ``tensors`` (the received inputs a stage keeps on its device)."""
+    return {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor) and not t.is_meta}
