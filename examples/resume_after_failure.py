@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--save-every", type=int, default=2)
     ap.add_argument("--stages", type=int, default=None, help="default: the world size (no replicas)")
+    ap.add_argument("--sharding", default="auto", help="none, shard_grad_op, full_shard or auto (with replicas)")
     ap.add_argument("--kill-at", type=int, default=None, help="kill one rank after this step, in the first attempt")
     ap.add_argument("--kill-rank", type=int, default=1)
     ap.add_argument("--out", type=Path, default=None, help="rank 0 writes the losses and final weights here")
@@ -65,7 +66,7 @@ def main() -> None:
     torch.set_num_threads(1)
     # an analytic plan is the same in every attempt: each stage's ops (and their dropout draws) stay on their rank
     pipe = smp.partition(make_model(), stages=args.stages or dist.get_world_size(), microbatches=2,
-                         loss_fn=nn.functional.mse_loss, timing="analytic", timeout=60)
+                         loss_fn=nn.functional.mse_loss, timing="analytic", timeout=60, sharding=args.sharding)
     pipe.prepare(batch(0, pipe.dp_rank, pipe.dp_size)[0])  # this rank's parameters, for the optimizer
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     start = 0

@@ -96,9 +96,11 @@ def test_a_killed_rank_resumes_from_the_last_checkpoint_bit_for_bit(tmp_path: Pa
 
 
 @pytest.mark.slow
-def test_a_killed_rank_of_a_replica_resumes_bit_for_bit(tmp_path: Path) -> None:
-    """2 stages x 2 replicas on 4 gloo ranks, the second replica's last rank killed after step 3."""
-    _check_resumes_exactly(tmp_path, 4, "--stages", "2", kill_at=3, kill_rank=3)
+@pytest.mark.parametrize("sharding", ["none", "shard_grad_op"])
+def test_a_killed_rank_of_a_replica_resumes_bit_for_bit(tmp_path: Path, sharding: str) -> None:
+    """2 stages x 2 replicas on 4 gloo ranks, the second replica's last rank killed after step 3; the replicas
+    all-reducing, or sharding optimizer state and gradients with FSDP2 (the checkpoint holds each rank's shards)."""
+    _check_resumes_exactly(tmp_path, 4, "--stages", "2", "--sharding", sharding, kill_at=3, kill_rank=3)
 
 
 def test_init_distributed_outside_torchrun_says_how_to_launch(monkeypatch: pytest.MonkeyPatch) -> None:
