@@ -17,6 +17,7 @@ from partitioner.ir import Action, ActionKind, Schedule, ScheduleError
 from partitioner.timeline import Timeline, TimelineEvent
 from partitioner.walk import validate, walk
 from runtime.comm import Comm, LocalComm, Pending
+from runtime.compiled import compile_stages
 from runtime.errors import PipelineError, RuntimeConfigError
 from runtime.precision import Precision
 from runtime.program import Ownership, Program
@@ -61,12 +62,13 @@ class Engine:
     whose hooks gather the parameters for each forward and backward; a stage's REDUCE_SCATTER
     reduce-scatters its gradients. ``gathered_by``: the training engine whose sharded
     parameters this engine's programs read (an eval-mode trace), gathered for each run.
+    ``compile_backend``: the stage programs run compiled with it (runtime/compiled.py); None: eagerly.
     """
 
     def __init__(self, program: Program, ownership: Ownership, *, rank: int = 0, comm: Comm | None = None,
                  device: torch.device, example_flat: Sequence[Any], dp_group: Any = None,
                  dp_size: int = 1, precision: Precision = Precision("fp32"), shard_mesh: Any = None,
-                 gathered_by: StageShards | None = None) -> None:
+                 gathered_by: StageShards | None = None, compile_backend: str | None = None) -> None:
         self.program = program
         self.precision = precision
         self.loss_scale = 1.0
@@ -101,6 +103,9 @@ class Engine:
         if shard_mesh is not None and sch.sharding != "none" and not self.single:
             self.shards = StageShards(sch.sharding, shard_mesh, {s: sp.gm for s, sp in self.split.stages.items()},
                                       ownership.canonical)
+        self.compiled = compile_stages(self.split.stages, program.recompute, compile_backend,
+                                       split_backward=sch.split_backward, sharded=self.shards is not None) \
+            if compile_backend is not None else {}
         self.reduced_by = self._reducing_stages()
         self.buckets = {s: [[ps[i] for i in group] for group in gradient_buckets(
             [p.numel() * p.element_size() for p in ps], [p.dtype for p in ps])]
@@ -521,16 +526,17 @@ class _RankState:
         received, leaves_in = self._inputs(s, mb)
         args = self._args(s, mb, received)
         choice = self._choice(s)
+        run = eng.compiled.get(s, prog.gm)
         rerun = None
         t0 = time.perf_counter()
         with torch.set_grad_enabled(self.training), self.meter.saving((s, mb)), eng.precision.autocast(eng.device):
             if choice == "none":
-                res = prog.gm(*args)
+                res = run(*args)
             else:
                 shards = self._selective_shards(s)
                 if shards is not None:
                     shards.gather(s)
-                res, rerun = forward_for_recompute(prog.gm, args, choice, eng.program.matmul_nodes, eng.device,
+                res, rerun = forward_for_recompute(run, args, choice, eng.program.matmul_nodes, eng.device,
                                                    lambda t: self.meter.add((s, mb), t))
                 if shards is not None:
                     shards.release(s)
@@ -572,7 +578,8 @@ class _RankState:
         if shards is not None:
             shards.gather(s)  # released at the end of this backward
         with self.meter.saving((s, mb)), eng.precision.autocast(eng.device):
-            res = recompute(prog.gm, self._args(s, mb, stash.received), stash.rerun, s, hooks=shards is None)
+            res = recompute(eng.compiled.get(s, prog.gm), self._args(s, mb, stash.received), stash.rerun, s,
+                            hooks=shards is None)
             if prog.has_output:
                 with torch.enable_grad():
                     stash.loss = self._loss(res, mb)
