@@ -151,7 +151,7 @@ def profile_model(model: nn.Module, example_args: Sequence[Any] | Any, example_k
             timing = how.timing or ("analytic" if on_meta or how.device_profile else "measured")
             graph = profile(model, micro_args, micro_kwargs, timing=timing, device=how.device, repeats=how.repeats,
                             device_profile=how.device_profile, dtype=how.dtype, training=training,
-                            graph_module=gm, progress=progress)
+                            graph_module=gm, progress=progress, compiled=how.compile)
         info = gm.meta["smp_trace"]
         model_info = ModelInfo(
             name=how.name or type(model).__name__,
@@ -166,6 +166,7 @@ def profile_model(model: nn.Module, example_args: Sequence[Any] | Any, example_k
             training=training,
             timing=graph.meta.get("timing"),
             profiled_on=graph.meta.get("device"),
+            compiled=bool(graph.meta.get("compiled", False)),
         )
     finally:
         model.train(was_training)
@@ -214,7 +215,8 @@ def plan_from_graph(
             raise ShapePruned(min(bounds))
         return min(plans, key=lambda p: p.step_time)
     training = bool(graph.meta.get("training", True)) if request.training is None else request.training
-    if request.sharding == "auto" and data_parallel > 1 and training:
+    # compiled stages run unsharded (PlanRequest refuses a sharding given with compile=True)
+    if request.sharding == "auto" and data_parallel > 1 and training and not graph.meta.get("compiled", False):
         return weigh_sharding(lambda mode: plan_from_graph(graph, request.with_(sharding=mode), model_info=model_info,
                                                            check_schedule=check_schedule, prune_above=prune_above),
                               request.stages_per_rank, request.kind)
@@ -335,6 +337,7 @@ def _model_info_from_graph(graph: OpGraph, microbatches: int, training: bool, na
         training=training,
         timing=meta.get("timing"),
         profiled_on=meta.get("device"),
+        compiled=bool(meta.get("compiled", False)),
     )
 
 

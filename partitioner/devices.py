@@ -6,7 +6,7 @@ import bisect
 import json
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -197,6 +197,14 @@ class DeviceSpec:
             flops_by_rate[rate] = flops_by_rate.get(rate, 0) + flops
         compute = sum(flops / rate for rate, flops in flops_by_rate.items())
         return max(compute, bytes_moved / (self.memory_bandwidth * self.memory_efficiency))
+
+    def compiled(self) -> DeviceSpec:
+        """This device running compiled stages (``torch.compile``): an op costs its kernels alone, no dispatch.
+
+        A compiled stage is one graph call per microbatch and phase: the host no longer runs
+        each op through Python and the dispatcher (docs/cost-model.md#compiled-stages).
+        """
+        return replace(self, dispatch_fwd=0.0, dispatch_bwd=0.0)
 
     def op_time(self, kernel_seconds: float, phase: str) -> float:
         """An op's price in ``phase`` ("fwd" or "bwd"): its kernels and the host's dispatch of it, the larger

@@ -52,7 +52,8 @@ class ModelInfo:
 
     ``fingerprint`` (:func:`partitioner.program.fingerprint`) identifies the traced ops and
     parameter shapes; the runtime refuses a plan whose fingerprint is not the model's.
-    ``batch_size`` is the whole batch of one training step (all microbatches).
+    ``batch_size`` is the whole batch of one training step (all microbatches). ``compiled``: priced
+    for stages compiled with ``torch.compile``, which the runtime then compiles.
     """
 
     name: str = "model"
@@ -67,6 +68,7 @@ class ModelInfo:
     training: bool = True
     timing: str | None = None
     profiled_on: str | None = None
+    compiled: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -54,6 +54,7 @@ def profile(
     leaf_modules: Iterable[type | str] = (),
     progress: ProgressFn | None = None,
     threads: int | None = PROFILE_THREADS,
+    compiled: bool = False,
 ) -> OpGraph:
     """Trace ``model`` on the sample and cost every op; returns an ``OpGraph``.
 
@@ -69,7 +70,9 @@ def profile(
     there for the duration of the call (it is moved back afterwards, its buffers restored).
 
     Measured on a CPU, the ops run on ``threads`` intra-op threads (default 1, the steadiest on a
-    busy machine; None: torch's setting as it is), restored afterwards. The relative spread of
+    busy machine; None: torch's setting as it is), restored afterwards. ``compiled``: the stages will run
+    compiled with ``torch.compile``; analytic prices then leave out the per-op dispatch
+    (:meth:`DeviceSpec.compiled`), measured times stay the eager ops' (docs/cost-model.md#compiled-stages). The relative spread of
     the sweeps' totals is recorded as ``graph.meta["timing_spread"]``: a set of sweeps spread over
     ``UNSTABLE_SPREAD`` gets more sweeps, and if the spread stays above it a warning says so.
     """
@@ -91,6 +94,8 @@ def profile(
     spec = None
     if timing == "analytic":
         spec = DeviceSpec.from_profile(device_profile or ("cpu" if target.type == "cpu" else "h100-sxm"))
+        if compiled:
+            spec = spec.compiled()
     # One op at a time: bytes and FLOPs are counted on meta as analytic timing counts them;
     # the times come from a second walk, on the target, with real values.
     walked_on = home if one_at_a_time else target
@@ -129,6 +134,7 @@ def profile(
         "timing_spread": None if spread is None else round(spread, 4),
         "one_op_at_a_time": one_at_a_time,
         "training": training,
+        "compiled": compiled,
         "torch": torch.__version__,
         "inputs": _describe_inputs(args, kwargs),
     })

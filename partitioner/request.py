@@ -70,6 +70,8 @@ class Profiling:
 
     ``timing`` None: analytic for a model on the meta device or when ``device_profile`` is
     given, else measured. ``name`` labels the plan's model (default: the model's class).
+    ``compile``: the stages will run compiled with ``torch.compile`` (the runtime does so for a
+    plan made with it): analytic prices leave out the per-op dispatch (docs/cost-model.md).
     """
 
     timing: str | None = None
@@ -80,6 +82,7 @@ class Profiling:
     leaf_modules: tuple[Any, ...] = ()
     repeats: int = 5
     name: str | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         from partitioner.trace import FRONTENDS  # the tracer's front ends live with the tracer
@@ -91,6 +94,7 @@ class Profiling:
         leaf = self.leaf_modules
         object.__setattr__(self, "leaf_modules", (leaf,) if isinstance(leaf, (str, type)) else tuple(leaf))
         object.__setattr__(self, "repeats", _whole(self.repeats, "repeats", optional=False))
+        _flag(self.compile, "compile")
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,8 @@ class PlanRequest:
             raise PlanError(str(err)) from None
         if self.sharding != "auto" and self.sharding not in SHARDING_MODES:
             raise PlanError(f"unknown sharding {self.sharding!r}; use auto or one of {', '.join(SHARDING_MODES)}")
+        if self.profiling.compile:
+            self._check_compiled()
         if not isinstance(self.schedule, tuple):  # a search leaves zero-bubble kinds unsharded itself
             try:
                 check_backward(self.sharding, self.schedule, ScheduleKind.parse(self.schedule).split_backward)
@@ -185,6 +191,24 @@ class PlanRequest:
                 check_active_microbatches(self.schedule, self.active_microbatches)  # type: ignore[arg-type]
             except ValueError as err:
                 raise PlanError(str(err)) from None
+
+    def _check_compiled(self) -> None:
+        """What compiled stages cannot run is refused (docs/runtime.md#compiled-stages); a schedule search
+        weighs only the kinds they run (a zero-bubble kind's W would rerun the whole compiled backward)."""
+        if self.recompute == "selective":
+            raise PlanError("compile=True runs each stage as one compiled graph, and selective recomputation replays "
+                            "a stage op by op: use recompute='full', 'none' or 'auto' (a stage auto plans "
+                            "selective runs eagerly)")
+        if self.sharding not in ("auto", "none"):
+            raise PlanError(f"compile=True runs unsharded stages (FSDP2's hooks around a compiled stage are not "
+                            f"supported here): use sharding='none' (or 'auto'), not {self.sharding!r}")
+        kinds = tuple(k for k in self.schedules if not ScheduleKind.parse(k).split_backward)
+        if not kinds:
+            raise PlanError(f"compile=True runs each stage's backward as one compiled graph, which cannot be split "
+                            f"into B and W: schedule {self.schedules[0]!r} splits it; use gpipe, 1f1b or "
+                            "interleaved")
+        if isinstance(self.schedule, tuple):
+            object.__setattr__(self, "schedule", kinds)
 
     # ------------------------------------------------------------------ building one
 

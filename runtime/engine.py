@@ -18,12 +18,14 @@ from partitioner.recompute import OFFLOAD
 from partitioner.timeline import Timeline, TimelineEvent
 from partitioner.walk import validate, walk
 from runtime.comm import Comm, LocalComm, Pending
+from runtime.compiled import compile_stages
 from runtime.errors import PipelineError, RuntimeConfigError
 from runtime.precision import Precision
 from runtime.offload import kept_storages, offloading
 from runtime.program import Ownership, Program
 from runtime.recompute import forward_for_recompute, recompute
 from runtime.sharding import StageShards, local
+from runtime.tied import sum_tied_grads
 from runtime.split import OUTPUT_KEY, SplitError, SplitProgram, ValueMeta, propagate_meta, split_program
 from runtime.stash import EdgeKey, Stash, StashMeter
 
@@ -63,12 +65,13 @@ class Engine:
     whose hooks gather the parameters for each forward and backward; a stage's REDUCE_SCATTER
     reduce-scatters its gradients. ``gathered_by``: the training engine whose sharded
     parameters this engine's programs read (an eval-mode trace), gathered for each run.
+    ``compile_backend``: the stage programs run compiled with it (runtime/compiled.py); None: eagerly.
     """
 
     def __init__(self, program: Program, ownership: Ownership, *, rank: int = 0, comm: Comm | None = None,
                  device: torch.device, example_flat: Sequence[Any], dp_group: Any = None,
                  dp_size: int = 1, precision: Precision = Precision("fp32"), shard_mesh: Any = None,
-                 gathered_by: StageShards | None = None) -> None:
+                 gathered_by: StageShards | None = None, compile_backend: str | None = None) -> None:
         self.program = program
         self.precision = precision
         self.loss_scale = 1.0
@@ -103,6 +106,9 @@ class Engine:
         if shard_mesh is not None and sch.sharding != "none" and not self.single:
             self.shards = StageShards(sch.sharding, shard_mesh, {s: sp.gm for s, sp in self.split.stages.items()},
                                       ownership.canonical)
+        self.compiled = compile_stages(self.split.stages, program.recompute, compile_backend,
+                                       split_backward=sch.split_backward, sharded=self.shards is not None) \
+            if compile_backend is not None else {}
         self.reduced_by = self._reducing_stages()
         self.buckets = {s: [[ps[i] for i in group] for group in gradient_buckets(
             [p.numel() * p.element_size() for p in ps], [p.dtype for p in ps])]
@@ -232,7 +238,7 @@ class Engine:
             st.finish()
             loss = self._share_loss(meta, st.mean_loss()) if training else None
             if training:
-                self._sum_tied_grads(meta)
+                sum_tied_grads(self.comm, self.ownership, self.rank, lambda j: self._special_tag(meta, 1 + j))
                 if self.dp_size > 1:  # the mean over every replica's batch
                     pend = self.comm.all_reduce(loss.clone(), self.dp_group, "the loss mean over the replicas")
                     loss = self.comm.wait(pend)[0] / self.dp_size
@@ -261,38 +267,6 @@ class Engine:
         self.comm.wait(Pending([self.comm.irecv(buf, self.out_rank, tag)], [buf],
                                "the loss of the step", self.out_rank))
         return buf.reshape(())
-
-    def _sum_tied_grads(self, meta: _StepMeta) -> None:
-        """A parameter held by several ranks gets the sum of their gradients (lowest rank adds, in rank order).
-
-        In place in each rank's ``.grad``: the lead holds one receive buffer, the others none
-        (a copy of the sum and of each part would be two or three more gradients' worth at the
-        step's peak: an LM head tied to the embedding is a vocabulary-sized matrix)."""
-        assert self.comm is not None
-        for ranks, params in sorted(self.ownership.ties.items()):
-            for j, p in enumerate(params):
-                tag = self._special_tag(meta, 1 + j)
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                elif not local(p.grad).is_contiguous():  # sent and received in place
-                    p.grad = p.grad.contiguous()
-                # sharded: the ranks holding the tie shard it alike (same shape, same replicas), so the sum
-                # of the whole gradients is the sum of each replica's shards
-                total = local(p.grad)
-                lead = ranks[0]
-                what = f"the gradient sum of tied parameter {self.ownership.canonical[id(p)]}"
-                if self.rank == lead:
-                    buf = torch.empty_like(total)
-                    for r in ranks[1:]:
-                        self.comm.wait(Pending([self.comm.irecv(buf, r, tag)], [buf], what, r))
-                        total += buf
-                    del buf
-                    sends = [Pending([self.comm.isend(total, r, tag)], [total], what, r) for r in ranks[1:]]
-                    for s in sends:
-                        self.comm.wait(s)
-                else:
-                    self.comm.wait(Pending([self.comm.isend(total, lead, tag)], [total], what, lead))
-                    self.comm.wait(Pending([self.comm.irecv(total, lead, tag)], [total], what, lead))
 
     # ------------------------------------------------------------------ timeline
 
@@ -526,20 +500,21 @@ class _RankState:
         received, leaves_in = self._inputs(s, mb)
         args = self._args(s, mb, received)
         choice = self._choice(s)
+        run = eng.compiled.get(s, prog.gm)
         rerun = None
         t0 = time.perf_counter()
         with torch.set_grad_enabled(self.training), self.meter.saving((s, mb)), eng.precision.autocast(eng.device):
             if choice == "none":
-                res = prog.gm(*args)
+                res = run(*args)
             elif choice == OFFLOAD:  # as none, what autograd saves copied to host memory (runtime/offload.py)
                 on_device = self.meter.exclude | kept_storages([t for ts in received.values() for t in ts])
                 with offloading(eng.device, on_device, lambda t: self.meter.add((s, mb), t)):
-                    res = prog.gm(*args)
+                    res = run(*args)
             else:
                 shards = self._selective_shards(s)
                 if shards is not None:
                     shards.gather(s)
-                res, rerun = forward_for_recompute(prog.gm, args, choice, eng.program.matmul_nodes, eng.device,
+                res, rerun = forward_for_recompute(run, args, choice, eng.program.matmul_nodes, eng.device,
                                                    lambda t: self.meter.add((s, mb), t))
                 if shards is not None:
                     shards.release(s)
@@ -581,7 +556,8 @@ class _RankState:
         if shards is not None:
             shards.gather(s)  # released at the end of this backward
         with self.meter.saving((s, mb)), eng.precision.autocast(eng.device):
-            res = recompute(prog.gm, self._args(s, mb, stash.received), stash.rerun, s, hooks=shards is None)
+            res = recompute(eng.compiled.get(s, prog.gm), self._args(s, mb, stash.received), stash.rerun, s,
+                            hooks=shards is None)
             if prog.has_output:
                 with torch.enable_grad():
                     stash.loss = self._loss(res, mb)

@@ -49,9 +49,9 @@ def partition(model: nn.Module, **options: Any) -> PipelinedModel:
 
     The options are :class:`PipelinedModel`'s (``plan``, ``loss_fn``, ``timeout``, ``arrival_deadline``, ``device``,
     ``checkpoint``, ``init_fn``, ``init_seed``, ``broadcast_output``, ``broadcast_buffers``,
-    ``precision``, ``grad_scaler``) and the planning request's (``request``, or its fields:
+    ``precision``, ``grad_scaler``, ``compile_backend``) and the planning request's (``request``, or its fields:
     ``stages``, ``microbatches``, ``schedule``, ``cluster``, ``memory_limit``, ``placement``,
-    ``recompute``, ``active_microbatches``, ``timing``, ...: :class:`partitioner.request.PlanRequest`).
+    ``recompute``, ``active_microbatches``, ``timing``, ``compile``, ...: :class:`partitioner.request.PlanRequest`).
     """
     return PipelinedModel(model, **options)
 
@@ -110,6 +110,10 @@ class PipelinedModel:
     ``dp_size``, ``pp_rank``, ``pp_size`` say where this rank sits. ``broadcast_buffers``
     (default True, as in DistributedDataParallel) copies the first replica's buffers (e.g.
     batch-norm statistics) to the others before each training step.
+
+    Compiled stages: ``compile=True`` plans for stages compiled with ``torch.compile`` and runs
+    them so (a plan made with it runs compiled), on ``compile_backend`` (default "inductor";
+    "aot_eager" checks the mechanics without a C++ compiler). docs/runtime.md#compiled-stages.
     """
 
     def __init__(self, model: nn.Module, *, plan: Plan | str | Path | None = None,
@@ -118,7 +122,8 @@ class PipelinedModel:
                  device: str | torch.device | None = None,
                  checkpoint: str | Path | None = None, init_fn: Callable[[nn.Module], None] | None = None,
                  init_seed: int = 0, broadcast_output: bool = False, broadcast_buffers: bool = True,
-                 precision: str = "fp32", grad_scaler: PipelineGradScaler | None = None, **planning: Any) -> None:
+                 precision: str = "fp32", grad_scaler: PipelineGradScaler | None = None,
+                 compile_backend: str = "inductor", **planning: Any) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"smp.partition takes a torch.nn.Module, got {type(model).__name__}")
         self.module = model
@@ -129,6 +134,7 @@ class PipelinedModel:
         self.init_seed = int(init_seed)
         self.broadcast_output = bool(broadcast_output)
         self.broadcast_buffers = bool(broadcast_buffers)
+        self.compile_backend = compile_backend
         try:
             self.precision = Precision.parse(precision)
         except ValueError as err:
@@ -249,7 +255,8 @@ class PipelinedModel:
                         example_flat=setup.example_flat[mode], dp_group=self.layout.dp_group,
                         dp_size=self.layout.dp_size, precision=self.precision,
                         shard_mesh=self.layout.mesh["dp"] if sharded and mode else None,
-                        gathered_by=train.shards if train is not None and not mode else None)
+                        gathered_by=train.shards if train is not None and not mode else None,
+                        compile_backend=self.compile_backend if self._plan.model.compiled else None)  # type: ignore[union-attr]
         if engine.shards is not None:
             repoint([self.module, *(p.gm for p in setup.programs.values())], engine.shards.replaced)
             setup.ownership.rekey(engine.shards.replaced)  # after: it finds the ties in the model as it is now

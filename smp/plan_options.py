@@ -18,7 +18,8 @@ def plan_facts(plan: Plan) -> dict[str, Any]:
     """What a made plan fixes, by the planning option that would have chosen it."""
     return {"stages": plan.pipeline_ranks, "microbatches": plan.microbatches, "schedule": plan.schedule_name,
             "active_microbatches": plan.active_microbatches, "data_parallel": plan.data_parallel,
-            "virtual_stages": plan.virtual_stages, "recompute": tuple(plan.recompute), "sharding": plan.sharding}
+            "virtual_stages": plan.virtual_stages, "recompute": tuple(plan.recompute), "sharding": plan.sharding,
+            "compile": plan.model.compiled}
 
 
 def given_options(request: PlanRequest | None, planning: Mapping[str, Any]) -> dict[str, Any]:
@@ -40,7 +41,7 @@ def check_agrees(plan: Plan, request: PlanRequest, given: Mapping[str, Any]) -> 
                                  f"{'them' if len(moot) > 1 else 'it'}, or re-plan with smp.plan(..., "
                                  f"{moot[0]}=...)")
     for name in facts.keys() & given.keys():
-        value, fixed = getattr(request, name), facts[name]
+        value, fixed = request.profiling.compile if name == "compile" else getattr(request, name), facts[name]
         if name == "recompute":
             agrees = value == "auto" or all(c == value for c in fixed)
         elif name == "sharding":

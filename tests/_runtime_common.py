@@ -127,11 +127,13 @@ def check_against_reference(results: list[dict[str, Any]], ref: dict[str, Any], 
 
 
 def train_worker(rank: int, world: int, *, spec: str, plans: Mapping[str, dict], out: str, steps: int,
-                 check_state: bool = False) -> None:
-    """One rank: for each plan, a fresh model, ``steps`` pipelined SGD steps, results to ``out``."""
+                 check_state: bool = False, options: Mapping[str, Any] | None = None) -> None:
+    """One rank: for each plan, a fresh model, ``steps`` pipelined SGD steps, results to ``out``; ``options``
+    go to ``smp.partition``."""
     for label, plan_dict in plans.items():
         b = build(spec, seed=0)
-        pipe = partition(b.model, plan=smp.Plan.from_dict(plan_dict), loss_fn=b.loss_fn, timeout=60)
+        pipe = partition(b.model, plan=smp.Plan.from_dict(plan_dict), loss_fn=b.loss_fn, timeout=60,
+                         **(options or {}))
         res = pipeline_run(pipe, spec, steps)
         if check_state:
             res["state"] = pipe.state_dict()
