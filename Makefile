@@ -25,8 +25,9 @@ demo: $(STAMP)
 	$(BIN)/smp inspect demo-plan.json --timeline demo-timeline.png
 
 # SMP_REQUIRE_DEV=1: a test that would skip for a missing dev extra fails instead (tests/conftest.py).
+# -n auto: one pytest-xdist worker per core (the multi-rank tests start their own processes besides).
 test: $(STAMP)
-	SMP_REQUIRE_DEV=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	SMP_REQUIRE_DEV=1 $(BIN)/python -m pytest -q -n auto $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) demo-plan.json demo-timeline.png

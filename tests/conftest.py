@@ -7,10 +7,14 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The CLI prints 160 columns wide without a terminal unless COLUMNS says otherwise; pytest-xdist's workers
+# inherit COLUMNS=80 from the controller, which wraps the lines the tests read.
+os.environ["COLUMNS"] = "160"
 
 import torch  # noqa: E402
 
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+# one intra-op thread per pytest-xdist worker (make test runs one worker per core), at most two otherwise
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, torch.get_num_threads())))
 
 #: Set by `make test`, where the dev extras (transformers, hypothesis) are installed: a test
 #: that skips because it cannot import one is then a broken environment, and fails.
