@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -11,7 +12,7 @@ import torch.utils._pytree as pytree
 from partitioner.devices import DeviceSpec, Kernel, dtype_key
 from partitioner.profile_ops import OpCaller, OpCosts, count_kernels, tensor_bytes
 
-__all__ = ["analytic_costs"]
+__all__ = ["analytic_costs", "dispatches"]
 
 
 def analytic_costs(ops: OpCaller, spec: DeviceSpec, dtype: str | None, node: fx.Node, args: tuple, kwargs: dict,
@@ -24,6 +25,8 @@ def analytic_costs(ops: OpCaller, spec: DeviceSpec, dtype: str | None, node: fx.
     state_bytes = sum(tensor_bytes(t) for t in ops.state_tensors(node))
     in_bytes = tensor_bytes((args, kwargs))
     out_bytes = tensor_bytes(out)
+    if not dispatches(node, out):  # Python-level (a shape read, indexing a tuple): no aten op for the host
+        spec = spec.compiled()
     fwd = spec.op_time(spec.kernel_time(kernels_fwd, in_bytes + out_bytes, dtype), "fwd")
     bwd = bwd_input = 0.0
     if needs_bwd:
@@ -39,6 +42,14 @@ def analytic_costs(ops: OpCaller, spec: DeviceSpec, dtype: str | None, node: fx.
         elif only_input is not None:
             bwd_input = bwd
     return OpCosts(fwd, bwd, min(bwd_input, bwd), sum(k.flops for k in kernels_fwd))
+
+
+def dispatches(node: fx.Node, out: Any) -> bool:
+    """Whether running ``node`` makes the host dispatch an aten op: it returns a tensor and is not plain Python
+    (``operator.getitem`` of a tuple, an attribute or buffer read). A shape read (``x.size()``) returns no tensor."""
+    if node.op == "get_attr" or (node.op == "call_function" and node.target in (operator.getitem, getattr)):
+        return False
+    return any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out))
 
 
 def _dominant_dtype(out: Any, args: Any) -> str:
