@@ -247,3 +247,13 @@ def test_a_python_warning_under_a_command_is_one_warning_line_without_a_source_p
     warned = [line for line in result.stderr.splitlines() if "unstable timings" in line]
     assert warned == ["warning: profiling GPT: unstable timings: forced"], result.stderr
     assert ".py:" not in result.stderr
+
+
+def test_a_rank_whose_own_code_raised_is_named_before_the_ranks_that_failed_with_it():
+    # xdist's busy CI run: rank 0 (failing together, naming rank 1) reported first and the line blamed smp
+    from smp.cli.train import _failure
+
+    errors = [{"rank": 0, "message": "PipelineError: pipeline step failed: rank 1 raised ValueError: not ready",
+               "user_error": False},
+              {"rank": 1, "message": "your code raised ValueError: not ready", "user_error": True}]
+    assert _failure(1, errors, []) == "rank 1: your code raised ValueError: not ready (rank 0 failed too)"

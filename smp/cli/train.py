@@ -275,7 +275,8 @@ def _signal_name(number: int) -> str:
 
 def _failure(code: int, errors: list[dict[str, Any]], killed: list[tuple[int, int]]) -> str:
     """One line on why a run failed: a rank a signal ended (the others' errors follow from it), else the first
-    rank to report an error, in its own words, else a rank torchrun stopped."""
+    rank whose own code raised (else the first to report an error), in its own words, else a rank torchrun
+    stopped."""
     if killed and (killed[0][1] != 15 or not errors):  # torchrun's SIGTERM to the rest follows a rank's own error
         rank, number = killed[0]
         others = sorted(({r for r, _ in killed} | {e["rank"] for e in errors}) - {rank})
@@ -288,7 +289,8 @@ def _failure(code: int, errors: list[dict[str, Any]], killed: list[tuple[int, in
     if not errors:
         return (f"the training run failed (torchrun exit code {code}) before any rank could report why; "
                 "rerun with `smp --debug train ...` to see the ranks' output")
-    first = errors[0]
+    # an error in the user's code explains the rest: the other ranks fail together, naming it (runtime/faults.py)
+    first = next((e for e in errors if e.get("user_error")), errors[0])
     others = sorted({e["rank"] for e in errors} - {first["rank"]})
     also = f" (rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} failed too)" if others else ""
     if first.get("user_error"):
