@@ -16,10 +16,11 @@ scratch folder, and each output is compared with the page's in structure, not in
 Re-run every time (about 55 s on the 2-core development machine: 5 s to start each command, 14 s
 for `smp models`, 17 s for the 1B plan): the blocks in FAST, deterministic and needing no other
 block's files: `smp models`, the 1B GPT planned on the meta device for 8 H100s (the block with the
-solver label), and four user errors. Marked slow (CI runs them): every other block, in page order,
-in one scratch folder: the profiles, the measured plans, inspect, simulate, compare, calibrate,
-the `--devices` search, the memory-limit and plan-file errors and the three `smp train` runs
-(5.4 minutes on that machine with other jobs running).
+solver label), and four user errors. Marked slow (CI runs them): every other block (the profiles,
+the measured plans, inspect, simulate, compare, calibrate, the `--devices` search, the memory-limit
+and plan-file errors and the three `smp train` runs; 5.4 minutes in all on that machine with other
+jobs running), one test per group of blocks that share files (a plan file and the blocks that read
+it), each group in page order in its own scratch folder, so pytest-xdist spreads them over workers.
 """
 
 from __future__ import annotations
@@ -154,11 +155,69 @@ def test_cli_page_deterministic_blocks(tmp_path: Path) -> None:
                        "`python docs/console.py docs/cli.md`):\n" + "\n".join(stale))
 
 
+WRITTEN = re.compile(r"(?:(?<![\w-])-o\s+|>\s*)([^&\s]\S*)")  # `-o NAME`, `> NAME` (not `2>&1`)
+
+
+def related_groups(blocks: list[console.Block]) -> list[list[int]]:
+    """The console blocks (by index) in groups that share files: a block reading a file another block's
+    command (or ``before`` line) writes runs in the writer's group, in page order; the groups need nothing
+    from each other, so each re-runs alone in its own scratch folder."""
+    texts = {i: [c for c, _ in console.commands(b)] + b.before for i, b in enumerate(blocks)
+             if b.lang == "console" and console.commands(b)}
+    parent = {i: i for i in texts}
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            i = parent[i]
+        return i
+
+    writers: dict[str, int] = {}
+    for i, lines in texts.items():
+        for name in (n for line in lines for n in WRITTEN.findall(line)):
+            parent[root(i)] = root(writers.setdefault(name, i))
+    for i, lines in texts.items():
+        for name, writer in writers.items():
+            if any(re.search(rf"(?<![\w.-]){re.escape(name)}(?![\w.-])", line) for line in lines):
+                parent[root(i)] = root(writer)
+    groups: dict[int, list[int]] = {}
+    for i in texts:
+        groups.setdefault(root(i), []).append(i)
+    return sorted(groups.values())
+
+
+def _slow_groups() -> list[list[int]]:
+    blocks = console.parse(PAGE.read_text().splitlines())
+    return [g for g in related_groups(blocks) if not any(is_fast(blocks[i]) for i in g)]
+
+
+SLOW_GROUPS = _slow_groups()
+
+
+def test_blocks_reading_another_blocks_file_share_its_group() -> None:
+    page = ["```console", "$ smp plan m -o p.json", "```", "```console", "$ smp inspect p.json", "```",
+            "<!-- before: head -c 4 p.json > broken.json -->", "```console", "$ smp inspect broken.json", "```",
+            "```console", "$ smp plan m --plan other.json", "```"]
+    assert related_groups(console.parse(page)) == [[0, 1, 2], [3]]
+
+
 @pytest.mark.slow
-def test_cli_page_other_blocks(tmp_path: Path) -> None:
-    stale = stale_blocks(lambda b: not is_fast(b), tmp_path / "docrun")
+@pytest.mark.parametrize("group", SLOW_GROUPS, ids=lambda g: "+".join(str(i) for i in g))
+def test_cli_page_other_blocks(group: list[int], tmp_path: Path) -> None:
+    """Every block not in FAST, re-run with the blocks it shares files with (one test per group, so
+    pytest-xdist spreads the page's five minutes over its workers)."""
+    blocks = console.parse(PAGE.read_text().splitlines())
+    chosen = {blocks[i].start for i in group}
+    stale = stale_blocks(lambda b: b.start in chosen, tmp_path / "docrun")
     assert not stale, ("docs/cli.md no longer matches what these commands print (regenerate it with "
                        "`python docs/console.py docs/cli.md`):\n" + "\n".join(stale))
+
+
+def test_every_block_is_fast_or_in_a_slow_group() -> None:
+    blocks = console.parse(PAGE.read_text().splitlines())
+    grouped = {i for g in SLOW_GROUPS for i in g}
+    for i, b in enumerate(blocks):
+        if b.lang == "console" and console.commands(b):
+            assert is_fast(b) or i in grouped, b.lines[0]
 
 
 def test_normalised_keeps_labels_and_drops_numbers() -> None:
