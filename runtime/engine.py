@@ -318,10 +318,10 @@ class _RankState:
         # parameters, buffers and the batch (inputs and targets, which the script holds anyway) are no activations
         model = eng.ownership.model
         batch = [t for t in pytree.tree_leaves((micro_flat, targets)) if isinstance(t, torch.Tensor)]
+        # FSDP's gathered parameters are parameters too, wherever (and while) they are allocated
         self.meter = StashMeter({local(t).untyped_storage().data_ptr()
-                                 for t in [*model.parameters(), *model.buffers(), *batch] if not t.is_meta})
-        if eng.shards is not None:  # FSDP's gathered parameters are parameters too, wherever they are allocated
-            eng.shards.gathered_storages = self.meter.exclude
+                                 for t in [*model.parameters(), *model.buffers(), *batch] if not t.is_meta},
+                                None if eng.shards is None else eng.shards.holds_gathered)
         self.current = "the step set-up"
 
     def _local(self, key: EdgeKey) -> bool:
@@ -507,8 +507,9 @@ class _RankState:
             if choice == "none":
                 res = run(*args)
             elif choice == OFFLOAD:  # as none, what autograd saves copied to host memory (runtime/offload.py)
-                on_device = self.meter.exclude | kept_storages([t for ts in received.values() for t in ts])
-                with offloading(eng.device, on_device, lambda t: self.meter.add((s, mb), t)):
+                kept = kept_storages([t for ts in received.values() for t in ts])
+                with offloading(eng.device, lambda ptr: ptr in kept or self.meter.is_excluded(ptr),
+                                lambda t: self.meter.add((s, mb), t)):
                     res = run(*args)
             else:
                 shards = self._selective_shards(s)

@@ -29,16 +29,16 @@ __all__ = ["kept_storages", "offloading"]
 Packed = Union[torch.Tensor, tuple[torch.device, torch.Tensor]]
 
 
-def offloading(device: torch.device, on_device: Collection[int],
+def offloading(device: torch.device, on_device: Callable[[int], bool],
                count: Callable[[torch.Tensor], None]) -> torch.autograd.graph.saved_tensors_hooks:
     """Saved-tensor hooks that keep what autograd saves in host memory until the backward reads it.
 
-    ``on_device``: data pointers of storages the device keeps anyway (left in place, not copied);
+    ``on_device``: whether the storage at a data pointer stays on the device anyway (left in place, not copied);
     ``count`` is told of every tensor that stays in the device's memory (on a CPU device, the copies)."""
     pin = device.type == "cuda" and torch.cuda.is_available()
 
     def pack(t: torch.Tensor) -> Packed:
-        if isinstance(t, nn.Parameter) or t.is_meta or t.untyped_storage().data_ptr() in on_device:
+        if isinstance(t, nn.Parameter) or t.is_meta or on_device(t.untyped_storage().data_ptr()):
             count(t)
             return t
         # (no sharing of one copy between two saves of a tensor: a freed tensor's address is reused)

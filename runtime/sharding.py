@@ -18,7 +18,7 @@ unsharded gradients and parameters.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
@@ -110,7 +110,7 @@ class StageShards:
                 self.replaced.append((before[(id(info.module), info.param_name)], fp.sharded_param))
         for old, _ in self.replaced:  # FSDP copied this rank's shard: the whole tensor is no longer needed
             old.data = torch.empty(0, dtype=old.dtype, device=old.device)
-        self.gathered_storages: set[int] = set()  # data pointers of the gathered parameters (not activations)
+        self.gathered_storages: dict[int, torch.UntypedStorage] = {}  # the gathered parameters' (no activations)
         self.working_peak = WorkingBytes(0, 0)  # the step's most held whole at once (start_step resets it)
         self._sample_at_grad = False  # set by each backward's start: sample at its first gradient
         self._watched: set[int] = set()  # gathered parameters carrying the sampling hook
@@ -118,11 +118,20 @@ class StageShards:
             module.register_forward_pre_hook(self._note_gathered)  # after FSDP's own pre-forward: gathered now
 
     def _note_gathered(self, module: nn.Module, args: Any) -> None:
-        for p in module.parameters():
-            if not is_sharded(p):
-                self.gathered_storages.add(p.untyped_storage().data_ptr())
+        self._note_storages(p for p in module.parameters() if not is_sharded(p))
         self._watch(module)
         self._note_working()
+
+    def _note_storages(self, params: Iterable[torch.Tensor]) -> None:
+        for p in params:
+            storage = p.untyped_storage()
+            self.gathered_storages[storage.data_ptr()] = storage
+
+    def holds_gathered(self, ptr: int) -> bool:
+        """Whether ``ptr`` is a gathered parameter's storage now: FSDP frees a gathered storage by resizing it to
+        nothing, and the allocator hands its address to what comes next (an activation, not a parameter)."""
+        storage = self.gathered_storages.get(ptr)
+        return storage is not None and storage.nbytes() > 0 and storage.data_ptr() == ptr
 
     def _watch(self, module: nn.Module) -> None:
         """Hook the module's gathered parameters (FSDP2 keeps one object per parameter across gathers) so a
@@ -204,7 +213,7 @@ class StageShards:
         ops as the first, and FSDP's gathering would be others) and the backward that follows the rerun."""
         module = self.modules[stage]
         module.unshard()
-        self.gathered_storages.update(p.untyped_storage().data_ptr() for p in module.parameters())
+        self._note_storages(module.parameters())
         self._watch(module)
 
     def release(self, stage: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,8 +38,11 @@ class StashMeter:
     rerun included), ``kept`` per stage what one microbatch keeps from its forward.
     """
 
-    def __init__(self, exclude: set[int]) -> None:
-        self.exclude = exclude  # data pointers of this rank's parameter storages
+    def __init__(self, exclude: set[int], excluded_now: Callable[[int], bool] | None = None) -> None:
+        self.exclude = exclude  # data pointers of this rank's parameter, buffer and batch storages
+        # a storage that is no activation while it lives (FSDP's gathered parameters: freed and reallocated
+        # each microbatch under full_shard, so their old addresses come back as activations' addresses)
+        self.excluded_now = excluded_now
         self.live: dict[tuple[int, int], dict[int, int]] = {}
         self.current = 0
         self.peak = 0
@@ -54,11 +58,15 @@ class StashMeter:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         held = self.live.setdefault(key, {})
-        if ptr in self.exclude or ptr in held:
+        if ptr in held or self.is_excluded(ptr):
             return
         held[ptr] = storage.nbytes()
         self.current += held[ptr]
         self.peak = max(self.peak, self.current)
+
+    def is_excluded(self, ptr: int) -> bool:
+        """Whether the storage at ``ptr`` is not an activation (a parameter, buffer or batch storage now)."""
+        return ptr in self.exclude or (self.excluded_now is not None and self.excluded_now(ptr))
 
     def release(self, key: tuple[int, int]) -> None:
         self.current -= sum(self.live.pop(key, {}).values())

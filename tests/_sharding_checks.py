@@ -135,14 +135,15 @@ def refusal_worker(rank: int, world: int, *, spec: str, schedule: str, out: str)
 
 
 def memory_worker(rank: int, world: int, *, spec: str, sharding: str, out: str) -> None:
-    """One rank of 2 x 2 under ``sharding``: two metered AdamW (foreach) steps, then ``memory_stats`` and the
-    whole bytes of this rank's parameters (a DTensor's global size)."""
+    """One rank of 2 x 2 under ``sharding`` (4 microbatches: full_shard gathers and frees 4 times a step): two
+    metered AdamW (foreach) steps, then ``memory_stats``, the whole bytes of this rank's parameters (a DTensor's
+    global size) and the plan's activations of its stages."""
     import json
 
     from runtime.memory import OptimizerStepMeter
 
     b = build(spec, seed=0)
-    pipe = partition(b.model, stages=2, microbatches=2, loss_fn=b.loss_fn, timeout=60, timing="analytic",
+    pipe = partition(b.model, stages=2, microbatches=4, loss_fn=b.loss_fn, timeout=60, timing="analytic",
                      sharding=sharding)
     x, y = b.example_args[0], b.target
     share = x.shape[0] // (world // 2)
@@ -156,5 +157,7 @@ def memory_worker(rank: int, world: int, *, spec: str, sharding: str, out: str) 
         opt.step()
     res = {"stats": pipe.memory_stats(opt, step_meter=meter)[pipe.pp_rank],
            "whole": sum(p.numel() * p.element_size() for p in pipe.parameters()),
-           "tensors": len(list(pipe.parameters()))}
+           "tensors": len(list(pipe.parameters())),
+           "planned_activations": sum(pipe.plan.memory_split()[s]["activations"]
+                                      for s in pipe.plan.schedule.stages_of(pipe.pp_rank))}
     Path(out, f"memory-{rank}.json").write_text(json.dumps(res))

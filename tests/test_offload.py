@@ -158,7 +158,7 @@ def test_offloading_hooks_copy_the_stash_to_host_memory_and_leave_kept_storages(
     weight = nn.Parameter(torch.randn(4, 4))
     x = torch.randn(3, 4, requires_grad=True)
     counted: list[torch.Tensor] = []
-    with offloading(torch.device("cpu"), {x.untyped_storage().data_ptr()}, counted.append):
+    with offloading(torch.device("cpu"), {x.untyped_storage().data_ptr()}.__contains__, counted.append):
         h = torch.tanh(x @ weight)  # mm saves x and the weight (kept), tanh saves its output (copied)
         y = (h * h).sum()  # mul saves h twice: two copies
     saved = h.grad_fn._saved_result  # unpacked: the host copy, a tensor of its own with the same values
