@@ -80,6 +80,7 @@ def test_the_bisection_raises_the_bound_where_the_optimisation_stalls(monkeypatc
     assert f"{part.lower_bound:.6g} s infeasible" in note
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("min_budget", [None, 0.0], ids=["cpsat-keeps-all-of-a-short-limit", "cpsat-gets-its-share"])
 def test_auto_spends_at_most_twice_time_limit_and_the_bisection_gets_what_is_left(monkeypatch, min_budget):
     """CP-SAT's optimisation gets cpsat_budget(time_limit), the windows windows_budget(time_limit, what is left), the

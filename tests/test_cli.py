@@ -77,6 +77,7 @@ def test_version():
 # ------------------------------------------------------------------ models
 
 
+@pytest.mark.slow
 def test_models_table_and_json():
     res = ok("models")
     assert "gpt" in res.stdout and "1b" in res.stdout and "1,112,289,280" in res.stdout
@@ -274,6 +275,7 @@ def test_debug_shows_the_traceback(work):
     assert res.exit_code != 0 and isinstance(res.exception, PlanError)
 
 
+@pytest.mark.slow
 def test_console_script_exit_code_and_json_only_stdout(plan_file):
     exe = Path(sys.executable).parent / "smp"
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "smp.cli"]
@@ -426,6 +428,7 @@ def test_closed_pipe_ends_quietly(plan_file, monkeypatch):
     assert res.exit_code == 0 and res.stderr == ""
 
 
+@pytest.mark.slow
 def test_cut_tensor_table_marks_skips_and_link_times_are_explained(work):
     # t5's encoder output feeds every decoder layer: on 4 stages it jumps from stage 1 to stage 3.
     path = work / "t5.json"

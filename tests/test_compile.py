@@ -89,6 +89,7 @@ def test_a_made_plan_decides_whether_the_stages_compile() -> None:
         pipe.step(*b.example_args, target=b.target, **b.example_kwargs)
 
 
+@pytest.mark.slow
 def test_compiled_stages_in_one_process_train_as_the_eager_model() -> None:
     plan = make_plan(GPT, 2, 4, "1f1b", compile=True)
     b = build(GPT, seed=0)
@@ -104,6 +105,7 @@ def test_compiled_stages_in_one_process_train_as_the_eager_model() -> None:
     assert pipe._engine.compiled
 
 
+@pytest.mark.slow
 def test_a_full_rerun_of_a_compiled_stage_draws_its_forward_masks_and_a_selective_stage_runs_eagerly() -> None:
     """Dropout in a compiled graph draws other numbers than eager dropout (AOTAutograd decomposes it), so the
     rerun is checked against the compiled stage without recomputation: same masks, same gradients."""
@@ -123,6 +125,7 @@ def test_a_full_rerun_of_a_compiled_stage_draws_its_forward_masks_and_a_selectiv
         assert torch.allclose(grads["full"][name], g, rtol=RTOL, atol=ATOL), name
 
 
+@pytest.mark.slow
 def test_an_export_traced_model_planned_lazily_runs_compiled() -> None:
     b = build(GPT, seed=0)
     pipe = smp.partition(b.model, stages=2, microbatches=2, loss_fn=b.loss_fn, frontend="export",

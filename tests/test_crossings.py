@@ -5,6 +5,7 @@ import itertools
 import math
 
 import networkx as nx
+import pytest
 from hypothesis import HealthCheck, given, settings
 
 from partitioner import synthetic
@@ -112,6 +113,7 @@ def test_the_crossings_try_nothing_where_the_windows_span_more_than_a_stage():
     assert res.tries == [] and res.lower_bound == lower and res.deterministic_seconds == 0
 
 
+@pytest.mark.slow
 def test_auto_takes_the_crossings_bound_and_says_so(monkeypatch):
     """With the stage groups out of the way (they prove 3.43 ms here with a group per stage), auto runs the
     crossings bound after CP-SAT and before the bisection (which starts from it), and notes what it proved."""

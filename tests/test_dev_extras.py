@@ -43,11 +43,13 @@ def _pytest(tmp_path: Path, test_file: str, require: bool) -> subprocess.Complet
                           capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
 
 
+@pytest.mark.slow
 def test_missing_dev_extra_skips_in_plain_pytest(tmp_path):
     proc = _pytest(tmp_path, _NEEDS_A_MISSING_MODULE, require=False)
     assert proc.returncode == 0 and "1 passed, 1 skipped" in proc.stdout, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_missing_dev_extra_fails_under_make_test(tmp_path):
     proc = _pytest(tmp_path, _NEEDS_A_MISSING_MODULE, require=True)
     assert proc.returncode == 1 and "1 failed, 1 passed" in proc.stdout, proc.stdout + proc.stderr

@@ -47,6 +47,7 @@ def test_the_group_bound_with_stages_grouped_is_below_the_proven_optimum(stages)
     assert res.lower_bound <= best.bottleneck * (1 + 1e-12)
 
 
+@pytest.mark.slow
 def test_the_group_bound_counts_what_stages_pay_on_a_layered_dag():
     """The random layered DAG of 100 ops at 8 stages: every closed-form bound is below 0.77 ms, the grouped
     model proves 0.90 ms (the best plan found is 1.06 ms)."""
@@ -115,6 +116,7 @@ def test_two_groups_raise_the_bound_on_a_thousand_op_layered_dag():
     assert res.lower_bound > 1.01 * max(named_lower_bounds(prob).values())
 
 
+@pytest.mark.slow
 def test_auto_takes_two_groups_over_the_four_group_size_limit(monkeypatch):
     g = synthetic.generate("layered", 100, seed=0)
     cluster = Cluster.load("h100-sxm", devices=8)
@@ -137,6 +139,7 @@ def test_auto_takes_two_groups_only_with_the_budget_they_need():
     assert [groups_for(n, 15.0) for n in (1001, 2000, 2001)] == [2, 2, None]
 
 
+@pytest.mark.slow
 def test_auto_notes_a_group_bound_that_proved_nothing(monkeypatch):
     monkeypatch.setattr(SOLVE_MODULE, "group_lower_bound",
                         lambda prob, **kw: GroupBound(0.0, (0, 2, 4, 6), "UNKNOWN", 2.0, False))

@@ -57,6 +57,7 @@ def reference_losses(model: nn.Module, steps: int) -> list[torch.Tensor]:
     return losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "gpt-neox"])  # Mistral, Qwen2, Gemma, Phi: rotary as Llama
 def test_a_meta_built_hf_model_recomputes_its_rotary_frequencies_and_trains_as_the_reference(family, tmp_path
                                                                                             ) -> None:

@@ -60,6 +60,7 @@ def test_tabu_search_is_counted_not_timed():
     assert stopped.wall_stopped and stopped.assign == list(assign) and stopped.evaluations == 0
 
 
+@pytest.mark.slow
 def test_auto_moves_ops_off_the_cuts_of_one_order():
     """A random layered DAG at 64 stages, too large for CP-SAT: dp's cuts of the program order
     gave 2.056 ms; single-op moves across boundaries take auto to 1.737 ms."""
@@ -87,6 +88,7 @@ def test_tabu_search_never_takes_a_faster_plan_over_the_memory_limit():
     assert res.assign == start and prob.fits(prob.stage_costs(res.assign)[1])
 
 
+@pytest.mark.slow
 def test_auto_repairs_the_ideal_dps_tightest_chain_with_moves():
     """The 903-op encoder-decoder at 64 stages: the ideal DP's chain at its least feasible bottleneck
     costs 8.386 ms in exact terms (its lower model prices a tensor sent across nodes on the link to
@@ -99,6 +101,7 @@ def test_auto_repairs_the_ideal_dps_tightest_chain_with_moves():
     assert any("tightest chain" in note for note in auto.notes)
 
 
+@pytest.mark.slow
 def test_a_second_phase_with_a_longer_tenure_walks_further():
     """The random layered DAG of 200 ops at 16 stages from dp's plan (1.4425 ms): the first phase ends on
     1.3955 ms and runs its 2,000 evaluations without leaving it; the second, from there with the longer

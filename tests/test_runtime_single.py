@@ -76,7 +76,8 @@ def test_resnet_batchnorm_buffers_train_mode() -> None:
             assert torch.allclose(state[k], v, rtol=1e-5, atol=1e-6), k
 
 
-@pytest.mark.parametrize("spec", ["hf-gpt2:size=tiny,batch=4", "hf-t5:size=tiny,batch=4"])
+@pytest.mark.parametrize("spec", ["hf-gpt2:size=tiny,batch=4",
+                                  pytest.param("hf-t5:size=tiny,batch=4", marks=pytest.mark.slow)])
 def test_hugging_face_models(spec: str) -> None:
     pytest.importorskip("transformers")
     _run(spec, _plan(spec, 2, 2, "1f1b"), steps=2)

@@ -67,6 +67,7 @@ def test_solvers_match_brute_force(case):
 
 # derandomize: the same 150 draws on every run, so CI is reproducible; random draws found the
 # rare CP-SAT miss pinned in test_cpsat_matches_brute_force_on_a_heterogeneous_chain_of_links.
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(colocated_problems())
 def test_colocation_anywhere_matches_brute_force(case):
@@ -211,6 +212,7 @@ def test_node_boundary_is_priced_on_the_inter_node_link():
         assert t.seconds == pytest.approx(t.bytes / (1e9 if inter else 1e12))
 
 
+@pytest.mark.slow
 def test_dp_proves_10k_ops_64_stages():
     # How fast: benchmarks/planner.py (docs/benchmarks.md), not a timing assertion here.
     g = synthetic.transformer(1000, seed=0)  # 10,004 ops

@@ -150,6 +150,7 @@ def test_the_window_alone_prices_each_re_placement_as_the_cost_model(case, rng, 
                     assert units / model.scale == pytest.approx(times[s], rel=0, abs=1e-6 * ref)
 
 
+@pytest.mark.slow
 def test_windows_go_where_single_moves_stop():
     """From the tabu search's best plan (where no single move helps), re-placing a few stages' ops at once finds
     a better plan, counted in deterministic seconds: the same plan twice."""
@@ -188,6 +189,7 @@ def test_windows_stop_at_the_wall_clock_and_try_nothing_under_three_stages():
     assert window_search(two, _start(two), budget=5.0, wall_limit=60).tried == 0
 
 
+@pytest.mark.slow
 def test_auto_runs_the_windows_after_cpsat_and_says_so():
     g = synthetic.generate("layered", 100, seed=0)
     part = solve(g, 8, cluster=Cluster.load("h100-sxm", devices=8), microbatches=32, time_limit=4)
@@ -195,6 +197,7 @@ def test_auto_runs_the_windows_after_cpsat_and_says_so():
     assert "windows" in notes and notes.index("cpsat") < notes.index("windows") < notes.index("stage groups")
 
 
+@pytest.mark.slow
 def test_auto_runs_the_windows_alone_where_the_whole_model_is_too_large(monkeypatch):
     """Past auto's CP-SAT limits (here lowered to nothing) the windows run on models of each window alone, say so,
     and hand on a plan at least as good; with the whole model gone no bisection follows."""
