@@ -335,11 +335,9 @@ class Plan:
         else:
             stage_cluster = Cluster.from_dict(self.partition.cluster)
         old = self.partition
-        part = evaluate(graph, old.stage_of, cluster=stage_cluster, microbatches=m, schedule=kind.value,
-                        training=old.training, memory_limit=old.memory_limit, state_factor=old.state_factor,
-                        workspace_factor=old.workspace_factor, working_factor=old.working_factor,
-                        ranks=ranks, recompute=old.recompute if recompute is None else recompute,
-                        active_microbatches=cap)  # type: ignore[arg-type]
+        part = evaluate(graph, old.stage_of, old.settings(ranks), cluster=stage_cluster, microbatches=m,
+                        schedule=kind.value, recompute=old.recompute if recompute is None else recompute,
+                        active_microbatches=cap)
         # What the original solve proved carries over only to the same cluster and, under a
         # memory limit, the same schedule (another schedule's memory may allow better plans).
         # Op costs scale by s = m / m' but link latency does not, so a stage's time s*C + T is

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import difflib
-import operator
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Union
 
+from partitioner.checks import flag, positive, whole
 from partitioner.cluster import Cluster
 from partitioner.errors import PlanError, PlanningError
 from partitioner.ir import ScheduleKind
@@ -39,31 +39,6 @@ def default_microbatches(ranks: int, batch: int | None) -> int:
     return max(d for d in range(1, min(batch, 2 * ranks) + 1) if batch % d == 0)
 
 
-def _whole(value: Any, name: str, minimum: int = 1, optional: bool = True) -> int | None:
-    """``value`` as an int (numpy's included) at least ``minimum``; None passes where it is optional."""
-    if value is None and optional:
-        return None
-    try:
-        whole = operator.index(value) if not isinstance(value, bool) else None
-    except TypeError:
-        whole = None
-    if whole is None or whole < minimum:
-        raise PlanError(f"{name} must be a whole number >= {minimum}, got {value!r}")
-    return whole
-
-
-def _flag(value: Any, name: str, optional: bool = False) -> None:
-    if not (isinstance(value, bool) or (optional and value is None)):
-        raise PlanError(f"{name} takes True or False, got {value!r}")
-
-
-def _positive(value: Any, name: str, unit: str) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise PlanError(f"{name} must be more than 0 {unit}, got {value!r}")
-
-
 @dataclass(frozen=True)
 class Profiling:
     """How the model is costed: measured op by op on ``device``, or priced analytically on ``device_profile``.
@@ -93,8 +68,8 @@ class Profiling:
             raise PlanError(f"unknown frontend {self.frontend!r}; choose one of {', '.join(FRONTENDS)}")
         leaf = self.leaf_modules
         object.__setattr__(self, "leaf_modules", (leaf,) if isinstance(leaf, (str, type)) else tuple(leaf))
-        object.__setattr__(self, "repeats", _whole(self.repeats, "repeats", optional=False))
-        _flag(self.compile, "compile")
+        object.__setattr__(self, "repeats", whole(self.repeats, "repeats"))
+        flag(self.compile, "compile")
 
 
 @dataclass(frozen=True)
@@ -135,15 +110,15 @@ class PlanRequest:
     profiling: Profiling = field(default_factory=Profiling)
 
     def __post_init__(self) -> None:
-        from partitioner.solve import METHODS, OBJECTIVES  # the solvers' names live with the solvers
+        from partitioner.solve import check_choices  # the solvers' names live with the solvers
 
         for name, optional in (("stages", True), ("virtual_stages", False), ("data_parallel", False),
                                ("devices", True), ("global_batch", True), ("active_microbatches", True)):
-            object.__setattr__(self, name, _whole(getattr(self, name), name, optional=optional))
-        _flag(self.colocate_tied, "colocate_tied")
-        _flag(self.training, "training", optional=True)
-        _positive(self.memory_limit, "memory_limit", "bytes")
-        _positive(self.time_limit, "time_limit", "seconds")
+            object.__setattr__(self, name, whole(getattr(self, name), name, optional=optional))
+        flag(self.colocate_tied, "colocate_tied")
+        flag(self.training, "training", optional=True)
+        positive(self.memory_limit, "memory_limit", "bytes")
+        positive(self.time_limit, "time_limit", "seconds")
         object.__setattr__(self, "schedule", _schedules(self.schedule))
         object.__setattr__(self, "microbatches", _microbatches(self.microbatches))
         if not isinstance(self.recompute, str):
@@ -162,10 +137,7 @@ class PlanRequest:
                 check_backward(self.sharding, self.schedule, ScheduleKind.parse(self.schedule).split_backward)
             except ValueError as err:
                 raise PlanError(str(err)) from None
-        if self.method not in METHODS:
-            raise PlanError(f"unknown method {self.method!r}; use one of {', '.join(METHODS)}")
-        if self.objective not in OBJECTIVES:
-            raise PlanError(f"unknown objective {self.objective!r}; choose {' or '.join(OBJECTIVES)}")
+        check_choices(self.method, self.objective)
         if self.placement is not None and self.placement not in PLACEMENTS:
             raise PlanError(f"unknown placement {self.placement!r}; choose {' or '.join(PLACEMENTS)}")
         if not isinstance(self.cluster, (Cluster, str, Path, type(None))):
@@ -319,10 +291,10 @@ def _microbatches(value: Any) -> int | str | tuple[int, ...] | None:
         raise PlanError(f"microbatches must be a count, a list of counts or 'auto', got {value!r}")
     if isinstance(value, (list, tuple)):
         for v in value:
-            _whole(v, "each microbatch count", optional=False)
+            whole(v, "each microbatch count")
         if not value:
             raise PlanError("microbatches names no count")
         return tuple(int(v) for v in value)
-    _whole(value, "microbatches", optional=False)
+    whole(value, "microbatches")
     return int(value)
 
