@@ -136,10 +136,7 @@ class ProblemSettings:
             object.__setattr__(self, name, float(getattr(self, name)))
         positive(self.memory_limit, "memory_limit", "bytes", error=PlanningError)
         object.__setattr__(self, "schedule", ScheduleKind.parse(self.schedule).value)
-        try:
-            check_active_microbatches(self.schedule, self.active_microbatches)
-        except ValueError as err:
-            raise PlanningError(str(err)) from None
+        check_active_microbatches(self.schedule, self.active_microbatches)
         mode = check_mode(self.recompute, self.stages)
         if not self.training and (mode not in ("auto", "none") if isinstance(mode, str)
                                   else any(c != "none" for c in mode)):

@@ -9,14 +9,14 @@ from typing import Any, Union
 
 from partitioner.checks import flag, positive, whole
 from partitioner.cluster import Cluster
-from partitioner.errors import PlanError, PlanningError
+from partitioner.errors import OptionError, PlanError, PlanningError
 from partitioner.ir import ScheduleKind
 from partitioner.plan import PLACEMENTS
 from partitioner.recompute import check_mode
 from partitioner.schedule import check_active_microbatches
 from partitioner.sharding import SHARDING_MODES, check_backward, check_sharding
 
-__all__ = ["PlanRequest", "Profiling", "default_microbatches", "TIMINGS"]
+__all__ = ["PlanRequest", "Profiling", "default_microbatches", "check_stages_divide", "TIMINGS"]
 
 #: How a model is costed: measured op by op, or priced on a device profile (docs/profiling.md).
 TIMINGS = ("measured", "analytic")
@@ -144,25 +144,21 @@ class PlanRequest:
             raise PlanError(f"cluster takes a Cluster, a profile name or a file, got {type(self.cluster).__name__}")
         if self.searching:
             if self.active_microbatches is not None:
-                raise PlanError("active_microbatches fixes one schedule's warm-up, and a search weighs schedules and "
-                                "microbatch counts as they are: drop active_microbatches, or fix the schedule and "
-                                "count")
+                raise OptionError("active_microbatches fixes one schedule's warm-up, and a search weighs schedules and "
+                                  "microbatch counts as they are: drop active_microbatches, or fix the schedule and "
+                                  "count", "active_microbatches")
             if self.devices is not None and self.data_parallel != 1:
                 raise PlanError("devices= searches the data-parallel degree itself; drop data_parallel=")
             if self.devices is None and self.stages is None:
                 raise PlanError("a microbatch or schedule search is for a pipeline of stages= ranks (or pass "
                                 "devices=)")
-            if self.devices is not None and self.stages is not None and self.devices % self.stages:
-                raise PlanError(f"{self.stages} stages do not divide {self.devices} devices; pass a divisor of "
-                                f"{self.devices}")
+            check_stages_divide(self.stages, self.devices)
         else:
             if self.global_batch is not None:
-                raise PlanError("global_batch= goes with devices= (the shape search); without it the sample batch "
-                                "is one replica's batch")
-            try:  # a typo should fail before minutes of profiling
-                check_active_microbatches(self.schedule, self.active_microbatches)  # type: ignore[arg-type]
-            except ValueError as err:
-                raise PlanError(str(err)) from None
+                raise OptionError("global_batch= goes with devices= (the shape search); without it the sample batch "
+                                  "is one replica's batch", "global_batch", "devices")
+            # a typo should fail before minutes of profiling
+            check_active_microbatches(self.schedule, self.active_microbatches)  # type: ignore[arg-type]
 
     def _check_compiled(self) -> None:
         """What compiled stages cannot run is refused (docs/runtime.md#compiled-stages); a schedule search
@@ -264,6 +260,12 @@ class PlanRequest:
         return default_microbatches(self.stages or 1, batch)
 
 
+def check_stages_divide(stages: int | None, devices: int | None) -> None:
+    """Refuse a stage count that does not divide the devices (each replica is one pipeline of ``stages`` ranks)."""
+    if devices is not None and stages is not None and devices % stages:
+        raise PlanError(f"{stages} stages do not divide {devices} devices; pass a divisor of {devices}")
+
+
 def _schedules(value: Any) -> str | tuple[str, ...]:
     """One schedule kind's name, or the tuple of kinds a search weighs ("auto"/"all": every kind)."""
     try:
@@ -291,7 +293,7 @@ def _microbatches(value: Any) -> int | str | tuple[int, ...] | None:
         raise PlanError(f"microbatches must be a count, a list of counts or 'auto', got {value!r}")
     if isinstance(value, (list, tuple)):
         for v in value:
-            whole(v, "each microbatch count")
+            whole(v, "each microbatch count", error=PlanError)  # no one option: named as it reads
         if not value:
             raise PlanError("microbatches names no count")
         return tuple(int(v) for v in value)

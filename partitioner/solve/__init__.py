@@ -143,7 +143,6 @@ def solve(graph: OpGraph | nx.DiGraph, stages: int | ProblemSettings, *,
     DP over all ideals, a tabu search over single-op moves, cpsat, then the stage-groups
     bound, the cut-crossings bound and the bisection, each only while the plan is unproven and
     the graph small enough; never worse than dp), or a baseline ``"uniform"``, ``"params"``, ``"blocks"``.
-    ``memory_limit``: bytes per device, or None for the cluster devices' memory.
     ``colocate``: groups of node names that must share a stage (each group's convex closure
     does). ``time_limit``: the search budget in deterministic seconds (CP-SAT's measure of work,
     about seconds on a quiet core), default :data:`DEFAULT_TIME_LIMIT`; ``cpsat`` spends it on
@@ -162,12 +161,8 @@ def solve(graph: OpGraph | nx.DiGraph, stages: int | ProblemSettings, *,
     none wherever memory allows, see :mod:`partitioner.recompute`), or "none", "selective",
     "full" on every stage. Under ``"none"`` a limit nothing fits raises a
     :class:`MemoryLimitError` that gives the least memory a plan needs and says whether
-    recomputation would fit. ``active_microbatches``: a cap on microbatches in flight (gpipe,
-    1f1b) that the memory is counted under. ``state_factor``, ``workspace_factor`` and
-    ``working_factor``: bytes held per parameter byte the whole step, the optimizer step's
-    workspace per parameter byte, and what sharding holds only while a stage computes (a stage
-    peaks at its state + max(working + activations, workspace); docs/cost-model.md,
-    :func:`partitioner.sharding.state_bytes`).
+    recomputation would fit. The other settings (memory limit, cap on microbatches in flight,
+    state, workspace and working factors) are :class:`~partitioner.problem.ProblemSettings`'.
     """
     check_choices(method, objective)
     if not isinstance(stages, ProblemSettings):
