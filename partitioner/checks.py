@@ -1,4 +1,4 @@
-"""The one rule for an option's bounds: whole numbers from a minimum, amounts above 0, flags; each error names the option."""
+"""One rule for option bounds: whole numbers from a minimum, amounts above 0, flags; errors name the option."""
 
 from __future__ import annotations
 

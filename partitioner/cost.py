@@ -155,8 +155,8 @@ class Partition:
     def settings(self, ranks: int | None = None) -> ProblemSettings:
         """The settings this partition was priced under, each stage's recomputation as chosen (``ranks``: an
         interleaved plan's pipeline ranks, which a Partition does not record)."""
-        return ProblemSettings(self.num_stages, cluster=Cluster.from_dict(self.cluster), microbatches=self.microbatches,
-                               schedule=self.schedule, training=self.training, memory_limit=self.memory_limit,
+        return ProblemSettings(self.num_stages, cluster=Cluster.from_dict(self.cluster),
+                               microbatches=self.microbatches, schedule=self.schedule, training=self.training, memory_limit=self.memory_limit,
                                state_factor=self.state_factor, workspace_factor=self.workspace_factor,
                                working_factor=self.working_factor, ranks=ranks, recompute=tuple(self.recompute),
                                active_microbatches=self.active_microbatches)

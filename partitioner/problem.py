@@ -19,7 +19,8 @@ from partitioner.recompute import CHOICES, OFFLOAD, RECOMPUTING, check_mode, op_
 from partitioner.schedule import check_active_microbatches, peak_in_flight
 from partitioner.sharding import GRADIENT_BYTES, OPTIMIZER_BYTES, PARAMETER_BYTES
 
-__all__ = ["Problem", "ProblemSettings", "StageTerms", "graph_order", "host_link", "DEFAULT_STATE_FACTOR", "DEFAULT_WORKSPACE_FACTOR"]
+__all__ = ["Problem", "ProblemSettings", "StageTerms", "graph_order", "host_link", "DEFAULT_STATE_FACTOR",
+           "DEFAULT_WORKSPACE_FACTOR"]
 
 #: Bytes kept per parameter byte when training: the weights, their gradients and Adam's
 #: two moments, all in the parameters' dtype (fp32 training, or the fp32 part of mixed
