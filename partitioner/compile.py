@@ -16,7 +16,7 @@ from partitioner.ir import ScheduleKind
 from partitioner.microbatch import batch_size, split_microbatches
 from partitioner.plan import (PLACEMENTS, ModelInfo, Plan, PlanError, replica_layout, schedule_for,
                               simulate_partition)
-from partitioner.problem import DEFAULT_WORKSPACE_FACTOR
+from partitioner.problem import DEFAULT_WORKSPACE_FACTOR, ProblemSettings
 from partitioner.profile import profile
 from partitioner.program import fingerprint
 from partitioner.request import PlanRequest
@@ -236,11 +236,13 @@ def plan_from_graph(
     colocate = tied_groups(graph) if request.colocate_tied else ()
     sharding = request.sharding_for(data_parallel)
     held = state_bytes(sharding, data_parallel, DEFAULT_WORKSPACE_FACTOR, stages_per_rank=v)
-    part = solve(graph, num_stages, cluster=stage_cluster, microbatches=microbatches, schedule=kind.value,
-                 training=training, memory_limit=limit, colocate=colocate, method=request.method,
-                 time_limit=request.time_limit, objective=request.objective, ranks=stages,
-                 recompute=request.recompute, active_microbatches=request.active_microbatches,
-                 state_factor=held.state, working_factor=held.working, workspace_factor=held.workspace)
+    # the request as the problem's settings: the one place its fields reach the solver and the cost model
+    settings = ProblemSettings(num_stages, cluster=stage_cluster, microbatches=microbatches, schedule=kind.value,
+                               training=training, memory_limit=limit, ranks=stages, recompute=request.recompute,
+                               active_microbatches=request.active_microbatches, state_factor=held.state,
+                               working_factor=held.working, workspace_factor=held.workspace)
+    part = solve(graph, settings, colocate=colocate, method=request.method, time_limit=request.time_limit,
+                 objective=request.objective)
     if prune_above is not None:
         bound = pipeline_step_bound(part, kind, microbatches)
         if bound is not None and bound >= prune_above:

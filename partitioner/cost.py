@@ -15,7 +15,7 @@ from partitioner.bounds import strongest_bound
 from partitioner.cluster import Cluster
 from partitioner.errors import InvalidAssignmentError
 from partitioner.graph import OpGraph
-from partitioner.problem import DEFAULT_STATE_FACTOR, DEFAULT_WORKSPACE_FACTOR, Problem
+from partitioner.problem import DEFAULT_WORKSPACE_FACTOR, Problem, ProblemSettings
 from partitioner.units import format_bytes
 
 __all__ = ["Transfer", "StageStats", "Partition", "partition", "evaluate", "module_range", "OPTIMAL_RTOL"]
@@ -152,6 +152,15 @@ class Partition:
         """Each stage's activation recomputation: "none", "selective", "full" or "offload"."""
         return [s.recompute for s in self.stages]
 
+    def settings(self, ranks: int | None = None) -> ProblemSettings:
+        """The settings this partition was priced under, each stage's recomputation as chosen (``ranks``: an
+        interleaved plan's pipeline ranks, which a Partition does not record)."""
+        return ProblemSettings(self.num_stages, cluster=Cluster.from_dict(self.cluster),
+                               microbatches=self.microbatches, schedule=self.schedule, training=self.training, memory_limit=self.memory_limit,
+                               state_factor=self.state_factor, workspace_factor=self.workspace_factor,
+                               working_factor=self.working_factor, ranks=ranks, recompute=tuple(self.recompute),
+                               active_microbatches=self.active_microbatches)
+
     @property
     def memory_ok(self) -> bool:
         return all(s.fits for s in self.stages)
@@ -287,7 +296,7 @@ def partition(prob: Problem, assign: Sequence[int], *, method: str = "manual", s
         stages=stats, transfers=transfers, bottleneck=times[worst], bottleneck_stage=worst,
         lower_bound=0.0, optimal=False, gap=1.0, method=method, solve_seconds=solve_seconds,
         cluster=prob.cluster.to_dict(), microbatches=prob.microbatches, schedule=prob.schedule,
-        training=prob.training, memory_limit=prob.memory_limit_arg, state_factor=prob.state_factor,
+        training=prob.training, memory_limit=prob.settings.memory_limit, state_factor=prob.state_factor,
         workspace_factor=prob.workspace_factor, working_factor=prob.working_factor, recompute_mode=prob.recompute_mode if choices is None else "given",
         active_microbatches=prob.active_microbatches)
     name, bound = strongest_bound(prob)
@@ -360,17 +369,15 @@ def _span(run: Sequence[int]) -> str:
 
 
 
-def evaluate(graph: OpGraph | nx.DiGraph, stage_of: Mapping[Hashable, int], *,
-             cluster: Cluster | None = None, microbatches: int = 1, schedule: str = "1f1b",
-             training: bool = True, memory_limit: float | None = None,
-             state_factor: float = DEFAULT_STATE_FACTOR, workspace_factor: float = DEFAULT_WORKSPACE_FACTOR,
-             working_factor: float = 0.0, stages: int | None = None, method: str = "manual", ranks: int | None = None,
-             recompute: str | Sequence[str] = "none", active_microbatches: int | None = None) -> Partition:
+def evaluate(graph: OpGraph | nx.DiGraph, stage_of: Mapping[Hashable, int],
+             settings: ProblemSettings | None = None, *, method: str = "manual", **options: Any) -> Partition:
     """The cost of any assignment ``stage_of`` (node -> stage index), per stage and overall.
 
-    ``stages`` defaults to the largest stage index + 1; ``ranks`` is the pipeline ranks an
+    ``settings`` (:class:`~partitioner.problem.ProblemSettings`), or ``options`` naming its fields
+    (``cluster=``, ``microbatches=``, ``schedule=``, ...; beside ``settings``, the fields they
+    change). ``stages`` defaults to the largest stage index + 1; ``ranks`` is the pipeline ranks an
     interleaved schedule spreads them over (default: one stage per rank). ``recompute``:
-    one choice for every stage ("none", "selective", "full", "offload"), one per stage, or "auto"
+    one choice for every stage ("none", the default, "selective", "full", "offload"), one per stage, or "auto"
     (each stage the fastest choice that fits its memory). ``active_microbatches``: a cap on
     microbatches in flight (gpipe, 1f1b). Raises
     :class:`~partitioner.errors.InvalidAssignmentError` when the assignment is not a
@@ -378,14 +385,11 @@ def evaluate(graph: OpGraph | nx.DiGraph, stage_of: Mapping[Hashable, int], *,
     stage). Memory over the limit is reported (``Partition.memory_ok``, ``notes``), not
     raised: this function measures, solvers enforce.
     """
-    if stages is None:
+    if settings is None and options.get("stages") is None:
         if not stage_of:
             raise InvalidAssignmentError("stage_of is empty; map every node to a stage")
-        stages = int(max(stage_of.values())) + 1
-    prob = Problem(graph, stages, cluster=cluster, microbatches=microbatches, schedule=schedule,
-                   training=training, memory_limit=memory_limit, state_factor=state_factor,
-                   workspace_factor=workspace_factor, working_factor=working_factor, ranks=ranks, recompute=recompute,
-                   active_microbatches=active_microbatches)
+        options["stages"] = int(max(stage_of.values())) + 1
+    prob = Problem(graph, settings, **options)
     assign = prob.assignment(stage_of)
     problems = prob.check(assign)
     if problems:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+
 __all__ = [
     "PlanningError",
     "PlanError",
+    "OptionError",
     "InvalidAssignmentError",
     "StageCountError",
     "MemoryLimitError",
@@ -21,6 +25,22 @@ class PlanningError(ValueError):
 
 class PlanError(PlanningError):
     """A plan cannot be made, read or used as asked (a bad option, a damaged plan file); the message says why."""
+
+
+class OptionError(PlanError):
+    """A planning option's bad value, or options that conflict; ``options`` are their names as the message writes
+    them (``name`` or ``name=``), so a front end can name them its own way (the CLI: its flags)."""
+
+    def __init__(self, message: str, *options: str):
+        super().__init__(message)
+        self.options = options
+
+    def spelled(self, spell: Callable[[str], str]) -> str:
+        """The message with each option named as ``spell`` names it."""
+        text = str(self)
+        for name in self.options:
+            text = re.sub(rf"\b{re.escape(name)}\b=?", spell(name), text)
+        return text
 
 
 class InvalidAssignmentError(PlanningError):

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from partitioner.checks import whole
+
 __all__ = ["batch_size", "split_microbatches", "MicrobatchError"]
 
 
@@ -31,8 +33,7 @@ def split_microbatches(args: Sequence[Any], kwargs: Mapping[str, Any] | None,
     the whole batch, scalars, flags) is passed to every microbatch unchanged. The batch
     must divide evenly, so that the mean loss over microbatches equals the batch's.
     """
-    if microbatches < 1:
-        raise MicrobatchError(f"microbatches must be >= 1, got {microbatches}")
+    whole(microbatches, "microbatches", error=MicrobatchError)
     args, kwargs = tuple(args), dict(kwargs or {})
     size = batch_size(args, kwargs)
     if microbatches == 1:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from partitioner.buckets import BUCKET_BYTES, gradient_buckets
+from partitioner.checks import whole
 from partitioner.cluster import Cluster, Link
 from partitioner.cost import Partition, evaluate
 from partitioner.errors import InvalidAssignmentError, PlanError
@@ -306,9 +307,7 @@ class Plan:
         microbatches of one batch multiplies op times and activation bytes by m / m'.
         """
         kind = ScheduleKind.parse(schedule) if schedule else ScheduleKind.parse(self.schedule_name)
-        m = self.microbatches if microbatches is None else int(microbatches)
-        if m < 1:
-            raise PlanError(f"microbatches must be >= 1, got {m}")
+        m = self.microbatches if microbatches is None else whole(microbatches, "microbatches")
         batch = self.model.batch_size
         if isinstance(batch, int) and batch % m:
             raise PlanError(f"the batch of {batch} does not split into {m} microbatches; use a count that divides "
@@ -320,10 +319,7 @@ class Plan:
         cap = active_microbatches
         if cap == "same":
             cap = self.active_microbatches if kind in CAPPABLE else None
-        try:
-            check_active_microbatches(kind, cap)  # type: ignore[arg-type]
-        except ValueError as err:
-            raise PlanError(str(err)) from None
+        check_active_microbatches(kind, cap)  # type: ignore[arg-type]
         graph = self.graph if m == self.microbatches else self.graph.scaled(self.microbatches / m)
         ranks = self.pipeline_ranks
         dp_link = self.dp_link
@@ -335,11 +331,9 @@ class Plan:
         else:
             stage_cluster = Cluster.from_dict(self.partition.cluster)
         old = self.partition
-        part = evaluate(graph, old.stage_of, cluster=stage_cluster, microbatches=m, schedule=kind.value,
-                        training=old.training, memory_limit=old.memory_limit, state_factor=old.state_factor,
-                        workspace_factor=old.workspace_factor, working_factor=old.working_factor,
-                        ranks=ranks, recompute=old.recompute if recompute is None else recompute,
-                        active_microbatches=cap)  # type: ignore[arg-type]
+        part = evaluate(graph, old.stage_of, old.settings(ranks), cluster=stage_cluster, microbatches=m,
+                        schedule=kind.value, recompute=old.recompute if recompute is None else recompute,
+                        active_microbatches=cap)
         # What the original solve proved carries over only to the same cluster and, under a
         # memory limit, the same schedule (another schedule's memory may allow better plans).
         # Op costs scale by s = m / m' but link latency does not, so a stage's time s*C + T is

@@ -1,14 +1,16 @@
-"""The problem in arrays: a graph, a stage count and the cost options, and what an assignment costs per stage."""
+"""The problem in arrays: a graph and the settings of what is asked of it, and what an assignment costs per stage."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Iterable, Mapping, Sequence
-from typing import NamedTuple
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
 
 import networkx as nx
 import numpy as np
 
+from partitioner.checks import positive, whole
 from partitioner.cluster import Cluster, Link
 from partitioner.errors import InvalidAssignmentError, PlanningError, StageCountError
 from partitioner.graph import KERNEL_FIELDS, OUTPUT_OP, OpGraph
@@ -17,7 +19,8 @@ from partitioner.recompute import CHOICES, OFFLOAD, RECOMPUTING, check_mode, op_
 from partitioner.schedule import check_active_microbatches, peak_in_flight
 from partitioner.sharding import GRADIENT_BYTES, OPTIMIZER_BYTES, PARAMETER_BYTES
 
-__all__ = ["Problem", "StageTerms", "graph_order", "host_link", "DEFAULT_STATE_FACTOR", "DEFAULT_WORKSPACE_FACTOR"]
+__all__ = ["Problem", "ProblemSettings", "StageTerms", "graph_order", "host_link", "DEFAULT_STATE_FACTOR",
+           "DEFAULT_WORKSPACE_FACTOR"]
 
 #: Bytes kept per parameter byte when training: the weights, their gradients and Adam's
 #: two moments, all in the parameters' dtype (fp32 training, or the fp32 part of mixed
@@ -91,8 +94,68 @@ def _shared_readers(g: nx.DiGraph, order: Sequence[Hashable]) -> tuple[dict[str,
     return first, later
 
 
+@dataclass(frozen=True)
+class ProblemSettings:
+    """What is asked of a partition beside the graph, with its defaults, checked once here (one rule for bounds).
+
+    ``stages`` pipeline stages on ``cluster`` (None: free links and no memory limit), ``microbatches``
+    per step under ``schedule`` (``ranks``: the pipeline ranks an interleaved schedule spreads the
+    stages over; ``active_microbatches``: a cap on microbatches in flight, gpipe and 1f1b), for
+    ``training`` (else inference), within ``memory_limit`` bytes per device (None: the cluster
+    devices' memory). ``state_factor``, ``workspace_factor`` and ``working_factor``: bytes per
+    parameter byte held the whole step, allocated by the optimizer's step, and held only while a
+    stage computes (partitioner/sharding.py). ``recompute``: one mode for every stage
+    (:data:`partitioner.recompute.MODES`) or one choice per stage. The planning request builds
+    these once (partitioner/compile.py); ``solve``, ``evaluate`` and :class:`Problem` also build
+    them from their keywords, and a variant is ``dataclasses.replace`` of them.
+    """
+
+    stages: int
+    cluster: Cluster | None = None
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    training: bool = True
+    memory_limit: float | None = None
+    state_factor: float = DEFAULT_STATE_FACTOR
+    workspace_factor: float = DEFAULT_WORKSPACE_FACTOR
+    working_factor: float = 0.0
+    ranks: int | None = None
+    recompute: str | tuple[str, ...] = "none"
+    active_microbatches: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stages", whole(self.stages, "stages", error=StageCountError))
+        object.__setattr__(self, "microbatches", whole(self.microbatches, "microbatches", error=PlanningError))
+        if not self.working_factor >= 0:
+            raise PlanningError(f"working_factor must be >= 0 (0: nothing gathered), got {self.working_factor}")
+        if not self.state_factor > 0 or self.state_factor + self.working_factor < 1:
+            raise PlanningError(f"state_factor must be >= 1 (parameters themselves), got {self.state_factor}" +
+                                (f" (+ working_factor {self.working_factor})" if self.working_factor else ""))
+        if not self.workspace_factor >= 0:
+            raise PlanningError(f"workspace_factor must be >= 0 (0: a fused optimizer), got {self.workspace_factor}")
+        for name in ("state_factor", "workspace_factor", "working_factor"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        positive(self.memory_limit, "memory_limit", "bytes", error=PlanningError)
+        object.__setattr__(self, "schedule", ScheduleKind.parse(self.schedule).value)
+        check_active_microbatches(self.schedule, self.active_microbatches)
+        mode = check_mode(self.recompute, self.stages)
+        if not self.training and (mode not in ("auto", "none") if isinstance(mode, str)
+                                  else any(c != "none" for c in mode)):
+            raise PlanningError("recomputation applies to training only; plan inference with recompute='none'"
+                                if isinstance(mode, tuple) else f"recompute={mode!r} applies to training only; "
+                                "plan inference with recompute='none' (or 'auto')")
+        object.__setattr__(self, "recompute", mode)
+
+    @classmethod
+    def of(cls, settings: ProblemSettings | int | None = None, **options: Any) -> ProblemSettings:
+        """``settings`` with ``options`` in place of its fields, or (a stage count) the settings ``options`` name."""
+        if isinstance(settings, ProblemSettings):
+            return replace(settings, **options) if options else settings
+        return cls(**options) if settings is None else cls(settings, **options)
+
+
 class Problem:
-    """A graph, a stage count and the cost options, flattened into arrays over a topological order.
+    """A graph and its :class:`ProblemSettings` (``settings``), flattened into arrays over a topological order.
 
     Every solver and :func:`~partitioner.cost.evaluate` read costs from here, so there is one cost model.
     Position ``i`` is the i-th node of ``order``; ``succ[i]`` are consumer positions.
@@ -100,13 +163,11 @@ class Problem:
     the fastest choice that fits its memory, see :meth:`stage_report`), or one choice per stage.
     """
 
-    def __init__(self, graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None = None,
-                 microbatches: int = 1, schedule: str = "1f1b", training: bool = True,
-                 memory_limit: float | None = None, state_factor: float = DEFAULT_STATE_FACTOR,
-                 workspace_factor: float = DEFAULT_WORKSPACE_FACTOR, working_factor: float = 0.0,
-                 order: Sequence[Hashable] | None = None,
-                 ranks: int | None = None,
-                 recompute: str | Sequence[str] = "none", active_microbatches: int | None = None):
+    def __init__(self, graph: OpGraph | nx.DiGraph, settings: ProblemSettings | int | None = None, *,
+                 order: Sequence[Hashable] | None = None, **options: Any):
+        """``settings``, or a stage count with ``options`` naming the other :class:`ProblemSettings` fields
+        (``cluster=``, ``microbatches=``, ...; beside a ProblemSettings, the fields they change)."""
+        self.settings = ProblemSettings.of(settings, **options)
         g, default_order = graph_order(graph)
         self.graph = graph
         self.g = g
@@ -120,33 +181,18 @@ class Problem:
         self.pos: dict[Hashable, int] = {v: i for i, v in enumerate(self.order)}
         if order is not None and any(self.pos[u] >= self.pos[v] for u, v in g.edges):
             raise PlanningError("the given order is not topological (some edge points backward)")
-        if not isinstance(stages, int) or stages < 1:
-            raise StageCountError(f"stages must be a positive integer, got {stages!r}")
+        settings = self.settings
+        stages, training = settings.stages, settings.training
         if stages > n:
             raise StageCountError(f"{stages} stages but the graph has only {n} ops: every stage needs "
                                   f"at least one op; use at most {n} stages or a finer graph")
-        if microbatches < 1:
-            raise PlanningError(f"microbatches must be >= 1, got {microbatches}")
-        if not working_factor >= 0:
-            raise PlanningError(f"working_factor must be >= 0 (0: nothing gathered), got {working_factor}")
-        if not state_factor > 0 or state_factor + working_factor < 1:
-            raise PlanningError(f"state_factor must be >= 1 (parameters themselves), got {state_factor}" +
-                                (f" (+ working_factor {working_factor})" if working_factor else ""))
-        if not workspace_factor >= 0:
-            raise PlanningError(f"workspace_factor must be >= 0 (0: a fused optimizer), got {workspace_factor}")
         self.n, self.p = n, stages
-        self.cluster = (cluster or Cluster.free(stages)).for_stages(stages)
-        self.microbatches, self.training = microbatches, training
-        self.schedule = ScheduleKind.parse(schedule).value
-        try:
-            check_active_microbatches(self.schedule, active_microbatches)
-        except ValueError as err:
-            raise PlanningError(str(err)) from None
-        self.active_microbatches = active_microbatches
-        self.state_factor = float(state_factor)
-        self.workspace_factor = float(workspace_factor)
-        self.working_factor = float(working_factor)
-        self.memory_limit_arg = memory_limit
+        self.cluster = (settings.cluster or Cluster.free(stages)).for_stages(stages)
+        # the settings every solver and the cost report read, by their names
+        self.microbatches, self.training, self.schedule = settings.microbatches, training, settings.schedule
+        self.ranks, self.active_microbatches = settings.ranks, settings.active_microbatches
+        self.state_factor, self.workspace_factor = settings.state_factor, settings.workspace_factor
+        self.working_factor = settings.working_factor
 
         def attr(key: str, default: float = 0.0) -> np.ndarray:
             return np.array([float(g.nodes[v].get(key, default) or 0.0) for v in self.order])
@@ -195,10 +241,10 @@ class Problem:
                 self.bw[a, t], self.lat[a, t] = lk.bandwidth, lk.latency
         # Microbatches each stage holds at its peak, read off the schedule's own order
         # (interleaved: ``ranks`` pipeline ranks hold the ``stages`` stages round robin).
-        self.ranks = ranks
-        self.in_flight = peak_in_flight(self.schedule, stages, microbatches, num_ranks=ranks, training=training,
-                                        active_microbatches=active_microbatches)
-        self.recomputing = peak_recomputing(self.schedule, stages, microbatches, num_ranks=ranks, training=training)
+        self.in_flight = peak_in_flight(self.schedule, stages, self.microbatches, num_ranks=self.ranks,
+                                        training=training, active_microbatches=self.active_microbatches)
+        self.recomputing = peak_recomputing(self.schedule, stages, self.microbatches, num_ranks=self.ranks,
+                                            training=training)
         factor = self.state_factor if training else 1.0
         self.held_factor = factor
         # A parameter read on several stages (a tied embedding and LM head) is held, with
@@ -223,28 +269,20 @@ class Problem:
         self.step_workspace = self.held * self.step_workspace_per_held
         self.step_mem = state_mem + self.step_workspace
         self._first_reader, self._later_readers = _shared_readers(g, self.order)
-        if memory_limit is not None:
-            if not memory_limit > 0:
-                raise PlanningError(f"memory_limit must be > 0 bytes, got {memory_limit}")
-            self.mem_limit: list[float | None] = [float(memory_limit)] * stages
+        if settings.memory_limit is not None:
+            self.mem_limit: list[float | None] = [float(settings.memory_limit)] * stages
         else:
             self.mem_limit = [d.memory for d in self.cluster.devices]
-        self.recompute_mode, self.choices = self._stage_choices(recompute)
+        self.recompute_mode, self.choices = self._stage_choices(settings.recompute)
         # Per op, the least time it costs on any stage (recomputation included): what bounds may count.
         union = sorted({c for opts in self.choices for c in opts}, key=CHOICES.index)
         self.least_work = self.work + np.min([self.rec.seconds[c] for c in union], axis=0)
 
-    def _stage_choices(self, recompute: str | Sequence[str]) -> tuple[str, list[tuple[str, ...]]]:
+    def _stage_choices(self, mode: str | tuple[str, ...]) -> tuple[str, list[tuple[str, ...]]]:
         """(the mode, each stage's allowed recomputation choices, fastest first)."""
-        mode = check_mode(recompute, self.p)
         if isinstance(mode, tuple):
-            if not self.training and any(c != "none" for c in mode):
-                raise PlanningError("recomputation applies to training only; plan inference with recompute='none'")
             return "given", [(c,) for c in mode]
         if not self.training:
-            if mode not in ("auto", "none"):
-                raise PlanningError(f"recompute={mode!r} applies to training only; plan inference with "
-                                    "recompute='none' (or 'auto')")
             return mode, [("none",)] * self.p
         if mode == "auto":  # where memory is unlimited the fastest choice, none, is the only one worth taking
             # offloading only where it moves the stash off the device (a host link)

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from partitioner.checks import whole
 from partitioner.devices import DeviceSpec
 from partitioner.graph import OpGraph
 from partitioner.profile_analytic import analytic_costs
@@ -78,8 +79,7 @@ def profile(
     """
     if timing not in TIMINGS:
         raise ValueError(f"unknown timing {timing!r}; choose 'measured' or 'analytic'")
-    if repeats < 1:
-        raise ValueError("repeats must be at least 1")
+    whole(repeats, "repeats", error=ValueError)
     args = tuple(example_args) if isinstance(example_args, (tuple, list)) else (example_args,)
     kwargs = dict(example_kwargs or {})
     home = _model_device(model)

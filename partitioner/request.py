@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import difflib
-import operator
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Union
 
+from partitioner.checks import flag, positive, whole
 from partitioner.cluster import Cluster
-from partitioner.errors import PlanError, PlanningError
+from partitioner.errors import OptionError, PlanError, PlanningError
 from partitioner.ir import ScheduleKind
 from partitioner.plan import PLACEMENTS
 from partitioner.recompute import check_mode
 from partitioner.schedule import check_active_microbatches
 from partitioner.sharding import SHARDING_MODES, check_backward, check_sharding
 
-__all__ = ["PlanRequest", "Profiling", "default_microbatches", "TIMINGS"]
+__all__ = ["PlanRequest", "Profiling", "default_microbatches", "check_stages_divide", "TIMINGS"]
 
 #: How a model is costed: measured op by op, or priced on a device profile (docs/profiling.md).
 TIMINGS = ("measured", "analytic")
@@ -37,31 +37,6 @@ def default_microbatches(ranks: int, batch: int | None) -> int:
     if batch is None:
         return 2 * ranks
     return max(d for d in range(1, min(batch, 2 * ranks) + 1) if batch % d == 0)
-
-
-def _whole(value: Any, name: str, minimum: int = 1, optional: bool = True) -> int | None:
-    """``value`` as an int (numpy's included) at least ``minimum``; None passes where it is optional."""
-    if value is None and optional:
-        return None
-    try:
-        whole = operator.index(value) if not isinstance(value, bool) else None
-    except TypeError:
-        whole = None
-    if whole is None or whole < minimum:
-        raise PlanError(f"{name} must be a whole number >= {minimum}, got {value!r}")
-    return whole
-
-
-def _flag(value: Any, name: str, optional: bool = False) -> None:
-    if not (isinstance(value, bool) or (optional and value is None)):
-        raise PlanError(f"{name} takes True or False, got {value!r}")
-
-
-def _positive(value: Any, name: str, unit: str) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise PlanError(f"{name} must be more than 0 {unit}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -93,8 +68,8 @@ class Profiling:
             raise PlanError(f"unknown frontend {self.frontend!r}; choose one of {', '.join(FRONTENDS)}")
         leaf = self.leaf_modules
         object.__setattr__(self, "leaf_modules", (leaf,) if isinstance(leaf, (str, type)) else tuple(leaf))
-        object.__setattr__(self, "repeats", _whole(self.repeats, "repeats", optional=False))
-        _flag(self.compile, "compile")
+        object.__setattr__(self, "repeats", whole(self.repeats, "repeats"))
+        flag(self.compile, "compile")
 
 
 @dataclass(frozen=True)
@@ -135,15 +110,15 @@ class PlanRequest:
     profiling: Profiling = field(default_factory=Profiling)
 
     def __post_init__(self) -> None:
-        from partitioner.solve import METHODS, OBJECTIVES  # the solvers' names live with the solvers
+        from partitioner.solve import check_choices  # the solvers' names live with the solvers
 
         for name, optional in (("stages", True), ("virtual_stages", False), ("data_parallel", False),
                                ("devices", True), ("global_batch", True), ("active_microbatches", True)):
-            object.__setattr__(self, name, _whole(getattr(self, name), name, optional=optional))
-        _flag(self.colocate_tied, "colocate_tied")
-        _flag(self.training, "training", optional=True)
-        _positive(self.memory_limit, "memory_limit", "bytes")
-        _positive(self.time_limit, "time_limit", "seconds")
+            object.__setattr__(self, name, whole(getattr(self, name), name, optional=optional))
+        flag(self.colocate_tied, "colocate_tied")
+        flag(self.training, "training", optional=True)
+        positive(self.memory_limit, "memory_limit", "bytes")
+        positive(self.time_limit, "time_limit", "seconds")
         object.__setattr__(self, "schedule", _schedules(self.schedule))
         object.__setattr__(self, "microbatches", _microbatches(self.microbatches))
         if not isinstance(self.recompute, str):
@@ -162,35 +137,28 @@ class PlanRequest:
                 check_backward(self.sharding, self.schedule, ScheduleKind.parse(self.schedule).split_backward)
             except ValueError as err:
                 raise PlanError(str(err)) from None
-        if self.method not in METHODS:
-            raise PlanError(f"unknown method {self.method!r}; use one of {', '.join(METHODS)}")
-        if self.objective not in OBJECTIVES:
-            raise PlanError(f"unknown objective {self.objective!r}; choose {' or '.join(OBJECTIVES)}")
+        check_choices(self.method, self.objective)
         if self.placement is not None and self.placement not in PLACEMENTS:
             raise PlanError(f"unknown placement {self.placement!r}; choose {' or '.join(PLACEMENTS)}")
         if not isinstance(self.cluster, (Cluster, str, Path, type(None))):
             raise PlanError(f"cluster takes a Cluster, a profile name or a file, got {type(self.cluster).__name__}")
         if self.searching:
             if self.active_microbatches is not None:
-                raise PlanError("active_microbatches fixes one schedule's warm-up, and a search weighs schedules and "
-                                "microbatch counts as they are: drop active_microbatches, or fix the schedule and "
-                                "count")
+                raise OptionError("active_microbatches fixes one schedule's warm-up, and a search weighs schedules and "
+                                  "microbatch counts as they are: drop active_microbatches, or fix the schedule and "
+                                  "count", "active_microbatches")
             if self.devices is not None and self.data_parallel != 1:
                 raise PlanError("devices= searches the data-parallel degree itself; drop data_parallel=")
             if self.devices is None and self.stages is None:
                 raise PlanError("a microbatch or schedule search is for a pipeline of stages= ranks (or pass "
                                 "devices=)")
-            if self.devices is not None and self.stages is not None and self.devices % self.stages:
-                raise PlanError(f"{self.stages} stages do not divide {self.devices} devices; pass a divisor of "
-                                f"{self.devices}")
+            check_stages_divide(self.stages, self.devices)
         else:
             if self.global_batch is not None:
-                raise PlanError("global_batch= goes with devices= (the shape search); without it the sample batch "
-                                "is one replica's batch")
-            try:  # a typo should fail before minutes of profiling
-                check_active_microbatches(self.schedule, self.active_microbatches)  # type: ignore[arg-type]
-            except ValueError as err:
-                raise PlanError(str(err)) from None
+                raise OptionError("global_batch= goes with devices= (the shape search); without it the sample batch "
+                                  "is one replica's batch", "global_batch", "devices")
+            # a typo should fail before minutes of profiling
+            check_active_microbatches(self.schedule, self.active_microbatches)  # type: ignore[arg-type]
 
     def _check_compiled(self) -> None:
         """What compiled stages cannot run is refused (docs/runtime.md#compiled-stages); a schedule search
@@ -292,6 +260,12 @@ class PlanRequest:
         return default_microbatches(self.stages or 1, batch)
 
 
+def check_stages_divide(stages: int | None, devices: int | None) -> None:
+    """Refuse a stage count that does not divide the devices (each replica is one pipeline of ``stages`` ranks)."""
+    if devices is not None and stages is not None and devices % stages:
+        raise PlanError(f"{stages} stages do not divide {devices} devices; pass a divisor of {devices}")
+
+
 def _schedules(value: Any) -> str | tuple[str, ...]:
     """One schedule kind's name, or the tuple of kinds a search weighs ("auto"/"all": every kind)."""
     try:
@@ -319,10 +293,10 @@ def _microbatches(value: Any) -> int | str | tuple[int, ...] | None:
         raise PlanError(f"microbatches must be a count, a list of counts or 'auto', got {value!r}")
     if isinstance(value, (list, tuple)):
         for v in value:
-            _whole(v, "each microbatch count", optional=False)
+            whole(v, "each microbatch count", error=PlanError)  # no one option: named as it reads
         if not value:
             raise PlanError("microbatches names no count")
         return tuple(int(v) for v in value)
-    _whole(value, "microbatches", optional=False)
+    whole(value, "microbatches")
     return int(value)
 

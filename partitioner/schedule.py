@@ -13,6 +13,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from partitioner.checks import whole
+from partitioner.errors import PlanError
 from partitioner.ir import (
     COLLECTIVE_KINDS,
     Action,
@@ -66,11 +68,6 @@ def _W(s: int, mb: int) -> Action:
 
 def _as_graph(graph: StageGraph | int) -> StageGraph:
     return StageGraph.chain(graph) if isinstance(graph, int) else graph
-
-
-def _check_m(m: int) -> None:
-    if m < 1:
-        raise ValueError(f"need at least one microbatch, got {m}")
 
 
 def _with_w(order: list[Action], split: bool) -> list[Action]:
@@ -169,15 +166,14 @@ def _zb_h1_orders(S: int, m: int) -> Orders:
 
 
 def check_active_microbatches(kind: ScheduleKind | str, active_microbatches: int | None) -> None:
-    """Refuse a cap on microbatches in flight that the schedule kind cannot take, naming what can."""
+    """Refuse a cap on microbatches in flight (per stage) that is no whole number >= 1 or that the schedule kind
+    cannot take, naming what can (a :class:`PlanError`, a ValueError)."""
     if active_microbatches is None:
         return
     kind = ScheduleKind.parse(kind)
-    if isinstance(active_microbatches, bool) or not isinstance(active_microbatches, int) or active_microbatches < 1:
-        raise ValueError(f"active_microbatches must be a whole number >= 1 (microbatches in flight per stage), "
-                         f"got {active_microbatches!r}")
+    whole(active_microbatches, "active_microbatches")
     if kind not in CAPPABLE:
-        raise ValueError(f"active_microbatches caps the warm-up of gpipe and 1f1b; {kind.value} fixes its own "
+        raise PlanError(f"active_microbatches caps the warm-up of gpipe and 1f1b; {kind.value} fixes its own "
                          f"(its memory rule is in docs/schedules.md): use the 1f1b or gpipe schedule with the cap, "
                          "or drop it")
 
@@ -194,7 +190,7 @@ def compute_orders(kind: ScheduleKind | str, num_stages: int, num_microbatches: 
     """
     kind = ScheduleKind.parse(kind)
     S, m = num_stages, num_microbatches
-    _check_m(m)
+    whole(m, "num_microbatches")
     check_active_microbatches(kind, active_microbatches)
     if kind is ScheduleKind.INTERLEAVED:
         p = num_ranks if num_ranks is not None else S
@@ -299,7 +295,7 @@ def gpipe(graph: StageGraph | int, num_microbatches: int, *, split_backward: boo
     forwards, then one backward before each further forward: K in flight at most.
     """
     g = _as_graph(graph)
-    _check_m(num_microbatches)
+    whole(num_microbatches, "num_microbatches")
     check_active_microbatches(ScheduleKind.GPIPE, active_microbatches)
     orders = _gpipe_orders(g.num_stages, num_microbatches, split_backward, active_microbatches)
     return _build(ScheduleKind.GPIPE, g, num_microbatches, range(g.num_stages), orders, split_backward, check,
@@ -316,7 +312,7 @@ def one_f_one_b(graph: StageGraph | int, num_microbatches: int, *, split_backwar
     K - 1 where it is longer: at most K in flight.
     """
     g = _as_graph(graph)
-    _check_m(num_microbatches)
+    whole(num_microbatches, "num_microbatches")
     check_active_microbatches(ScheduleKind.ONE_F_ONE_B, active_microbatches)
     orders = _one_f_one_b_orders(g.num_stages, num_microbatches, split_backward, active_microbatches)
     return _build(ScheduleKind.ONE_F_ONE_B, g, num_microbatches, range(g.num_stages), orders, split_backward,
@@ -334,7 +330,7 @@ def interleaved_1f1b(graph: StageGraph | int, num_microbatches: int, num_ranks: 
     about v-fold, at the cost of v times as many transfers.
     """
     g = _as_graph(graph)
-    _check_m(num_microbatches)
+    whole(num_microbatches, "num_microbatches")
     S, p = g.num_stages, num_ranks
     orders = _interleaved_orders(S, num_microbatches, p, split_backward)
     return _build(ScheduleKind.INTERLEAVED, g, num_microbatches, [s % p for s in range(S)], orders, split_backward,
@@ -352,7 +348,7 @@ def zb_h1(graph: StageGraph | int, num_microbatches: int, *, check: bool = True)
     1F1B reaches only on stage 0).
     """
     g = _as_graph(graph)
-    _check_m(num_microbatches)
+    whole(num_microbatches, "num_microbatches")
     orders = _zb_h1_orders(g.num_stages, num_microbatches)
     return _build(ScheduleKind.ZB_H1, g, num_microbatches, range(g.num_stages), orders, True, check)
 
@@ -384,7 +380,7 @@ def make_schedule(kind: ScheduleKind | str, graph: StageGraph | int, num_microba
     check_active_microbatches(kind, active_microbatches)
     g = _as_graph(graph)
     ranks = (num_ranks if num_ranks is not None else g.num_stages) if kind is ScheduleKind.INTERLEAVED else None
-    _check_m(num_microbatches)
+    whole(num_microbatches, "num_microbatches")
     key = (kind, g.num_stages, tuple((e.src, e.dst) for e in g.edges), num_microbatches, ranks, data_parallel,
            sharding, active_microbatches)
     with _templates_lock:

@@ -39,12 +39,13 @@ from dataclasses import dataclass, replace
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from partitioner.checks import whole
 from partitioner.cluster import Cluster
 from partitioner.errors import PlanError, PlanningError, ShapePruned
 from partitioner.graph import OpGraph
 from partitioner.ir import ScheduleKind, ScheduleError
 from partitioner.plan import ModelInfo, Plan
-from partitioner.request import PlanRequest
+from partitioner.request import PlanRequest, check_stages_divide
 from partitioner.walk import validate
 
 __all__ = ["Shape", "Candidate", "ShapeSearch", "search_shapes", "shapes_for"]
@@ -163,15 +164,12 @@ def shapes_for(devices: int, global_batch: int, *, schedules: Sequence[str], sta
     are gradient accumulation). One rank per pipeline has no schedule to choose: it is
     listed once, as 1f1b.
     """
-    if devices < 1:
-        raise PlanError(f"devices must be >= 1, got {devices}")
-    if global_batch < 1:
-        raise PlanError(f"the global batch must be >= 1, got {global_batch}")
+    whole(devices, "devices")
+    whole(global_batch, "global_batch")
     kinds = [ScheduleKind.parse(s).value for s in schedules]
-    if microbatches is not None and any(m < 1 for m in microbatches):
-        raise PlanError(f"microbatch counts must be >= 1, got {list(microbatches)}")
-    if stages is not None and devices % stages:
-        raise PlanError(f"{stages} stages do not divide {devices} devices; pass a divisor of {devices}")
+    for m in microbatches or ():
+        whole(m, "each microbatch count", error=PlanError)
+    check_stages_divide(stages, devices)
     out: list[Shape] = []
     for p in [stages] if stages is not None else _divisors(devices):
         if max_stages is not None and p > max_stages:
@@ -181,7 +179,7 @@ def shapes_for(devices: int, global_batch: int, *, schedules: Sequence[str], sta
             continue
         share = global_batch // d
         if microbatches is not None:
-            counts = [m for m in microbatches if m >= 1 and share % m == 0]
+            counts = [m for m in microbatches if share % m == 0]
         else:
             counts = [m for m in _divisors(share) if m >= min(p, share)]
         for kind in (["1f1b"] if p == 1 else kinds):

@@ -17,14 +17,14 @@ import itertools
 import math
 import random
 from collections.abc import Hashable, Iterable, Sequence
+from typing import Any
 
 import networkx as nx
 
-from partitioner.cluster import Cluster
 from partitioner.cost import Partition, evaluate, partition
 from partitioner.errors import MemoryLimitError
 from partitioner.graph import OpGraph
-from partitioner.problem import DEFAULT_STATE_FACTOR, DEFAULT_WORKSPACE_FACTOR, Problem
+from partitioner.problem import Problem, ProblemSettings
 
 __all__ = [
     "chain", "random_dag", "layered_dag", "transformer", "unet", "encoder_decoder", "inception",
@@ -291,25 +291,24 @@ def generate(kind: str, ops: int, seed: int = 0) -> OpGraph:
 # ---------------------------------------------------------------------- the oracle
 
 
-def brute_force(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None = None,
-                microbatches: int = 1, schedule: str = "1f1b", training: bool = True,
-                memory_limit: float | None = None, colocate: Iterable[Iterable[Hashable]] = (),
-                state_factor: float = DEFAULT_STATE_FACTOR, workspace_factor: float = DEFAULT_WORKSPACE_FACTOR,
-                order: Sequence[Hashable] | None = None, recompute: str = "auto") -> Partition:
+def brute_force(graph: OpGraph | nx.DiGraph, stages: int | ProblemSettings, *,
+                colocate: Iterable[Iterable[Hashable]] = (), order: Sequence[Hashable] | None = None,
+                **options: Any) -> Partition:
     """The true optimum by exhaustive enumeration (small graphs only: it is exponential).
 
     Enumerates every valid assignment (each op on a stage no earlier than its inputs',
     every stage holding an op other than the model's output node, colocation groups together), or, with ``order``, every
     placement of contiguous cuts in that order; and for each, every combination of the
-    stages' allowed recomputation choices (``recompute``, as in ``solve``), keeping the
+    stages' allowed recomputation choices (``recompute``, "auto" by default, as in ``solve``: ``stages`` and
+    ``options`` are solve's), keeping the
     fastest that fits memory. Partial assignments are abandoned once some stage already
     costs at least the best found, or needs more memory than the limit under every choice
     (costs only grow as ops are added), which keeps it exact. Raises MemoryLimitError when
     nothing fits.
     """
-    prob = Problem(graph, stages, cluster=cluster, microbatches=microbatches, schedule=schedule,
-                   training=training, memory_limit=memory_limit, state_factor=state_factor,
-                   workspace_factor=workspace_factor, order=order, recompute=recompute)
+    if not isinstance(stages, ProblemSettings):
+        options.setdefault("recompute", "auto")  # as solve chooses it
+    prob = Problem(graph, stages, order=order, **options)
     n, p, k = prob.n, prob.p, prob.directions
     group_of = _group_ids(prob, colocate)
     lim = [math.inf if x is None else x * (1 + 1e-12) for x in prob.mem_limit]
@@ -426,12 +425,7 @@ def check_partition(graph: OpGraph | nx.DiGraph, part: Partition, *,
     """
     problems = []
     try:
-        fresh = evaluate(graph, part.stage_of, cluster=Cluster.from_dict(part.cluster),
-                         microbatches=part.microbatches, schedule=part.schedule, training=part.training,
-                         memory_limit=part.memory_limit, state_factor=part.state_factor,
-                         workspace_factor=part.workspace_factor, working_factor=part.working_factor,
-                         stages=part.num_stages, recompute=part.recompute, ranks=ranks,
-                         active_microbatches=part.active_microbatches)
+        fresh = evaluate(graph, part.stage_of, part.settings(ranks))
     except ValueError as err:
         return [str(err)]
     for a, b in zip(fresh.stages, part.stages):

@@ -41,7 +41,7 @@ def test_fixed_stages_and_microbatches_narrow_the_grid() -> None:
 def test_bad_grids_are_named() -> None:
     with pytest.raises(PlanError, match="3 stages do not divide 8 devices"):
         shapes_for(8, 16, schedules=["1f1b"], stages=3)
-    with pytest.raises(PlanError, match="devices must be >= 1"):
+    with pytest.raises(PlanError, match="devices must be a whole number >= 1"):
         shapes_for(0, 16, schedules=["1f1b"])
     with pytest.raises(PlanError, match="unknown schedule"):
         shapes_for(4, 16, schedules=["zigzag"])

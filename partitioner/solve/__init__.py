@@ -5,16 +5,16 @@ from __future__ import annotations
 import time
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import networkx as nx
 import numpy as np
 
 from partitioner.bounds import memory_lower_bound, named_bounds
-from partitioner.cluster import Cluster
 from partitioner.cost import OPTIMAL_RTOL, Partition, partition
-from partitioner.errors import MemoryLimitError, PlanningError
+from partitioner.errors import MemoryLimitError, PlanError
 from partitioner.graph import OpGraph
-from partitioner.problem import DEFAULT_STATE_FACTOR, DEFAULT_WORKSPACE_FACTOR, Problem, graph_order
+from partitioner.problem import Problem, ProblemSettings, graph_order
 from partitioner.refine import refine_step_time, simulated_step_time
 from partitioner.solve.baselines import BASELINES, baseline_assign
 from partitioner.solve.bisect import bisect_bound
@@ -29,7 +29,7 @@ from partitioner.solve.moves import SECOND_TENURE, TABU_TENURE, tabu_phases
 from partitioner.solve.windows import window_search
 from partitioner.units import format_bytes
 
-__all__ = ["solve", "METHODS", "OBJECTIVES", "AUTO_CPSAT_MAX_NODES", "AUTO_CPSAT_MAX_VARS", "DEFAULT_TIME_LIMIT",
+__all__ = ["solve", "check_choices", "METHODS", "OBJECTIVES", "AUTO_CPSAT_MAX_NODES", "AUTO_CPSAT_MAX_VARS", "DEFAULT_TIME_LIMIT",
            "DP_SEARCH_WORK", "cpsat_budget", "windows_budget", "wall_limit_for"]
 
 METHODS = ("auto", "dp", "cpsat", *BASELINES)
@@ -127,23 +127,22 @@ class _Search:
         return self.assign is not None and max(self.bounds.values(), default=0.0) >= self.value * (1 - OPTIMAL_RTOL)
 
 
-def solve(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None = None,
-          microbatches: int = 1, schedule: str = "1f1b", training: bool = True,
-          memory_limit: float | None = None, colocate: Iterable[Iterable[Hashable]] = (),
-          method: str = "auto", time_limit: float | None = None,
-          state_factor: float = DEFAULT_STATE_FACTOR, workspace_factor: float = DEFAULT_WORKSPACE_FACTOR,
-          working_factor: float = 0.0, workers: int = 1,
-          objective: str = "bottleneck", ranks: int | None = None,
-          wall_limit: float | None = None, recompute: str = "auto",
-          active_microbatches: int | None = None) -> Partition:
+def solve(graph: OpGraph | nx.DiGraph, stages: int | ProblemSettings, *,
+          colocate: Iterable[Iterable[Hashable]] = (), method: str = "auto", time_limit: float | None = None,
+          workers: int = 1, objective: str = "bottleneck", wall_limit: float | None = None,
+          **options: Any) -> Partition:
     """Assign every op to one of ``stages`` pipeline stages, minimising the bottleneck stage time.
 
+    ``stages``: a stage count, with ``options`` naming the other fields of
+    :class:`~partitioner.problem.ProblemSettings` (``cluster``, ``microbatches``, ``schedule``,
+    ``training``, ``memory_limit``, ``state_factor``, ``workspace_factor``, ``working_factor``,
+    ``ranks``, ``recompute``, ``active_microbatches``; ``recompute`` defaults to "auto" here),
+    or the settings themselves (the planning request's, partitioner/compile.py).
     ``method``: ``"dp"`` (exact over contiguous cuts of the program order), ``"cpsat"``
     (all valid assignments, proven bound, warm-started from dp), ``"auto"`` (dp, then the
     DP over all ideals, a tabu search over single-op moves, cpsat, then the stage-groups
     bound, the cut-crossings bound and the bisection, each only while the plan is unproven and
     the graph small enough; never worse than dp), or a baseline ``"uniform"``, ``"params"``, ``"blocks"``.
-    ``memory_limit``: bytes per device, or None for the cluster devices' memory.
     ``colocate``: groups of node names that must share a stage (each group's convex closure
     does). ``time_limit``: the search budget in deterministic seconds (CP-SAT's measure of work,
     about seconds on a quiet core), default :data:`DEFAULT_TIME_LIMIT`; ``cpsat`` spends it on
@@ -162,14 +161,13 @@ def solve(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None =
     none wherever memory allows, see :mod:`partitioner.recompute`), or "none", "selective",
     "full" on every stage. Under ``"none"`` a limit nothing fits raises a
     :class:`MemoryLimitError` that gives the least memory a plan needs and says whether
-    recomputation would fit. ``active_microbatches``: a cap on microbatches in flight (gpipe,
-    1f1b) that the memory is counted under. ``state_factor``, ``workspace_factor`` and
-    ``working_factor``: bytes held per parameter byte the whole step, the optimizer step's
-    workspace per parameter byte, and what sharding holds only while a stage computes (a stage
-    peaks at its state + max(working + activations, workspace); docs/cost-model.md,
-    :func:`partitioner.sharding.state_bytes`).
+    recomputation would fit. The other settings (memory limit, cap on microbatches in flight,
+    state, workspace and working factors) are :class:`~partitioner.problem.ProblemSettings`'.
     """
-    _check_choices(method, objective)
+    check_choices(method, objective)
+    if not isinstance(stages, ProblemSettings):
+        options.setdefault("recompute", "auto")  # the solver chooses recomputation unless told (a Problem's: none)
+    settings = ProblemSettings.of(stages, **options)
     t0 = time.perf_counter()
     budget = DEFAULT_TIME_LIMIT if time_limit is None else float(time_limit)
     # auto may spend more on the stage-groups bound and the bisection: its safety net grows with it
@@ -177,26 +175,23 @@ def solve(graph: OpGraph | nx.DiGraph, stages: int, *, cluster: Cluster | None =
     deadline = t0 + (wall_limit_for(spent) if wall_limit is None else float(wall_limit))
     g, program_order = graph_order(graph)
     blocks = colocation_blocks(g, program_order, colocate)
-    prob = Problem(graph, stages, cluster=cluster, microbatches=microbatches, schedule=schedule,
-                   training=training, memory_limit=memory_limit, state_factor=state_factor,
-                   workspace_factor=workspace_factor, working_factor=working_factor, order=blocks.order, ranks=ranks,
-                   recompute=recompute,
-                   active_microbatches=active_microbatches)
+    prob = Problem(graph, settings, order=blocks.order)
     blocks.check_stages(prob.p, lonely=[i for i, out in enumerate(prob.is_output) if out])
     if method in BASELINES:
         part = partition(prob, baseline_assign(prob, method, _allowed_cuts(prob, blocks)), method=method)
     else:
         part = _optimise(prob, blocks, method, budget, deadline, workers)
     if objective == "step_time":
-        part = _refine(prob, blocks, part, ranks)
+        part = _refine(prob, blocks, part, settings.ranks)
     return part.with_report(solve_seconds=time.perf_counter() - t0)
 
 
-def _check_choices(method: str, objective: str) -> None:
-    if objective not in OBJECTIVES:
-        raise PlanningError(f"unknown objective {objective!r}; use one of {', '.join(OBJECTIVES)}")
+def check_choices(method: str, objective: str) -> None:
+    """Refuse an unknown method or objective (the planning request's check too)."""
     if method not in METHODS:
-        raise PlanningError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
+        raise PlanError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
+    if objective not in OBJECTIVES:
+        raise PlanError(f"unknown objective {objective!r}; use one of {', '.join(OBJECTIVES)}")
 
 
 def _optimise(prob: Problem, blocks: Blocks, method: str, budget: float, deadline: float,
@@ -516,7 +511,7 @@ def _memory_error(prob: Problem, allowed: np.ndarray, *, proven: bool) -> Memory
     needed, largest = memory_lower_bound(prob)
     limits = [x for x in prob.mem_limit if x is not None]
     limit = min(limits) if limits else None
-    what = (f"memory limit {format_bytes(limit)} per device" if prob.memory_limit_arg is not None
+    what = (f"memory limit {format_bytes(limit)} per device" if prob.settings.memory_limit is not None
             else f"device memory ({format_bytes(limit)} on the smallest device)")
     recompute = "" if prob.recompute_mode == "auto" else f" with recompute={prob.recompute_mode!r}"
     least = least_memory(prob, allowed)
@@ -549,12 +544,7 @@ def _memory_error(prob: Problem, allowed: np.ndarray, *, proven: bool) -> Memory
 
 def _recompute_rescue(prob: Problem, allowed: np.ndarray) -> str | None:
     """When recomputation was not (fully) allowed: what recompute='auto' makes fit, or None."""
-    auto = Problem(prob.graph, prob.p, cluster=prob.cluster, microbatches=prob.microbatches,
-                   schedule=prob.schedule, training=prob.training, memory_limit=prob.memory_limit_arg,
-                   state_factor=prob.state_factor, workspace_factor=prob.workspace_factor,
-                   working_factor=prob.working_factor, order=prob.order,
-                   ranks=prob.ranks, recompute="auto",
-                   active_microbatches=prob.active_microbatches)
+    auto = Problem(prob.graph, prob.settings, order=prob.order, recompute="auto")
     dp = dp_solve(auto, allowed)
     if dp is None:
         return None

@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from partitioner.checks import whole
 from partitioner.recompute import MODES as RECOMPUTE_MODES
 from partitioner.request import default_microbatches
 from partitioner.sharding import SHARDING_MODES
@@ -16,7 +17,7 @@ __all__ = [
     "SCHEDULE_CHOICES", "METHOD_CHOICES", "RECOMPUTE_CHOICES", "SHARDING_CHOICES", "TIMING_CHOICES", "DEVICE_CHOICES",
     "ModelArg", "StagesOpt", "MicrobatchesOpt", "ScheduleOpt", "ClusterOpt", "MemoryOpt", "MethodOpt", "TimeLimitOpt",
     "StepBatchOpt", "SeqOpt", "DeviceOpt", "TimingOpt", "MetaOpt", "DtypeOpt", "RepeatsOpt", "JsonOpt", "TimelineOpt",
-    "choice", "positive", "timing_for", "check_cluster", "microbatches_for", "plan_args",
+    "choice", "positive", "flag_name", "timing_for", "check_cluster", "microbatches_for", "plan_args",
 ]
 
 
@@ -94,9 +95,15 @@ def _size(value: str | None, option: str) -> int | None:
         raise CLIUsageError(f"{option}: {err}") from None
 
 
-def positive(value: int | float | None, option: str, minimum: float = 1) -> None:
-    if value is not None and value < minimum:
-        raise CLIUsageError(f"{option} must be at least {minimum:g}, got {value:g}")
+def positive(value: int | None, option: str) -> None:
+    """Refuse a count below 1 as bad usage: the planning options' rule (:func:`partitioner.checks.whole`), for the
+    flags no planning request checks first (a request's own are named as flags by :func:`flag_name`)."""
+    whole(value, option, optional=True, error=CLIUsageError)
+
+
+def flag_name(option: str) -> str:
+    """The flag of a planning request's field (``time_limit`` -> ``--time-limit``)."""
+    return "--" + option.replace("_", "-")
 
 
 def timing_for(timing: str | None, meta: bool, cluster: str | None) -> tuple[str, str | None]:
@@ -128,6 +135,7 @@ def microbatches_for(stages: int, microbatches: int | None, batch_size: int | No
     One stage: 1.
     """
     positive(batch_size, "--batch-size")
+    positive(microbatches, "--microbatches")  # before it divides the batch
     if microbatches is not None:
         if batch_size is not None and batch_size % microbatches:
             raise CLIUsageError(f"--batch-size {batch_size} does not split into --microbatches {microbatches}: "
@@ -142,14 +150,9 @@ def microbatches_for(stages: int, microbatches: int | None, batch_size: int | No
 
 
 def plan_args(stages: int, microbatches: int | None, batch_size: int | None, schedule: str, method: str,
-              memory_limit: str | None, time_limit: float | None,
-              repeats: int) -> tuple[int, str | None, str, str, int | None]:
-    """(microbatches, a note on how they were chosen, schedule, method, memory limit) from the options."""
-    positive(stages, "--stages")
-    positive(microbatches, "--microbatches")
-    positive(repeats, "--repeats")
-    if time_limit is not None and time_limit <= 0:
-        raise CLIUsageError(f"--time-limit must be more than 0 seconds, got {time_limit:g}")
+              memory_limit: str | None) -> tuple[int, str | None, str, str, int | None]:
+    """(microbatches, a note on how they were chosen, schedule, method, memory limit) from the options; their
+    bounds are the planning request's to check (smp/cli/plan.py names its errors as flags)."""
     m, note = microbatches_for(stages, microbatches, batch_size)
     return (m, note, choice(schedule, SCHEDULE_CHOICES, "--schedule"), choice(method, METHOD_CHOICES, "--method"),
             _size(memory_limit, "--memory-limit"))

@@ -7,12 +7,13 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from partitioner.errors import OptionError
 from smp.cli.errors import CLIUsageError
 from smp.cli.files import is_graph_file, load_graph, load_plan
 from smp.cli.options import (DEVICE_CHOICES, METHOD_CHOICES, RECOMPUTE_CHOICES, SCHEDULE_CHOICES, SHARDING_CHOICES,
                              ClusterOpt, DeviceOpt, DtypeOpt, JsonOpt, MemoryOpt, MetaOpt, MethodOpt, MicrobatchesOpt, RepeatsOpt,
                              ScheduleOpt, SeqOpt, StagesOpt, StepBatchOpt, TimeLimitOpt, TimelineOpt, TimingOpt,
-                             check_cluster, choice, microbatches_for, plan_args, positive, timing_for)
+                             check_cluster, choice, flag_name, microbatches_for, plan_args, positive, timing_for)
 from smp.cli.output import print_json, progress_bar, rich_console, spinner
 from smp.cli.render import (candidate_table, plan_header, print_plan, render_stage_graph, report,
                             write_timeline)
@@ -25,7 +26,8 @@ __all__ = ["plan_cmd", "inspect_cmd", "simulate_cmd", "compare_cmd"]
 def _request(model: str, *, cluster: str | None, timing: str | None, device: str | None, meta: bool,
              dtype: str | None, repeats: int, batch_size: int | None, seq_len: int | None,
              **fields: Any) -> PlanRequest:
-    """The flags as the one planning request: the profiling ones resolved for a model spec, refused for a graph."""
+    """The flags as the one planning request, which checks their values (its errors name the flags): the profiling
+    ones resolved for a model spec, refused for a graph."""
     check_cluster(cluster)
     if is_graph_file(model):
         ignored = [n for n, v in (("--batch-size", batch_size), ("--seq-len", seq_len), ("--timing", timing),
@@ -34,10 +36,15 @@ def _request(model: str, *, cluster: str | None, timing: str | None, device: str
         if ignored:
             raise CLIUsageError(f"{', '.join(ignored)} cannot apply to an op graph that is already profiled "
                                 f"({model}); re-profile with `smp profile` to change them")
-        return PlanRequest.build(cluster=cluster, **fields)
-    timing_, profile_name = timing_for(timing, meta, cluster)
-    return PlanRequest.build(cluster=cluster, timing=timing_, device=choice(device, DEVICE_CHOICES, "--device"),
-                             device_profile=profile_name, dtype=dtype, repeats=repeats, name=model, **fields)
+        profiling: dict[str, Any] = {}
+    else:
+        timing_, profile_name = timing_for(timing, meta, cluster)
+        profiling = dict(timing=timing_, device=choice(device, DEVICE_CHOICES, "--device"),
+                         device_profile=profile_name, dtype=dtype, name=model)
+    try:
+        return PlanRequest.build(cluster=cluster, repeats=repeats, **profiling, **fields)
+    except OptionError as err:
+        raise CLIUsageError(err.spelled(flag_name)) from None
 
 
 def _make_plan(model: str, request: PlanRequest, *, batch_size: int | None, seq_len: int | None, meta: bool,
@@ -168,22 +175,13 @@ def plan_cmd(
     auto_m = microbatches is not None and microbatches.strip().lower() == "auto"
     auto_s = schedule.strip().lower() == "auto"
     count = None if auto_m or microbatches is None else _count(microbatches, "--microbatches")
-    positive(virtual_stages, "--virtual-stages")
-    positive(devices, "--devices")
-    positive(global_batch, "--global-batch")
-    positive(active_microbatches, "--active-microbatches")
     if devices is None and stages is None:
         raise CLIUsageError("pass --stages P (pipeline ranks), or --devices N to weigh replicas x stages x "
                             "microbatches on N devices")
-    if global_batch is not None and devices is None:
-        raise CLIUsageError("--global-batch goes with --devices; for one pipeline the step batch is --batch-size")
     search = None
-    if (auto_m or auto_s or devices is not None) and active_microbatches is not None:
-        raise CLIUsageError("--active-microbatches fixes one schedule's warm-up, and --devices / auto weigh schedules "
-                            "and microbatch counts as they are: drop one")
     searching = auto_m or auto_s or devices is not None
     if searching:
-        _, _, _, meth, limit = plan_args(stages or 1, None, None, "1f1b", method, memory_limit, time_limit, repeats)
+        _, _, _, meth, limit = plan_args(stages or 1, None, None, "1f1b", method, memory_limit)
         if devices is None and count is not None:
             count = microbatches_for(stages or 1, count, batch_size)[0]
         note = None
@@ -191,8 +189,7 @@ def plan_cmd(
         m: Any = "auto" if auto_m and devices is None else count
     else:
         assert stages is not None
-        m, note, sched, meth, limit = plan_args(stages, count, batch_size, schedule, method, memory_limit,
-                                                time_limit, repeats)
+        m, note, sched, meth, limit = plan_args(stages, count, batch_size, schedule, method, memory_limit)
     request = _request(model, cluster=cluster, timing=timing, device=device, meta=meta, dtype=dtype, repeats=repeats,
                        batch_size=batch_size, seq_len=seq_len, stages=stages, devices=devices,
                        global_batch=global_batch, microbatches=m, schedule=sched, memory_limit=limit, method=meth,
@@ -323,8 +320,7 @@ def compare_cmd(
     json_out: JsonOpt = False,
 ) -> None:
     """Every partitioning method side by side on one profile: bottleneck, step time, memory, solve time."""
-    m, note, sched, _, limit = plan_args(stages, microbatches, batch_size, schedule, "auto", memory_limit,
-                                         time_limit, repeats)
+    m, note, sched, _, limit = plan_args(stages, microbatches, batch_size, schedule, "auto", memory_limit)
     wanted = [x.strip().lower() for x in methods.split(",") if x.strip()]
     for w in wanted:
         choice(w, METHOD_CHOICES, "--methods")

@@ -54,7 +54,8 @@ def train_cmd(
     """Train MODEL on synthetic data with the pipeline runtime: torchrun on this machine, one process per stage."""
     if plan_file is not None and microbatches is None:  # the step the plan was made for
         microbatches = load_plan(plan_file).microbatches
-    m, note, sched, _, _ = plan_args(stages, microbatches, batch_size, schedule, "auto", None, None, 1)
+    positive(stages, "--stages")  # no planning request checks it here first
+    m, note, sched, _, _ = plan_args(stages, microbatches, batch_size, schedule, "auto", None)
     positive(steps, "--steps")
     device = choice(device, DEVICE_CHOICES, "--device")
     code = run_train(model, stages=stages, microbatches=m, schedule=sched, steps=steps, batch_size=batch_size,

@@ -134,10 +134,8 @@ def manual_plan(base: Plan, stage_of: dict[str, int], memory_limit: float | None
     """``base`` (a plan of the same model, batch and schedule) with its ops on the stages of ``stage_of``,
     priced by the one cost model and scheduled and simulated like any plan."""
     ranks = base.pipeline_ranks
-    part = evaluate(base.graph, stage_of, microbatches=base.microbatches, schedule=base.schedule_name,
-                    training=True, memory_limit=memory_limit, stages=ranks, ranks=ranks,
-                    method="manual (smp.partition)", active_microbatches=base.active_microbatches,
-                    state_factor=base.partition.state_factor, workspace_factor=base.partition.workspace_factor,
-                    working_factor=base.partition.working_factor)
+    # the base plan's settings on free links, the user's stages priced without recomputation
+    part = evaluate(base.graph, stage_of, base.partition.settings(ranks), method="manual (smp.partition)",
+                    stages=ranks, cluster=None, training=True, memory_limit=memory_limit, recompute="none")
     sched = schedule_for(base.schedule_name, part, base.microbatches, ranks, base.data_parallel)
     return replace(base, partition=part, schedule=sched, simulated=simulate_partition(sched, part, base.dp_link))

@@ -76,9 +76,9 @@ def weigh_memory(fast: Plan, request: PlanRequest, weight: float | None) -> Plan
     if not weight:
         return fast
     peak = max(fast.stage_memory)
-    prob = Problem(fast.graph, fast.num_stages, microbatches=fast.microbatches, schedule=fast.schedule_name,
-                   active_microbatches=fast.active_microbatches, state_factor=fast.partition.state_factor,
-                   workspace_factor=fast.partition.workspace_factor, working_factor=fast.partition.working_factor)
+    # the fastest plan's settings, unlimited and without recomputation: the least any plan needs
+    prob = Problem(fast.graph, fast.partition.settings(), cluster=None, training=True, memory_limit=None,
+                   recompute="none")
     floor = memory_lower_bound(prob)[0]
     target = peak - weight * (peak - floor)
     for step in _RELAX_STEPS:
