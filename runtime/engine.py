@@ -25,7 +25,7 @@ from runtime.offload import kept_storages, offloading
 from runtime.program import Ownership, Program
 from runtime.recompute import forward_for_recompute, recompute
 from runtime.sharding import StageShards, local
-from runtime.tensor_parallel import TensorParallel
+from runtime.tensor_parallel import TensorParallel, settled
 from runtime.tied import sum_tied_grads
 from runtime.split import OUTPUT_KEY, SplitError, SplitProgram, ValueMeta, propagate_meta, split_program
 from runtime.stash import EdgeKey, Stash, StashMeter
@@ -556,7 +556,7 @@ class _RankState:
     def _outs(self, s: int, res: Mapping[str, Any]) -> dict[EdgeKey, list[torch.Tensor]]:
         """The tensors stage ``s``'s outputs ``res`` send, per out-edge."""
         values = self.eng.split.edge_values
-        return {key: [t for v in values.get(key, ()) for t in ValueMeta.tensors_of(res[v])]
+        return {key: [settled(t) for v in values.get(key, ()) for t in ValueMeta.tensors_of(res[v])]
                 for key in self.eng.out_edges[s]}
 
     def _rerun(self, s: int, mb: int, stash: Stash) -> None:

@@ -22,7 +22,7 @@ from runtime.tp_graph import (ModuleSplit, SplitActivations, TensorParallelError
                               split_activations)
 
 __all__ = ["TP_STYLES", "TensorParallel", "TensorParallelError", "resolve_tp_plan", "check_tp_plan", "split_over_tp",
-           "refuse_request", "refuse_plan", "tp_plan_for"]
+           "refuse_request", "refuse_plan", "tp_plan_for", "settled"]
 
 #: The style names a tp plan takes (Hugging Face's words): colwise/rowwise pairs; "_rep": the output (colwise) or
 #: the input (rowwise) whole; "fused_colwise:N": a Linear that is N projections side by side (a fused k/v).
@@ -89,6 +89,15 @@ def tp_plan_for(model: nn.Module, given: Mapping[str, Any] | None, request: Plan
     plan = resolve_tp_plan(model, given)
     check_tp_plan(model, plan, tp_size)
     return plan
+
+
+def settled(t: torch.Tensor) -> torch.Tensor:
+    """A stage's output as a plain tensor: a rowwise module's output is DTensor's asynchronous all-reduce still
+    in flight (a wrapper without storage), which a cut sends and the meter counts; its clone waits for it and
+    stays on the autograd graph."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return t.clone() if isinstance(t, AsyncCollectiveTensor) else t
 
 
 def split_over_tp(t: torch.Tensor) -> bool:
@@ -172,7 +181,25 @@ def check_tp_plan(model: nn.Module, plan: Mapping[str, Any], tp_size: int) -> di
                 raise TensorParallelError(f"module {name} has {count} {what}{each}, which tensor_parallel={tp_size} "
                                           "does not divide")
             chosen[name] = (style, how)
+    _check_heads(modules, chosen, tp_size)
     return chosen
+
+
+def _check_heads(modules: Mapping[str, nn.Module], chosen: Mapping[str, Any], tp_size: int) -> None:
+    """An attention module whose projections are split (a parent with a ``head_dim``: the zoo's, Hugging Face's)
+    must have head counts ``tp_size`` divides; its own or its config's (grouped key/value heads too)."""
+    for parent in sorted({name.rpartition(".")[0] for name in chosen}):
+        module = modules.get(parent)
+        if module is None or not hasattr(module, "head_dim"):
+            continue
+        config = getattr(module, "config", None)
+        counts = {"heads": getattr(module, "heads", None), "num_heads": getattr(module, "num_heads", None),
+                  "num_attention_heads": getattr(config, "num_attention_heads", None),
+                  "num_key_value_heads": getattr(config, "num_key_value_heads", None)}
+        for what, n in counts.items():
+            if isinstance(n, int) and not isinstance(n, bool) and n % tp_size:
+                raise TensorParallelError(f"attention module {parent} has {n} {what.replace('_', ' ')}, which "
+                                          f"tensor_parallel={tp_size} does not divide")
 
 
 def _torch_style(style: Any, module: nn.Module) -> Any:

@@ -328,8 +328,8 @@ def rewrite_stage(stage: fx.GraphModule, acts: SplitActivations) -> None:
     """Give a stage program's views (copied from the traced program, same node names) their local shapes."""
     changed = False
     for node in stage.graph.nodes:
-        new = acts.rewrites.get(node.name)
-        if new is not None:
+        new = acts.rewrites.get(node.name) if node.op in ("call_method", "call_function") else None
+        if new is not None:  # (a placeholder of that name is the view's value, made on an earlier stage)
             sizes = _sizes(node)
             sizes[new[0]] = new[1]
             _set_sizes(node, sizes)

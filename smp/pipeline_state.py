@@ -12,7 +12,7 @@ import torch.distributed as dist
 from runtime.checkpoint import CheckpointError, MissingStateError, load_pipeline, merge_partial_states, save_pipeline
 from runtime.errors import PipelineError, RuntimeConfigError
 from runtime.gradients import global_grad_norm
-from runtime.sharding import copy_whole_into, is_sharded, local
+from runtime.sharding import copy_whole_into, is_sharded, local, storable
 from runtime.tensor_parallel import split_over_tp
 
 __all__ = ["PipelineState"]
@@ -93,7 +93,7 @@ class PipelineState:
         """
         state, names = self._local_state("save_checkpoint()")
         with self._together.collective("save_checkpoint()", "call it on every rank: each writes its own tensors"):
-            save_pipeline(directory, {k: v.detach() for k, v in state.items()}, optimizer, names,
+            save_pipeline(directory, {k: storable(v).detach() for k, v in state.items()}, optimizer, names,
                           scaler_state=self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
                           step=step, device=self.device)
 

@@ -19,6 +19,11 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def sgd(params: Any) -> torch.optim.Optimizer:
+    """SGD with momentum: after one step each parameter's momentum buffer is its gradient (state to checkpoint)."""
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
 def reference_step(spec: str, pieces: int) -> dict[str, Any]:
     """One step of the unpartitioned model on the global batch as ``pieces`` microbatches: loss and gradients, the
     gradient norm; after an SGD step its state and eval-mode output."""
@@ -33,7 +38,7 @@ def reference_step(spec: str, pieces: int) -> dict[str, Any]:
         total += loss.detach() / pieces
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
-    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    sgd(model.parameters()).step()
     model.eval()
     with torch.no_grad():
         output = model(*b.example_args, **b.example_kwargs)
@@ -61,21 +66,24 @@ def tp_worker(rank: int, world: int, *, spec: str, stages: int, tp: int, out: st
            "held": {n: local(p).numel() for n, p in params.items()}, "whole": {n: numel[n] for n in params},
            "split": sorted(n for n, p in params.items() if split_over_tp(p))}
     res["norm"] = pipe.clip_grad_norm_(float("inf"))  # the norm, unclipped
-    torch.optim.SGD(pipe.parameters(), lr=0.1).step()
+    opt = sgd(pipe.parameters())
+    opt.step()
     res["state"] = pipe.state_dict()
     pipe.eval()
     res["eval"], res["rows"] = pipe(x[rows]), rows  # the output stage's ranks: their replica's rows
     if checkpoint_to is not None:
-        pipe.save_checkpoint(checkpoint_to)
+        pipe.save_checkpoint(checkpoint_to, opt)
     torch.save(res, Path(out) / f"tp-{rank}.pt")
 
 
 def load_worker(rank: int, world: int, *, spec: str, stages: int, tp: int, checkpoint_from: str, out: str) -> None:
-    """One rank of a fresh ``stages`` x ``tp`` pipeline (another seed) loading ``checkpoint_from``: its state
-    dict (rank 0)."""
+    """One rank of a fresh ``stages`` x ``tp`` pipeline (another seed) loading ``checkpoint_from`` with its SGD
+    state: the state dict (rank 0) and each parameter's momentum gathered whole."""
     b = build(spec, seed=1)
     pipe = partition(b.model, stages=stages, tensor_parallel=tp, microbatches=2, loss_fn=b.loss_fn, timeout=60,
                      timing="analytic")
     pipe.prepare(b.example_args[0])
-    pipe.load_checkpoint(checkpoint_from)
-    torch.save({"state": pipe.state_dict()}, Path(out) / f"load-{rank}.pt")
+    opt = sgd(pipe.parameters())
+    pipe.load_checkpoint(checkpoint_from, opt)
+    momentum = {n: whole(opt.state[p]["momentum_buffer"]).clone() for n, p in pipe.named_parameters()}
+    torch.save({"state": pipe.state_dict(), "momentum": momentum}, Path(out) / f"load-{rank}.pt")

@@ -72,22 +72,33 @@ def test_zoo_gpt_at_tp2_pp2_trains_as_one_process(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_zoo_gpt_at_dp2_pp2_tp2_trains_as_one_process_and_its_checkpoint_loads_at_tp1(tmp_path: Path) -> None:
+def test_zoo_gpt_at_tp2_pp2_interleaved_with_full_recomputation_trains_as_one_process(tmp_path: Path) -> None:
+    ranks = _run(tmp_path, GPT, world=4, stages=2, tp=2, schedule="interleaved", recompute="full")
+    _check_exact(ranks, GPT, 2, 2, "gpt tp2 x pp2 interleaved, full recomputation")
+
+
+@pytest.mark.slow
+def test_zoo_gpt_at_dp2_pp2_tp2_trains_as_one_process_and_its_checkpoint_loads_at_tp1_and_tp2(tmp_path: Path) -> None:
     saved = tmp_path / "ckpt"
     ranks = _run(tmp_path, GPT, world=8, stages=2, tp=2, checkpoint_to=str(saved))
     assert [(r["dp_rank"], r["pp_rank"], r["tp_rank"]) for r in ranks] == \
         [(d, p, t) for d in range(2) for p in range(2) for t in range(2)]  # cluster: tp innermost, then pp
     _check_exact(ranks, GPT, 4, 2, "gpt dp2 x pp2 x tp2")
-    out = tmp_path / "load"
-    out.mkdir()
-    results = launch(f"{HERE / '_tp_checks.py'}:load_worker", 2,
-                     {"spec": GPT, "stages": 2, "tp": 1, "checkpoint_from": str(saved), "out": str(out)}, timeout=300)
-    for r in results:
-        assert r.returncode == 0, f"rank {r.rank}: {r.stdout[-1500:]}\n{r.stderr[-3000:]}"
-    loaded = torch.load(out / "load-0.pt", weights_only=False)["state"]
-    assert loaded.keys() == ranks[0]["state"].keys()
-    for name, t in loaded.items():  # resharded from 2 tp ranks to 1: bit for bit
-        assert torch.equal(t, ranks[0]["state"][name]), name
+    grads = {n: g for r in ranks for n, g in r["grads"].items()}
+    for world, tp in ((2, 1), (4, 2)):  # resharded to 1 tp rank, and back to 2: bit for bit
+        out = tmp_path / f"load-{tp}"
+        out.mkdir()
+        results = launch(f"{HERE / '_tp_checks.py'}:load_worker", world, {
+            "spec": GPT, "stages": 2, "tp": tp, "checkpoint_from": str(saved), "out": str(out)}, timeout=300)
+        for r in results:
+            assert r.returncode == 0, f"rank {r.rank}: {r.stdout[-1500:]}\n{r.stderr[-3000:]}"
+        loaded = [torch.load(out / f"load-{r}.pt", weights_only=False) for r in range(world)]
+        assert loaded[0]["state"].keys() == ranks[0]["state"].keys()
+        for name, t in loaded[0]["state"].items():
+            assert torch.equal(t, ranks[0]["state"][name]), f"tp {tp}: {name}"
+        for res in loaded:  # SGD's momentum after one step: the first replica's gradient (the global one)
+            for name, m in res["momentum"].items():
+                assert torch.equal(m, grads[name]), f"tp {tp}: momentum of {name}"
 
 
 # ---------------------------------------------------------------------- the typed option (one process)
@@ -244,3 +255,21 @@ def test_hf_llama_with_grouped_kv_heads_at_tp2_pp2_trains_as_one_process(tmp_pat
             "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
             "mlp.up_proj", "mlp.down_proj")}
     _check_exact(ranks, LLAMA, 2, 2, "llama tp2 x pp2")
+
+
+def test_a_head_count_tp_does_not_divide_is_refused_before_any_collective() -> None:
+    """Found from the model itself, before partitioning: the zoo's attention's heads, a Hugging Face config's
+    grouped key/value heads (every projection's features divide by 4, the 2 key/value heads do not)."""
+    import smp
+    from runtime.errors import RuntimeConfigError
+    from smp.models import build
+
+    gpt = build("gpt:size=tiny,d_model=48,heads=6,batch=4", seed=0)
+    with pytest.raises(RuntimeConfigError, match=r"attention module blocks\.0\.attn has 6 heads, which "
+                                                 r"tensor_parallel=4 does not divide"):
+        smp.partition(gpt.model, stages=1, tensor_parallel=4, loss_fn=gpt.loss_fn)
+    pytest.importorskip("transformers")
+    llama = build("hf-llama:size=tiny,d_model=48,heads=8,kv_heads=2,batch=4", seed=0)
+    with pytest.raises(RuntimeConfigError, match=r"attention module model\.layers\.0\.self_attn has 2 num key "
+                                                 r"value heads, which tensor_parallel=4 does not divide"):
+        smp.partition(llama.model, stages=1, tensor_parallel=4, loss_fn=llama.loss_fn)
