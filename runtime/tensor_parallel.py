@@ -182,7 +182,22 @@ def check_tp_plan(model: nn.Module, plan: Mapping[str, Any], tp_size: int) -> di
                                           "does not divide")
             chosen[name] = (style, how)
     _check_heads(modules, chosen, tp_size)
+    _refuse_split_ties(model, chosen)
     return chosen
+
+
+def _refuse_split_ties(model: nn.Module, chosen: Mapping[str, Any]) -> None:
+    """A parameter the plan splits must belong to that module alone: a tied one (an LM head sharing the
+    embedding's weight) would be split two ways, or split in one place and whole in the other."""
+    owners: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(name)
+    for names in owners.values():
+        split = [n for n in names if n.rpartition(".")[0] in chosen]
+        if split and len(names) > 1:
+            raise TensorParallelError(f"parameter {split[0]} is tied to {', '.join(n for n in names if n != split[0])}: "
+                                      "tensor parallelism does not split a tied weight; keep its modules out of "
+                                      "tp_plan")
 
 
 def _check_heads(modules: Mapping[str, nn.Module], chosen: Mapping[str, Any], tp_size: int) -> None:

@@ -24,16 +24,17 @@ def sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def reference_step(spec: str, pieces: int) -> dict[str, Any]:
+def reference_step(spec: str, pieces: int, precision: str = "fp32") -> dict[str, Any]:
     """One step of the unpartitioned model on the global batch as ``pieces`` microbatches: loss and gradients, the
-    gradient norm; after an SGD step its state and eval-mode output."""
+    gradient norm; after an SGD step its state and eval-mode output. ``precision="bf16"``: under autocast."""
     b = build(spec, seed=0)
     model = b.model
     total = torch.zeros(())
     inputs = split_microbatches(b.example_args, b.example_kwargs, pieces)
     targets = [t[0][0] for t in split_microbatches((b.target,), None, pieces)]
     for (a, k), tgt in zip(inputs, targets):
-        loss = b.loss_fn(model(*a, **k), tgt)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = b.loss_fn(model(*a, **k), tgt)
         (loss / pieces).backward()
         total += loss.detach() / pieces
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -78,6 +78,19 @@ def test_zoo_gpt_at_tp2_pp2_interleaved_with_full_recomputation_trains_as_one_pr
 
 
 @pytest.mark.slow
+def test_zoo_gpt_at_tp2_pp2_under_bf16_matches_autocast(tmp_path: Path) -> None:
+    """Within bf16's rounding: the loss to one epsilon; a gradient to four (a rowwise output is the sum of T bf16
+    partial products, each rounded before the all-reduce: one rounding more than the whole matmul's)."""
+    ranks = _run(tmp_path, GPT, world=4, stages=2, tp=2, precision="bf16")
+    ref = reference_step(GPT, 2, "bf16")
+    eps = torch.finfo(torch.bfloat16).eps
+    for r, res in enumerate(ranks):
+        assert torch.allclose(res["loss"], ref["loss"], rtol=eps), f"rank {r}: loss {res['loss']} != {ref['loss']}"
+        for name, g in res["grads"].items():
+            assert _max_relative(g, ref["grads"][name]) < 4 * eps, f"rank {r}: gradient of {name}"
+
+
+@pytest.mark.slow
 def test_zoo_gpt_at_dp2_pp2_tp2_trains_as_one_process_and_its_checkpoint_loads_at_tp1_and_tp2(tmp_path: Path) -> None:
     saved = tmp_path / "ckpt"
     ranks = _run(tmp_path, GPT, world=8, stages=2, tp=2, checkpoint_to=str(saved))
@@ -239,6 +252,8 @@ def test_what_cannot_run_split_is_refused_naming_the_module_and_the_count() -> N
         check_tp_plan(model, {"blocks.*.fc": "diagonal"}, 2)
     with pytest.raises(TensorParallelError, match="a LayerNorm"):
         check_tp_plan(model, {"blocks.*.ln1": "colwise"}, 2)
+    with pytest.raises(TensorParallelError, match="parameter lm_head.weight is tied to tok_emb.weight"):
+        check_tp_plan(model, {"lm_head": "colwise"}, 2)
 
 
 LLAMA = "hf-llama:size=tiny,kv_heads=2,batch=4"  # grouped-query attention: 4 query heads share 2 key/value heads
@@ -273,3 +288,10 @@ def test_a_head_count_tp_does_not_divide_is_refused_before_any_collective() -> N
     with pytest.raises(RuntimeConfigError, match=r"attention module model\.layers\.0\.self_attn has 2 num key "
                                                  r"value heads, which tensor_parallel=4 does not divide"):
         smp.partition(llama.model, stages=1, tensor_parallel=4, loss_fn=llama.loss_fn)
+
+
+@pytest.mark.slow
+def test_hf_llama_with_grouped_kv_heads_at_dp2_pp2_tp2_trains_as_one_process(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    ranks = _run(tmp_path, LLAMA, world=8, stages=2, tp=2)
+    _check_exact(ranks, LLAMA, 4, 2, "llama dp2 x pp2 x tp2")
