@@ -74,23 +74,21 @@ class ReplicaLayout:
     def replicas(world: int, stages: int, planned_replicas: int | None = None, tensor_parallel: int = 1) -> int:
         """How many replicas of a ``stages``-rank pipeline of ``tensor_parallel``-rank stages a ``world`` holds;
         a clear error when none fits."""
-        if tensor_parallel > 1:
-            if world % (stages * tensor_parallel):
-                raise LayoutError(
-                    f"the world size {world} is not a multiple of {stages} stages x tensor_parallel="
-                    f"{tensor_parallel} ({stages * tensor_parallel} ranks a pipeline): launch D x "
-                    f"{stages * tensor_parallel} processes")
-            return ReplicaLayout.replicas(world // tensor_parallel, stages, planned_replicas)
-        if world % stages:
+        ranks = stages * tensor_parallel  # one replica's
+        if world % ranks and tensor_parallel > 1:
+            raise LayoutError(
+                f"the world size {world} is not a multiple of {stages} stages x tensor_parallel={tensor_parallel} "
+                f"({ranks} ranks a replica): launch D x {ranks} processes")
+        if world % ranks:
             raise LayoutError(
                 f"the world size {world} is not a multiple of the pipeline's {stages} ranks: launch a multiple "
                 f"of {stages} processes (torchrun --nproc_per_node {stages}, or D x {stages} for D replicas), "
                 f"or pass stages= a divisor of {world}")
-        replicas = world // stages
+        replicas = world // ranks
         if planned_replicas not in (None, 1, replicas):
             raise LayoutError(
-                f"the plan is for {planned_replicas} replicas of {stages} ranks ({planned_replicas * stages} in "
-                f"all), the world has {world}: launch {planned_replicas * stages} processes or re-plan")
+                f"the plan is for {planned_replicas} replicas of {ranks} ranks ({planned_replicas * ranks} in "
+                f"all), the world has {world}: launch {planned_replicas * ranks} processes or re-plan")
         return replicas
 
     @property

@@ -148,6 +148,19 @@ def test_a_plan_made_with_tensor_parallel_records_it(tmp_path: Path) -> None:
     assert smp.Plan.load(plan.save(tmp_path / "plan.json")).tensor_parallel == 2
 
 
+def test_a_world_is_d_replicas_of_p_stages_of_t_ranks() -> None:
+    from runtime.errors import RuntimeConfigError
+    from runtime.layout import ReplicaLayout
+
+    assert ReplicaLayout.replicas(8, 2, tensor_parallel=2) == 2
+    assert ReplicaLayout.replicas(4, 2, planned_replicas=1, tensor_parallel=2) == 1
+    with pytest.raises(RuntimeConfigError, match=r"world size 6 is not a multiple of 2 stages x tensor_parallel=2"):
+        ReplicaLayout.replicas(6, 2, tensor_parallel=2)
+    with pytest.raises(RuntimeConfigError, match=r"the plan is for 2 replicas of 4 ranks \(8 in all\), the world "
+                                                 r"has 4"):
+        ReplicaLayout.replicas(4, 2, planned_replicas=2, tensor_parallel=2)
+
+
 def test_tensor_parallel_without_ranks_for_it_is_refused() -> None:
     import smp
     from runtime.errors import RuntimeConfigError
