@@ -106,8 +106,8 @@ class PlanRequest:
     ``recompute`` ("auto", "none", "selective", "full", "offload"), at most ``active_microbatches`` in
     flight (gpipe, 1f1b), ``data_parallel`` replicas laid out by ``placement`` (None: both
     tried, the faster kept), each stage's modules split over ``tensor_parallel`` ranks (T; recorded in
-    the plan, run by runtime/tensor_parallel.py; not priced yet). A search instead: ``devices`` (N; D x P x m weighed for
-    ``global_batch`` samples a step), ``microbatches="auto"`` or a tuple of counts, ``schedule``
+    the plan, run by runtime/tensor_parallel.py; not priced yet). A search instead: ``devices`` (N; D x P x m
+    weighed for ``global_batch`` samples a step), ``microbatches="auto"`` or a tuple of counts, ``schedule``
     "auto" or a tuple of kinds. The solver: ``cluster`` (a Cluster, a profile name or a file),
     ``memory_limit`` (bytes per device), ``method``, ``time_limit`` (seconds), ``objective``,
     ``colocate_tied``; ``training`` (None: the graph's, else a training step); ``sharding`` (how a
@@ -143,7 +143,8 @@ class PlanRequest:
             raise PlanError("tensor_parallel='auto' (the planner choosing T) is not supported yet: pass the "
                             "tensor-parallel degree, a whole number (e.g. tensor_parallel=2)")
         for name, optional in (("stages", True), ("virtual_stages", False), ("data_parallel", False),
-                               ("tensor_parallel", False), ("devices", True), ("global_batch", True), ("active_microbatches", True)):
+                               ("tensor_parallel", False), ("devices", True), ("global_batch", True),
+                               ("active_microbatches", True)):
             object.__setattr__(self, name, _whole(getattr(self, name), name, optional=optional))
         _flag(self.colocate_tied, "colocate_tied")
         _flag(self.training, "training", optional=True)

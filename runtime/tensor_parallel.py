@@ -14,7 +14,6 @@ from torch import nn
 from partitioner.ir import ScheduleKind
 from partitioner.plan import Plan
 from partitioner.request import PlanRequest
-
 from runtime.precision import Precision
 from runtime.program import Program
 from runtime.split import StageProgram, ValueMeta, propagate_meta
@@ -54,7 +53,8 @@ def resolve_tp_plan(model: nn.Module, tp_plan: Mapping[str, Any] | None) -> dict
 
 def refuse_request(request: PlanRequest, tp_size: int) -> None:
     """Refuse what a planning request asks for that tensor parallelism does not run with yet."""
-    for why, bad in ((f"sharding={request.sharding!r} (FSDP over the replicas)", request.sharding not in ("auto", "none")),
+    for why, bad in ((f"sharding={request.sharding!r} (FSDP over the replicas)",
+                      request.sharding not in ("auto", "none")),
                      ("compile=True", request.profiling.compile),
                      (f"the zero-bubble schedule {request.schedule!r}",
                       isinstance(request.schedule, str) and ScheduleKind.parse(request.schedule).split_backward),
@@ -195,9 +195,9 @@ def _refuse_split_ties(model: nn.Module, chosen: Mapping[str, Any]) -> None:
     for names in owners.values():
         split = [n for n in names if n.rpartition(".")[0] in chosen]
         if split and len(names) > 1:
-            raise TensorParallelError(f"parameter {split[0]} is tied to {', '.join(n for n in names if n != split[0])}: "
-                                      "tensor parallelism does not split a tied weight; keep its modules out of "
-                                      "tp_plan")
+            others = ", ".join(n for n in names if n != split[0])
+            raise TensorParallelError(f"parameter {split[0]} is tied to {others}: tensor parallelism does not "
+                                      "split a tied weight; keep its modules out of tp_plan")
 
 
 def _check_heads(modules: Mapping[str, nn.Module], chosen: Mapping[str, Any], tp_size: int) -> None:
@@ -226,7 +226,7 @@ def _torch_style(style: Any, module: nn.Module) -> Any:
         return style
     name = style.strip().lower()
     if name.startswith("fused_colwise:"):
-        return _FusedColwise(int(name.split(":", 1)[1]))
+        return _fused_colwise(int(name.split(":", 1)[1]))
     embedding = isinstance(module, nn.Embedding)
     return {"colwise": lambda: ColwiseParallel(),
             "rowwise": lambda: RowwiseParallel(input_layouts=Replicate()) if embedding else RowwiseParallel(),
@@ -262,7 +262,9 @@ def _fused_colwise_class() -> type:
     return FusedColwise
 
 
-def _FusedColwise(parts: int) -> Any:  # noqa: N802 - a class made on first use (torch's distributed imports)
+def _fused_colwise(parts: int) -> Any:
+    """The style of a Linear of ``parts`` projections side by side (its class made on first use: torch's
+    distributed imports wait until tensor parallelism runs)."""
     return _fused_colwise_class()(parts)
 
 

@@ -1,4 +1,4 @@
-"""Which activations of a traced program tensor parallelism splits, and its head counts rewritten to each rank's share."""
+"""Which activations of a traced program tensor parallelism splits; its head counts rewritten to each rank's share."""
 
 from __future__ import annotations
 

@@ -266,8 +266,8 @@ class PipelinedModel(PipelineState):
                         dp_size=self.layout.dp_size, precision=self.precision,
                         shard_mesh=self.layout.mesh["dp"] if sharded and mode else None,
                         gathered_by=train.shards if train is not None and not mode else None,
-                        compile_backend=self.compile_backend if self._plan.model.compiled else None,  # type: ignore[union-attr]
-                        tensor_parallel=self._tp)
+                        tensor_parallel=self._tp,
+                        compile_backend=self.compile_backend if self._plan.model.compiled else None)  # type: ignore[union-attr]
         if engine.shards is not None:
             repoint([self.module, *(p.gm for p in setup.programs.values())], engine.shards.replaced)
             setup.ownership.rekey(engine.shards.replaced)  # after: it finds the ties in the model as it is now

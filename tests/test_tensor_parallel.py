@@ -249,7 +249,8 @@ def test_what_cannot_run_split_is_refused_naming_the_module_and_the_count() -> N
     from smp.models import build
 
     gm, _, meta = _traced_block()
-    with pytest.raises(TensorParallelError, match=r"in module attn\) views attn_q with 4 \(heads, or features\).*tensor_parallel=8"):
+    with pytest.raises(TensorParallelError,
+                       match=r"in module attn\) views attn_q with 4 \(heads, or features\).*tensor_parallel=8"):
         split_activations(gm, _splits(gm, _STYLES, 8), meta, 8)  # 64 features split 8 ways, 4 heads cannot be
     with pytest.raises(TensorParallelError, match="fused q/k/v or k/v Linear.*fused_colwise:N"):
         split_activations(gm, _splits(gm, dict(_STYLES, **{"attn.kv": "colwise"}), 2), meta, 2)
