@@ -251,7 +251,8 @@ def plan_from_graph(
     if model_info is None:
         model_info = _model_info_from_graph(graph, microbatches, training, request.profiling.name)
     return Plan(model=model_info, graph=graph, partition=part, schedule=sched,
-                simulated=simulate_partition(sched, part, dp_link, graph), placement=placement, dp_link=dp_link)
+                simulated=simulate_partition(sched, part, dp_link, graph), placement=placement, dp_link=dp_link,
+                tensor_parallel=request.tensor_parallel)
 
 
 def pipeline_step_bound(part: Partition, kind: ScheduleKind, microbatches: int) -> float | None:

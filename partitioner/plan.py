@@ -99,6 +99,8 @@ class Plan:
     where it fits; "spread": each stage's replicas on consecutive ranks) and ``dp_link`` is
     the link its gradient all-reduces are priced on. ``sharding_weighed``: when the planner chose the
     sharding (``sharding="auto"``), each mode's verdict (chosen, slower, does not fit, not weighed).
+    ``tensor_parallel`` (T): each stage's modules split over T ranks (runtime/tensor_parallel.py), the
+    world D x P x T; recorded as asked, the prices are still those of T = 1.
     """
 
     model: ModelInfo
@@ -111,6 +113,7 @@ class Plan:
     placement: str = "cluster"
     dp_link: Link | None = None  # what a stage's replicas all-reduce its gradients over (data_parallel > 1)
     sharding_weighed: dict[str, str] = field(default_factory=dict)
+    tensor_parallel: int = 1  # ranks each stage's modules are split over (T); the world is D x P x T
 
     # ---------------------------------------------------------------- views
 
@@ -240,6 +243,10 @@ class Plan:
         """Raise PlanError when the parts disagree (a hand-edited or damaged plan file)."""
         part, sched = self.partition, self.schedule
         where = "the plan is inconsistent"
+        if isinstance(self.tensor_parallel, bool) or not isinstance(self.tensor_parallel, int) \
+                or self.tensor_parallel < 1:
+            raise PlanError(f"{where}: tensor_parallel is {self.tensor_parallel!r}, not a whole number >= 1; "
+                            "re-create it with `smp plan`")
         nodes = {str(n) for n in self.graph.nx}
         assigned = set(part.stage_of)
         if nodes != assigned:
@@ -376,12 +383,14 @@ class Plan:
                 "recompute": self.recompute,
                 "active_microbatches": self.active_microbatches,
                 "sharding": self.sharding,
+                "tensor_parallel": self.tensor_parallel,
             },
             "partition": self.partition.to_dict(),
             "schedule": self.schedule.to_dict(),
             "replicas": {"placement": self.placement,
                          "link": self.dp_link.to_dict() if self.dp_link is not None else None,
-                         "sharding_weighed": dict(self.sharding_weighed)},
+                         "sharding_weighed": dict(self.sharding_weighed),
+                         "tensor_parallel": self.tensor_parallel},
             "simulated": self.simulated.to_dict(),
             "graph": self.graph.to_dict(),
         }
@@ -415,6 +424,7 @@ class Plan:
                 dp_link=Link.from_dict(data["replicas"]["link"]) if data.get("replicas", {}).get("link") else None,
                 sharding_weighed={str(k): str(v) for k, v in
                                   (data.get("replicas", {}).get("sharding_weighed") or {}).items()},
+                tensor_parallel=int(data.get("replicas", {}).get("tensor_parallel", 1)),  # older files: none
             )
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
             missing = f"missing field {err}" if isinstance(err, KeyError) else f"{type(err).__name__}: {err}"

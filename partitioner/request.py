@@ -80,8 +80,9 @@ class PlanRequest:
     of the step's batch), under ``schedule`` (``virtual_stages`` per rank when interleaved),
     ``recompute`` ("auto", "none", "selective", "full", "offload"), at most ``active_microbatches`` in
     flight (gpipe, 1f1b), ``data_parallel`` replicas laid out by ``placement`` (None: both
-    tried, the faster kept). A search instead: ``devices`` (N; D x P x m weighed for
-    ``global_batch`` samples a step), ``microbatches="auto"`` or a tuple of counts, ``schedule``
+    tried, the faster kept), each stage's modules split over ``tensor_parallel`` ranks (T; recorded in
+    the plan, run by runtime/tensor_parallel.py; not priced yet). A search instead: ``devices`` (N; D x P x m
+    weighed for ``global_batch`` samples a step), ``microbatches="auto"`` or a tuple of counts, ``schedule``
     "auto" or a tuple of kinds. The solver: ``cluster`` (a Cluster, a profile name or a file),
     ``memory_limit`` (bytes per device), ``method``, ``time_limit`` (seconds), ``objective``,
     ``colocate_tied``; ``training`` (None: the graph's, else a training step); ``sharding`` (how a
@@ -96,6 +97,7 @@ class PlanRequest:
     recompute: str = "auto"
     active_microbatches: int | None = None
     data_parallel: int = 1
+    tensor_parallel: int = 1
     placement: str | None = None
     devices: int | None = None
     global_batch: int | None = None
@@ -112,8 +114,12 @@ class PlanRequest:
     def __post_init__(self) -> None:
         from partitioner.solve import check_choices  # the solvers' names live with the solvers
 
+        if self.tensor_parallel == "auto":
+            raise PlanError("tensor_parallel='auto' (the planner choosing T) is not supported yet: pass the "
+                            "tensor-parallel degree, a whole number (e.g. tensor_parallel=2)")
         for name, optional in (("stages", True), ("virtual_stages", False), ("data_parallel", False),
-                               ("devices", True), ("global_batch", True), ("active_microbatches", True)):
+                               ("tensor_parallel", False), ("devices", True), ("global_batch", True),
+                               ("active_microbatches", True)):
             object.__setattr__(self, name, whole(getattr(self, name), name, optional=optional))
         flag(self.colocate_tied, "colocate_tied")
         flag(self.training, "training", optional=True)

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 
 from runtime.resume import RNG_PREFIX, publish, read_progress, rng_state, set_rng_state, staging_dir
-from runtime.sharding import shard_like
+from runtime.sharding import copy_whole_into, is_strided, shard_like, storable
 
 __all__ = ["CheckpointError", "WeightSource", "open_weights", "save_pipeline", "load_pipeline", "Restored",
            "consolidate", "save_sharded", "merge_partial_states", "MissingStateError", "MODEL_PREFIX", "OPTIM_PREFIX"]
@@ -119,13 +119,18 @@ class WeightSource:
 
         for name, target in targets.items():
             self._check(name, self._shapes[name], target)
-        staged = {MODEL_PREFIX + n: torch.empty_like(t, device="cpu") for n, t in targets.items()}
+        # a strided DTensor (stored whole) is read whole and cut here
+        staged = {MODEL_PREFIX + n: torch.empty(t.shape, dtype=t.dtype) if is_strided(t) else
+                  torch.empty_like(t, device="cpu") for n, t in targets.items()}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(staged, checkpoint_id=str(directory), no_dist=True)  # this rank's keys only, no collective
         with torch.no_grad():
             for n, t in targets.items():
-                t.copy_(staged[MODEL_PREFIX + n])
+                if is_strided(t):
+                    copy_whole_into(t, staged[MODEL_PREFIX + n])
+                else:
+                    t.copy_(staged[MODEL_PREFIX + n])
 
 
 def open_weights(path: str | Path) -> WeightSource:
@@ -255,7 +260,7 @@ def _optimizer_entries(optimizer: torch.optim.Optimizer, names: Mapping[int, str
             out[f"{OPTIM_PREFIX}{name}/{_HYPER}"] = json.dumps({"group": hyper, "state": plain}, default=list)
             for k, v in state.items():
                 if isinstance(v, torch.Tensor):
-                    out[f"{OPTIM_PREFIX}{name}/{k}"] = v
+                    out[f"{OPTIM_PREFIX}{name}/{k}"] = storable(v)
     return out
 
 

@@ -25,6 +25,7 @@ from runtime.offload import kept_storages, offloading
 from runtime.program import Ownership, Program
 from runtime.recompute import forward_for_recompute, recompute
 from runtime.sharding import StageShards, local
+from runtime.tensor_parallel import TensorParallel, settled
 from runtime.tied import sum_tied_grads
 from runtime.split import OUTPUT_KEY, SplitError, SplitProgram, ValueMeta, propagate_meta, split_program
 from runtime.stash import EdgeKey, Stash, StashMeter
@@ -66,12 +67,16 @@ class Engine:
     reduce-scatters its gradients. ``gathered_by``: the training engine whose sharded
     parameters this engine's programs read (an eval-mode trace), gathered for each run.
     ``compile_backend``: the stage programs run compiled with it (runtime/compiled.py); None: eagerly.
+
+    ``tensor_parallel`` (:class:`runtime.tensor_parallel.TensorParallel`): the stage programs run on
+    this rank's shares of the plan's modules; a split cut value crosses as this rank's shard.
     """
 
     def __init__(self, program: Program, ownership: Ownership, *, rank: int = 0, comm: Comm | None = None,
                  device: torch.device, example_flat: Sequence[Any], dp_group: Any = None,
                  dp_size: int = 1, precision: Precision = Precision("fp32"), shard_mesh: Any = None,
-                 gathered_by: StageShards | None = None, compile_backend: str | None = None) -> None:
+                 gathered_by: StageShards | None = None, compile_backend: str | None = None,
+                 tensor_parallel: TensorParallel | None = None) -> None:
         self.program = program
         self.precision = precision
         self.loss_scale = 1.0
@@ -101,6 +106,12 @@ class Engine:
         except SplitError as err:
             raise RuntimeConfigError(str(err)) from None
         self.out_rank = self.s2r[self.split.output_stage]
+        self.tp = tensor_parallel
+        self.tp_acts = None  # which values are split over the tp ranks
+        if tensor_parallel is not None:
+            self.tp_acts, replaced = tensor_parallel.split_stages(program, list(self.split.stages.values()),
+                                                                  example_flat, device, precision)
+            ownership.rekey(replaced)
         self.shards: StageShards | None = None
         self.gathered_by = gathered_by
         if shard_mesh is not None and sch.sharding != "none" and not self.single:
@@ -111,7 +122,7 @@ class Engine:
             if compile_backend is not None else {}
         self.reduced_by = self._reducing_stages()
         self.buckets = {s: [[ps[i] for i in group] for group in gradient_buckets(
-            [p.numel() * p.element_size() for p in ps], [p.dtype for p in ps])]
+            [local(p).numel() * p.element_size() for p in ps], [p.dtype for p in ps])]
             for s, ps in ((s, ps[::-1]) for s, ps in self.reduced_by.items())}  # later layers' gradients first
         w = walk(sch)
         self.overlapped = {w.actions[b].stage: w.actions[b].mb for b in w.overlapped.values()
@@ -158,7 +169,8 @@ class Engine:
                 "(e.g. DataLoader(drop_last=True), pad sequences), or make a new PipelinedModel for the new shape.")
         wanted = set(self.split.value_src)
         try:  # under the stages' autocast: a value made in bf16 crosses the link in bf16
-            with self.precision.autocast(self.device):
+            with self.precision.autocast(self.device), \
+                    self.tp.hooks_off() if self.tp is not None else contextlib.nullcontext():
                 values = propagate_meta(self.program.gm, flat, wanted, self.program.state_meta, self.device)
         except Exception as err:  # noqa: BLE001
             raise RuntimeConfigError(
@@ -172,9 +184,11 @@ class Engine:
                     f"value {name} is made on stage {src} and read on stage {dst}, but the plan has no edge for it: "
                     "the plan does not describe this program; re-plan")
         per_edge: dict[EdgeKey, list[tuple[tuple[int, ...], torch.dtype]]] = {}
-        for k in self.edges:
-            per_edge[k] = [(leaf.shape, leaf.dtype) for v in self.split.edge_values.get(k, ())
-                           for leaf in values[v].tensor_leaves()]
+        acts = self.tp_acts
+        for k in self.edges:  # a split value crosses as this rank's shard
+            per_edge[k] = [(acts.local_shape(v, i, leaf.shape) if acts is not None else leaf.shape, leaf.dtype)
+                           for v in self.split.edge_values.get(k, ())
+                           for i, leaf in enumerate(values[v].leaves) if leaf.is_tensor]
         meta = _StepMeta(values, per_edge, max([1] + [len(v) for v in per_edge.values()]))
         self._meta_cache[key] = meta
         return meta
@@ -386,7 +400,7 @@ class _RankState:
         buckets = self.eng.buckets[stage]
         while self.launched.get(stage, 0) < upto:
             k = self.launched.get(stage, 0)
-            grads = [p.grad for p in buckets[k]]
+            grads = [local(p.grad) for p in buckets[k]]  # tensor parallel: this rank's shards
             flat = torch._utils._flatten_dense_tensors(grads)
             pend = self.comm.all_reduce(flat, self.eng.dp_group, f"the gradient all-reduce of stage {stage}")
             self.reductions.append((pend, flat, grads))
@@ -543,7 +557,7 @@ class _RankState:
     def _outs(self, s: int, res: Mapping[str, Any]) -> dict[EdgeKey, list[torch.Tensor]]:
         """The tensors stage ``s``'s outputs ``res`` send, per out-edge."""
         values = self.eng.split.edge_values
-        return {key: [t for v in values.get(key, ()) for t in ValueMeta.tensors_of(res[v])]
+        return {key: [settled(t) for v in values.get(key, ()) for t in ValueMeta.tensors_of(res[v])]
                 for key in self.eng.out_edges[s]}
 
     def _rerun(self, s: int, mb: int, stash: Stash) -> None:

@@ -27,7 +27,8 @@ from torch import nn
 
 from runtime.errors import RuntimeConfigError
 
-__all__ = ["StageShards", "WorkingBytes", "local", "is_sharded", "repoint", "shard_like", "copy_whole_into"]
+__all__ = ["StageShards", "WorkingBytes", "local", "is_sharded", "is_strided", "storable", "repoint", "shard_like",
+           "copy_whole_into"]
 
 
 def is_sharded(t: torch.Tensor | None) -> bool:
@@ -35,6 +36,20 @@ def is_sharded(t: torch.Tensor | None) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)
+
+
+def is_strided(t: torch.Tensor | None) -> bool:
+    """Whether ``t`` is a DTensor strided over its ranks (each holds a share of each of several blocks: tensor
+    parallelism's fused projections), which torch.distributed.checkpoint cannot store as chunks."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return is_sharded(t) and any(isinstance(p, _StridedShard) for p in t.placements)  # type: ignore[union-attr]
+
+
+def storable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as torch.distributed.checkpoint stores it: a strided DTensor gathered whole (a collective over its
+    mesh; every rank then writes the same whole tensor, stored once), any other as it is."""
+    return t.full_tensor() if is_strided(t) else t  # type: ignore[attr-defined]
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

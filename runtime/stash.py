@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from runtime.recompute import Rerun
+from runtime.sharding import local
 
 __all__ = ["EdgeKey", "Stash", "StashMeter"]
 
@@ -55,7 +56,7 @@ class StashMeter:
     def add(self, key: tuple[int, int], t: torch.Tensor) -> None:
         if not isinstance(t, torch.Tensor) or t.is_meta:
             return
-        storage = t.untyped_storage()
+        storage = local(t).untyped_storage()  # a DTensor (tensor parallel) saves its local shard
         ptr = storage.data_ptr()
         held = self.live.setdefault(key, {})
         if ptr in held or self.is_excluded(ptr):

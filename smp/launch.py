@@ -7,8 +7,9 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-__all__ = ["DEFAULT_TIMEOUT", "LaunchError", "init_distributed", "launched_by_torchrun", "local_gpu"]
+__all__ = ["DEFAULT_TIMEOUT", "LaunchError", "init_distributed", "launched_by_torchrun", "local_gpu", "resolve_device"]
 
 #: Seconds any wait on a peer may last (joining, transfers, collectives), unless a caller says otherwise.
 DEFAULT_TIMEOUT = 300.0
@@ -67,3 +68,17 @@ def init_distributed(backend: str | None = None, *, timeout: float = DEFAULT_TIM
     dist.init_process_group(backend or ("nccl" if where.type == "cuda" else "gloo"),
                             store=dist.PrefixStore(f"smp/attempt_{attempt}/", store), rank=rank,
                             world_size=world_size, timeout=limit)
+
+
+def resolve_device(device: str | torch.device | None, model: nn.Module) -> torch.device:
+    """Where this rank's stages run: ``device``, else ``cuda:LOCAL_RANK`` when there is a GPU, else the model's
+    (the device of its first tensor with values; the CPU for a model on the meta device)."""
+    if device is not None:
+        d = torch.device(device)
+        return local_gpu() if d.type == "cuda" and d.index is None else d
+    if torch.cuda.is_available():
+        return local_gpu()
+    for t in list(model.parameters()) + list(model.buffers()):
+        if not t.is_meta:
+            return t.device
+    return torch.device("cpu")

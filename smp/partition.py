@@ -22,22 +22,22 @@ from partitioner.request import PlanRequest
 from partitioner.timeline import Timeline, TimelineEvent
 from partitioner.trace import trace
 from runtime.batch import Microbatches, join_outputs
-from runtime.checkpoint import (CheckpointError, MissingStateError, load_pipeline, merge_partial_states, open_weights,
-                                save_pipeline)
+from runtime.checkpoint import CheckpointError, open_weights
 from runtime.comm import Comm
 from runtime.engine import Engine
 from runtime.errors import PipelineError, RuntimeConfigError
 from runtime.faults import ARRIVAL_DEADLINE, FailTogether
-from runtime.gradients import global_grad_norm
 from runtime.layout import ReplicaLayout
 from runtime.materialize import MaterializeError, materialize
 from runtime.memory import OptimizerStepMeter, rank_memory
 from runtime.precision import PipelineGradScaler, Precision
 from runtime.program import Ownership, Program, program_for
-from runtime.sharding import copy_whole_into, is_sharded, local, repoint
+from runtime.sharding import local, repoint
 from runtime.split import SplitError
 from runtime.teardown import release_at_exit
-from smp.launch import DEFAULT_TIMEOUT, init_distributed, launched_by_torchrun, local_gpu
+from runtime.tensor_parallel import TensorParallel, refuse_plan, tp_plan_for
+from smp.launch import DEFAULT_TIMEOUT, init_distributed, launched_by_torchrun, resolve_device
+from smp.pipeline_state import PipelineState
 from smp.plan_options import check_agrees, given_options
 from smp.rank0_plan import plan_on_rank0
 
@@ -49,24 +49,15 @@ def partition(model: nn.Module, **options: Any) -> PipelinedModel:
 
     The options are :class:`PipelinedModel`'s (``plan``, ``loss_fn``, ``timeout``, ``arrival_deadline``, ``device``,
     ``checkpoint``, ``init_fn``, ``init_seed``, ``broadcast_output``, ``broadcast_buffers``,
-    ``precision``, ``grad_scaler``, ``compile_backend``) and the planning request's (``request``, or its fields:
-    ``stages``, ``microbatches``, ``schedule``, ``cluster``, ``memory_limit``, ``placement``,
-    ``recompute``, ``active_microbatches``, ``timing``, ``compile``, ...: :class:`partitioner.request.PlanRequest`).
+    ``precision``, ``grad_scaler``, ``compile_backend``, ``tp_plan``) and the planning request's (``request``, or its
+    fields: ``stages``, ``microbatches``, ``schedule``, ``cluster``, ``memory_limit``, ``placement``,
+    ``recompute``, ``active_microbatches``, ``timing``, ``compile``, ``tensor_parallel``, ...:
+    :class:`partitioner.request.PlanRequest`).
     """
     return PipelinedModel(model, **options)
 
 
-def _resolve_device(device: str | torch.device | None, model: nn.Module) -> torch.device:
-    """Where this rank's stages run: ``device``, else ``cuda:LOCAL_RANK`` when there is a GPU, else the model's."""
-    if device is not None:
-        d = torch.device(device)
-        return local_gpu() if d.type == "cuda" and d.index is None else d
-    if torch.cuda.is_available():
-        return local_gpu()
-    return _model_device(model)
-
-
-class PipelinedModel:
+class PipelinedModel(PipelineState):
     """A model split into pipeline stages over ranks; this rank holds only its stages' parameters.
 
     ``step(*args, target=..., **kwargs)`` runs one training step on the full batch
@@ -111,6 +102,9 @@ class PipelinedModel:
     (default True, as in DistributedDataParallel) copies the first replica's buffers (e.g.
     batch-norm statistics) to the others before each training step.
 
+    Tensor parallel: ``tensor_parallel=T`` splits each stage's modules over T consecutive ranks (world D x P x T)
+    by ``tp_plan`` (default the model's own); ``tp_rank``, ``tp_size``: docs/runtime.md#tensor-parallelism.
+
     Compiled stages: ``compile=True`` plans for stages compiled with ``torch.compile`` and runs
     them so (a plan made with it runs compiled), on ``compile_backend`` (default "inductor";
     "aot_eager" checks the mechanics without a C++ compiler). docs/runtime.md#compiled-stages.
@@ -123,13 +117,14 @@ class PipelinedModel:
                  checkpoint: str | Path | None = None, init_fn: Callable[[nn.Module], None] | None = None,
                  init_seed: int = 0, broadcast_output: bool = False, broadcast_buffers: bool = True,
                  precision: str = "fp32", grad_scaler: PipelineGradScaler | None = None,
-                 compile_backend: str = "inductor", **planning: Any) -> None:
+                 compile_backend: str = "inductor", tp_plan: Mapping[str, Any] | None = None,
+                 **planning: Any) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"smp.partition takes a torch.nn.Module, got {type(model).__name__}")
         self.module = model
         self.loss_fn = loss_fn
         self.timeout = float(timeout)
-        self.device = _resolve_device(device, model)
+        self.device = resolve_device(device, model)
         self.init_fn = init_fn
         self.init_seed = int(init_seed)
         self.broadcast_output = bool(broadcast_output)
@@ -167,14 +162,18 @@ class PipelinedModel:
         given = given_options(request, planning)
         if given.get("training") is False:
             raise RuntimeConfigError("smp.partition trains (pipe(x) runs the forward alone): drop training=False")
+        tp_size = plan.tensor_parallel if plan is not None else self.request.tensor_parallel
         if plan is not None:
             check_agrees(plan, self.request, given)
             self.stages = plan.pipeline_ranks
         else:
-            self.stages = self.request.stages or self.world_size
+            self.stages = self.request.stages or max(1, self.world_size // tp_size)
+        self.tp_plan = tp_plan_for(model, tp_plan, self.request, tp_size)  # checked before any collective
         self.layout = ReplicaLayout.build(self.world_size, self.stages, self.request.placement or (
             plan.placement if plan is not None else "cluster"), self.device,
-            plan.data_parallel if plan is not None else None)
+            plan.data_parallel if plan is not None else None, tensor_parallel=tp_size)
+        self._tp = TensorParallel(model, self.tp_plan, self.layout.mesh["tp"], tp_size) \
+            if self.tp_plan is not None else None
         if "data_parallel" in given and self.request.data_parallel != self.layout.dp_size:
             raise RuntimeConfigError(f"data_parallel={given['data_parallel']!r} disagrees with the world: "
                                      f"{self.world_size} ranks of {self.stages} stages run {self.layout.dp_size} "
@@ -200,6 +199,15 @@ class PipelinedModel:
     @property
     def pp_size(self) -> int:
         return self.layout.pp_size
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's place among its stage's tensor-parallel ranks (0 .. tp_size - 1)."""
+        return self.layout.tp_rank
+
+    @property
+    def tp_size(self) -> int:
+        return self.layout.tp_size
 
     @property
     def dp_rank(self) -> int:
@@ -249,6 +257,8 @@ class PipelinedModel:
         setup = self._setup
         assert setup is not None
         program = self._program(mode)
+        if self._tp is not None:
+            refuse_plan(self._plan)  # type: ignore[arg-type]
         sharded = self._plan.sharding != "none" and self.distributed  # type: ignore[union-attr]
         train = self._engines.get(True) or (self._build_engine(True) if sharded and not mode else None)
         engine = Engine(program, setup.ownership, rank=self.pp_rank, comm=setup.comm, device=setup.device,
@@ -256,6 +266,7 @@ class PipelinedModel:
                         dp_size=self.layout.dp_size, precision=self.precision,
                         shard_mesh=self.layout.mesh["dp"] if sharded and mode else None,
                         gathered_by=train.shards if train is not None and not mode else None,
+                        tensor_parallel=self._tp,
                         compile_backend=self.compile_backend if self._plan.model.compiled else None)  # type: ignore[union-attr]
         if engine.shards is not None:
             repoint([self.module, *(p.gm for p in setup.programs.values())], engine.shards.replaced)
@@ -320,6 +331,8 @@ class PipelinedModel:
     def _make_plan(self, args: tuple, kwargs: dict) -> Plan:
         request = self.request.with_(stages=self.stages, training=True, data_parallel=self.layout.dp_size,
                                      placement=self.layout.placement)
+        if self._tp is not None and request.sharding == "auto":  # sharded stages do not run split yet
+            request = request.with_(sharding="none")
 
         def build() -> Plan:
             # profiling runs the model; keep every rank's RNG stream identical to the others'. Under the stages'
@@ -508,121 +521,6 @@ class PipelinedModel:
     def eval(self) -> PipelinedModel:
         return self.train(False)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The full model state with the original names, on rank 0 ({} on the other ranks).
-
-        A collective: every rank must call it (the first replica's pipeline gathers; the
-        replicas hold the same weights; sharded over the replicas, each tensor is gathered
-        whole first).
-        """
-        if not self.distributed:
-            return self._whole_state()
-        with self._together.collective("state_dict()", "call it on every rank, then save on rank 0"):
-            mine = self._whole_state()  # sharded: gathered over the replicas, a collective itself
-            if not self.layout.is_first_replica:
-                return {}
-            first = self.layout.pp_ranks[0]
-            gathered: list[Any] | None = [None] * self.layout.pp_size if self.rank == first else None
-            dist.gather_object(mine, gathered, dst=first, group=self.layout.pp_group)
-            if self.rank != first:
-                return {}
-            try:
-                return merge_partial_states(gathered or [], list(self.module.state_dict().keys()))
-            except MissingStateError as err:
-                raise PipelineError(f"state_dict: {err}") from None
-
-    def _whole_state(self) -> dict[str, torch.Tensor]:
-        """This rank's tensors of the model state, on the CPU; sharded ones gathered whole (a collective then)."""
-        return {k: (v.full_tensor() if is_sharded(v) else v).detach().cpu()
-                for k, v in self.module.state_dict().items() if isinstance(v, torch.Tensor) and not v.is_meta}
-
-    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-        """Load a full (unpartitioned) state dict: each rank copies the entries it holds (sharded: its shard)."""
-        own = self.module.state_dict(keep_vars=True)
-        if strict:
-            missing = [k for k in own if k not in state_dict]
-            unexpected = [k for k in state_dict if k not in own]
-            if missing or unexpected:
-                raise RuntimeConfigError(f"load_state_dict: missing keys {missing[:5]}, unexpected keys "
-                                         f"{unexpected[:5]}; pass strict=False to load a partial state")
-        with torch.no_grad():
-            for k, t in own.items():
-                if k in state_dict and isinstance(t, torch.Tensor) and not t.is_meta:
-                    copy_whole_into(t, state_dict[k])
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def _local_state(self, what: str) -> tuple[dict[str, torch.Tensor], dict[int, str]]:
-        """This rank's state by original name (tied tensors under each of their names), and its parameters' names."""
-        setup = self._require_setup(what)
-        state = {k: v for k, v in self.module.state_dict(keep_vars=True).items()
-                 if isinstance(v, torch.Tensor) and not v.is_meta}
-        names = {i: setup.ownership.canonical[i] for i in setup.ownership.local_ids
-                 if i in setup.ownership.canonical}
-        return state, names
-
-    def save_checkpoint(self, directory: str | Path, optimizer: torch.optim.Optimizer | None = None, *,
-                        step: int | None = None) -> None:
-        """Every rank writes its own tensors (and its optimizer's state), in parallel, to one checkpoint directory.
-
-        A collective. Names are the original model's, so the checkpoint loads into a
-        pipeline with any stage count (``load_checkpoint``, or ``checkpoint=`` of
-        ``smp.partition``) and converts to one file for the unpartitioned model
-        (``smp.consolidate_checkpoint``). Written with torch.distributed.checkpoint. Under
-        ``precision="fp16"`` the loss scaler's state goes with it, so a resumed run scales as the
-        uninterrupted one would. For an exact resume it also records ``step`` (the steps done;
-        ``smp.latest_checkpoint`` finds the highest) and each rank's random generators. The
-        directory appears only once every rank has written its part: a rank that dies while
-        saving leaves no checkpoint under that name (an older one of that name stays whole).
-        """
-        state, names = self._local_state("save_checkpoint()")
-        with self._together.collective("save_checkpoint()", "call it on every rank: each writes its own tensors"):
-            save_pipeline(directory, {k: v.detach() for k, v in state.items()}, optimizer, names,
-                          scaler_state=self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
-                          step=step, device=self.device)
-
-    def load_checkpoint(self, directory: str | Path, optimizer: torch.optim.Optimizer | None = None) -> int | None:
-        """Read this rank's tensors (and its parameters' optimizer state) from ``save_checkpoint``'s directory; returns
-        the ``step`` it was saved with (None when saved without one).
-
-        The checkpoint may come from any number of stages; each rank reads only its keys. Under
-        ``precision="fp16"`` the loss scaler's state is restored where the checkpoint has one
-        (saved under fp16); otherwise the scaler keeps its own. Saved by as many ranks as
-        there are now, each rank's random generators are put back as they were at the save.
-        """
-        state, names = self._local_state("load_checkpoint()")
-        with self._together.collective("load_checkpoint()", "call it on every rank: each reads its own tensors"):
-            try:
-                restored = load_pipeline(directory, state, optimizer, names, rank=self.rank,
-                                         world_size=self.world_size, device=self.device)
-            except CheckpointError as err:
-                raise RuntimeConfigError(f"rank {self.rank}: {err}") from None
-            if restored.scaler_state is not None and self.grad_scaler is not None:
-                self.grad_scaler.load_state_dict(restored.scaler_state)
-        return restored.step
-
-    # ------------------------------------------------------------------ gradients
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the gradients of the whole pipeline to a global norm, as ``torch.nn.utils.clip_grad_norm_`` would
-        on the unpartitioned model; returns that total norm on every rank (a collective). Sharded over the
-        replicas, each rank's shards count: their norms are summed over the replicas, then over the stages."""
-        setup = self._require_setup("clip_grad_norm_()")
-        # a parameter several ranks hold (a tied weight) counts once, on the lowest of them
-        mine = [p for p in self.parameters() if p.grad is not None
-                and (not self.distributed or min(setup.ownership.holders.get(id(p), {self.pp_rank})) == self.pp_rank)]
-        # unsharded, the replicas' gradients are the same: the pipeline's ranks alone hold all of them once
-        groups = ([self.layout.dp_group] if self._plan.sharding != "none" else []) + [self.layout.pp_group] \
-            if self.distributed else []  # type: ignore[union-attr]
-        with self._together.collective("clip_grad_norm_()", "call it on every rank, after step()"):
-            total = global_grad_norm([local(p.grad) for p in mine], float(norm_type), groups)
-        clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for p in self.parameters():
-            if p.grad is not None:
-                g = local(p.grad)
-                g.mul_(clip_coef.to(g.device, g.dtype))
-        return total
-
     # ------------------------------------------------------------------ measurements
 
     def memory_stats(self, optimizer: torch.optim.Optimizer | None = None,
@@ -683,10 +581,3 @@ class _SetUp:
     comm: Comm | None
     device: torch.device
     example_flat: dict[bool, list[Any]]
-
-
-def _model_device(model: nn.Module) -> torch.device:
-    for t in list(model.parameters()) + list(model.buffers()):
-        if not t.is_meta:
-            return t.device
-    return torch.device("cpu")

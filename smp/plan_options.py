@@ -19,7 +19,7 @@ def plan_facts(plan: Plan) -> dict[str, Any]:
     return {"stages": plan.pipeline_ranks, "microbatches": plan.microbatches, "schedule": plan.schedule_name,
             "active_microbatches": plan.active_microbatches, "data_parallel": plan.data_parallel,
             "virtual_stages": plan.virtual_stages, "recompute": tuple(plan.recompute), "sharding": plan.sharding,
-            "compile": plan.model.compiled}
+            "compile": plan.model.compiled, "tensor_parallel": plan.tensor_parallel}
 
 
 def given_options(request: PlanRequest | None, planning: Mapping[str, Any]) -> dict[str, Any]:

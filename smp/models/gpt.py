@@ -32,7 +32,15 @@ class GPTBlock(nn.Module):
 
 
 class GPT(nn.Module):
-    """Decoder-only language model; ``forward(idx)`` returns (B, T, vocab) logits."""
+    """Decoder-only language model; ``forward(idx)`` returns (B, T, vocab) logits.
+
+    ``tp_plan``: how tensor parallelism splits it (Megatron's pairs: attention's projections colwise by heads,
+    its output rowwise; the MLP's up colwise, down rowwise). The k/v projection is one Linear of both side by
+    side, so each rank holds its share of each ("fused_colwise:2"); embeddings and the tied head stay whole.
+    """
+
+    tp_plan = {"blocks.*.attn.q": "colwise", "blocks.*.attn.kv": "fused_colwise:2", "blocks.*.attn.out": "rowwise",
+               "blocks.*.fc": "colwise", "blocks.*.proj": "rowwise"}
 
     def __init__(self, vocab: int, d_model: int, layers: int, heads: int, max_seq_len: int, dropout: float = 0.0) -> None:
         super().__init__()
