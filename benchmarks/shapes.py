@@ -1,7 +1,7 @@
 """The shape the planner picks (replicas x stages x microbatches) against the usual rules, on H100 clusters.
 
 Run:  .venv/bin/python benchmarks/shapes.py [--write docs/benchmarks.md]
-      .venv/bin/python benchmarks/shapes.py --sharding [--write docs/benchmarks.md]
+      .venv/bin/python benchmarks/shapes.py --sharding [--from-results] [--write docs/benchmarks.md]
 
 Each model is a zoo GPT at real size built on the meta device and profiled analytically
 on the ``h100-sxm`` profile in bf16 (8 GPUs per node on NVLink, nodes on InfiniBand; fp32
@@ -144,7 +144,8 @@ SHARDING_DOC = f"""Each model is built on the meta device and profiled analytica
 {SHARDING_BATCH} sequences of 2048 tokens twice: with ``sharding="none"`` (every replica holds its stage's
 whole state) and with ``sharding="auto"`` (each shape weighs none, shard_grad_op and full_shard,
 docs/sharding.md). Predicted samples per second of each search's fastest plan that fits in 80 GB,
-its shape, how many of its stages recompute activations, and the sharding chosen."""
+its shape, how many of its stages recompute activations, and the sharding chosen; the search's wall seconds
+(on the 2-core development machine, shared with other jobs during the recorded run)."""
 
 
 def run_sharding(name: str, spec: str) -> dict[str, Any]:
@@ -179,7 +180,8 @@ def run_sharding(name: str, spec: str) -> dict[str, Any]:
 
 def sharding_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| model | without sharding: D x P, m (recomputing stages) | samples/s | with sharding weighed: "
-             "D x P, m, mode (recomputing stages) | samples/s | ratio |", "|---|---|---|---|---|---|"]
+             "D x P, m, mode (recomputing stages) | samples/s | ratio | search s (without / with) |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         off, on = r["none"], r["auto"]
 
@@ -192,6 +194,7 @@ def sharding_table(rows: list[dict[str, Any]]) -> str:
         lines[-1] += (f"{shape(on, True)} | {on['samples_per_second']:.1f} | "
                       + (f"{on['samples_per_second'] / off['samples_per_second']:.2f}x |" if off else "- |")
                       if on else "does not fit | - | - |")
+        lines[-1] += " " + " / ".join("-" if c is None else f"{c['search_s']:.0f}" for c in (off, on)) + " |"
     return "\n".join(lines)
 
 
@@ -203,15 +206,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--write", type=Path, help="replace this benchmark's section of a markdown file")
     ap.add_argument("--resume", type=Path, help="the output of an interrupted run: its rows (the JSON lines this "
                                                 "script prints) are kept, the others computed")
+    ap.add_argument("--from-results", action="store_true", help="with --sharding: the table again from "
+                                                                 "benchmarks/results/sharding.json, nothing solved")
     ap.add_argument("--sharding", action="store_true", help=f"instead: {SHARDING_SECTION[3:]} (the plan with "
                                                              "sharding weighed against the best without)")
     a = ap.parse_args(argv)
     if a.sharding:
-        rows = [run_sharding(name, spec) for name, spec in SHARDING_MODELS.items()]
+        out = ROOT / "benchmarks/results/sharding.json"
+        if a.from_results:
+            rows = json.loads(out.read_text())
+        else:
+            rows = [run_sharding(name, spec) for name, spec in SHARDING_MODELS.items()]
+            out.write_text(json.dumps(rows, indent=1) + "\n")
         text = sharding_table(rows)
         print(text)
-        out = ROOT / "benchmarks/results/sharding.json"
-        out.write_text(json.dumps(rows, indent=1) + "\n")
         if a.write is not None:
             write_section(a.write, SHARDING_SECTION, "`.venv/bin/python benchmarks/shapes.py --sharding --write "
                           "docs/benchmarks.md` (written by the script; raw rows in `benchmarks/results/sharding.json`)."
