@@ -74,7 +74,7 @@ class PipelinedModel(PipelineState):
     (:func:`~partitioner.request.default_microbatches`: 1 on one rank, else the largest
     divisor of the batch not above 2 x stages). With ``plan=None`` the plan is made on the
     first ``step()`` (or call, or ``prepare()``) from that batch: rank 0 plans (measured
-    profiling differs between ranks) and broadcasts the plan; every rank traces the model
+    profiling differs between ranks) and shares the plan through the store; every rank traces the model
     itself and checks the plan's fingerprint. With ``plan=...`` a planning option given
     too must agree with the plan. ``timeout`` (seconds) bounds every wait on a peer. A failure on any
     rank makes the others raise it at once (:class:`PipelineError` "rank 0 failed: ..."); a collective
