@@ -309,3 +309,13 @@ def test_hf_llama_with_grouped_kv_heads_at_dp2_pp2_tp2_trains_as_one_process(tmp
     pytest.importorskip("transformers")
     ranks = _run(tmp_path, LLAMA, world=8, stages=2, tp=2)
     _check_exact(ranks, LLAMA, 4, 2, "llama dp2 x pp2 x tp2")
+
+
+def test_a_fused_module_cut_into_other_than_its_projections_is_refused() -> None:
+    """fused_colwise:4 on the 2-projection k/v: each rank would hold a quarter of each half, and its chunk(2) would
+    give k and v the wrong heads (computed, silently wrong, before this was refused)."""
+    from runtime.tp_graph import TensorParallelError, split_activations
+
+    gm, _, meta = _traced_block()
+    with pytest.raises(TensorParallelError, match=r"cuts attn_kv into 2 .* 'fused_colwise:4' makes 4 projections"):
+        split_activations(gm, _splits(gm, dict(_STYLES, **{"attn.kv": "fused_colwise:4"}), 2), meta, 2)
