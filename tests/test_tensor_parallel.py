@@ -319,3 +319,15 @@ def test_a_fused_module_cut_into_other_than_its_projections_is_refused() -> None
     gm, _, meta = _traced_block()
     with pytest.raises(TensorParallelError, match=r"cuts attn_kv into 2 .* 'fused_colwise:4' makes 4 projections"):
         split_activations(gm, _splits(gm, dict(_STYLES, **{"attn.kv": "fused_colwise:4"}), 2), meta, 2)
+
+
+def test_a_device_search_with_tensor_parallel_is_refused() -> None:
+    """The shape search lays out D x P = N ranks priced at T = 1: with T = 2 its plan needed 2N devices (devices=4
+    planned D 4 x P 1 x T 2, 8 ranks)."""
+    from partitioner.errors import OptionError
+    from partitioner.request import PlanRequest
+
+    with pytest.raises(OptionError, match=r"devices= weighs replicas x stages on 4 devices without tensor "
+                                          r"parallelism \(its plan would need 2 x as many\)") as refused:
+        PlanRequest(devices=4, global_batch=8, tensor_parallel=2)
+    assert refused.value.spelled(lambda o: "--" + o.replace("_", "-")).startswith("--devices weighs")
