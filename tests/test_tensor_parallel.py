@@ -327,7 +327,9 @@ def test_a_device_search_with_tensor_parallel_is_refused() -> None:
     from partitioner.errors import OptionError
     from partitioner.request import PlanRequest
 
-    with pytest.raises(OptionError, match=r"devices= weighs replicas x stages on 4 devices without tensor "
+    with pytest.raises(OptionError, match=r"devices= weighs D x P shapes of D x P = 4 ranks without tensor "
                                           r"parallelism \(its plan would need 2 x as many\)") as refused:
         PlanRequest(devices=4, global_batch=8, tensor_parallel=2)
-    assert refused.value.spelled(lambda o: "--" + o.replace("_", "-")).startswith("--devices weighs")
+    assert refused.value.spelled(lambda o: "--" + o.replace("_", "-")) == (
+        "--devices weighs D x P shapes of D x P = 4 ranks without tensor parallelism (its plan would need 2 x as "
+        "many): drop --tensor-parallel, or fix --stages and --data-parallel instead of --devices")
