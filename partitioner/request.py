@@ -155,6 +155,11 @@ class PlanRequest:
                                   "count", "active_microbatches")
             if self.devices is not None and self.data_parallel != 1:
                 raise PlanError("devices= searches the data-parallel degree itself; drop data_parallel=")
+            if self.devices is not None and self.tensor_parallel != 1:  # its shapes are D x P = N, priced at T = 1
+                raise OptionError(f"devices= weighs D x P shapes of D x P = {self.devices} ranks without tensor "
+                                  f"parallelism (its plan would need {self.tensor_parallel} x as many): drop "
+                                  "tensor_parallel=, or fix stages= and data_parallel= instead of devices=",
+                                  "devices", "tensor_parallel", "stages", "data_parallel")
             if self.devices is None and self.stages is None:
                 raise PlanError("a microbatch or schedule search is for a pipeline of stages= ranks (or pass "
                                 "devices=)")

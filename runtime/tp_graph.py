@@ -215,6 +215,12 @@ def _follow(node: fx.Node, ins: Sequence[fx.Node], gm: fx.GraphModule, meta: Map
                 "side by side (a fused q/k/v or k/v Linear); give that module the style 'fused_colwise:N' (N the "
                 "projections) so each rank holds its share of each")
         leaves = meta[node.name].leaves
+        pieces = sum(leaf.is_tensor for leaf in leaves)
+        if chunk_dim == dim and pieces != parts[src.name]:  # a strided shard holds a share of each of its parts
+            raise TensorParallelError(
+                f"{_where(node)} cuts {src.name} into {pieces} along the dim tensor parallelism splits, but its "
+                f"module's style 'fused_colwise:{parts[src.name]}' makes {parts[src.name]} projections: give that "
+                f"module 'fused_colwise:{pieces}'")
         split[node.name] = tuple(dim if leaf.is_tensor else None for leaf in leaves)
     elif name in _ATTENTION:
         others = [a for a in node.args[:3] if isinstance(a, fx.Node)]

@@ -309,3 +309,27 @@ def test_hf_llama_with_grouped_kv_heads_at_dp2_pp2_tp2_trains_as_one_process(tmp
     pytest.importorskip("transformers")
     ranks = _run(tmp_path, LLAMA, world=8, stages=2, tp=2)
     _check_exact(ranks, LLAMA, 4, 2, "llama dp2 x pp2 x tp2")
+
+
+def test_a_fused_module_cut_into_other_than_its_projections_is_refused() -> None:
+    """fused_colwise:4 on the 2-projection k/v: each rank would hold a quarter of each half, and its chunk(2) would
+    give k and v the wrong heads (computed, silently wrong, before this was refused)."""
+    from runtime.tp_graph import TensorParallelError, split_activations
+
+    gm, _, meta = _traced_block()
+    with pytest.raises(TensorParallelError, match=r"cuts attn_kv into 2 .* 'fused_colwise:4' makes 4 projections"):
+        split_activations(gm, _splits(gm, dict(_STYLES, **{"attn.kv": "fused_colwise:4"}), 2), meta, 2)
+
+
+def test_a_device_search_with_tensor_parallel_is_refused() -> None:
+    """The shape search lays out D x P = N ranks priced at T = 1: with T = 2 its plan needed 2N devices (devices=4
+    planned D 4 x P 1 x T 2, 8 ranks)."""
+    from partitioner.errors import OptionError
+    from partitioner.request import PlanRequest
+
+    with pytest.raises(OptionError, match=r"devices= weighs D x P shapes of D x P = 4 ranks without tensor "
+                                          r"parallelism \(its plan would need 2 x as many\)") as refused:
+        PlanRequest(devices=4, global_batch=8, tensor_parallel=2)
+    assert refused.value.spelled(lambda o: "--" + o.replace("_", "-")) == (
+        "--devices weighs D x P shapes of D x P = 4 ranks without tensor parallelism (its plan would need 2 x as "
+        "many): drop --tensor-parallel, or fix --stages and --data-parallel instead of --devices")
