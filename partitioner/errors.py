@@ -36,10 +36,11 @@ class OptionError(PlanError):
         self.options = options
 
     def spelled(self, spell: Callable[[str], str]) -> str:
-        """The message with each option named as ``spell`` names it."""
+        """The message with each option named as ``spell`` names it: where the message names it as an option
+        (``name=``, or ``name`` opening the message), not the same word in its prose ("4 stages")."""
         text = str(self)
         for name in self.options:
-            text = re.sub(rf"\b{re.escape(name)}\b=?", spell(name), text)
+            text = re.sub(rf"^{re.escape(name)}\b=?|(?<![\w.-]){re.escape(name)}=", spell(name), text)
         return text
 
 

@@ -424,7 +424,7 @@ class Plan:
                 dp_link=Link.from_dict(data["replicas"]["link"]) if data.get("replicas", {}).get("link") else None,
                 sharding_weighed={str(k): str(v) for k, v in
                                   (data.get("replicas", {}).get("sharding_weighed") or {}).items()},
-                tensor_parallel=int(data.get("replicas", {}).get("tensor_parallel", 1)),  # older files: none
+                tensor_parallel=data.get("replicas", {}).get("tensor_parallel", 1),  # older files: none; check() refuses 2.5
             )
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
             missing = f"missing field {err}" if isinstance(err, KeyError) else f"{type(err).__name__}: {err}"

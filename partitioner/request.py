@@ -151,7 +151,7 @@ class PlanRequest:
         if self.searching:
             if self.active_microbatches is not None:
                 raise OptionError("active_microbatches fixes one schedule's warm-up, and a search weighs schedules and "
-                                  "microbatch counts as they are: drop active_microbatches, or fix the schedule and "
+                                  "microbatch counts as they are: drop active_microbatches=, or fix the schedule and "
                                   "count", "active_microbatches")
             if self.devices is not None and self.data_parallel != 1:
                 raise PlanError("devices= searches the data-parallel degree itself; drop data_parallel=")

@@ -104,6 +104,8 @@ class PipelinedModel(PipelineState):
 
     Tensor parallel: ``tensor_parallel=T`` splits each stage's modules over T consecutive ranks (world D x P x T)
     by ``tp_plan`` (default the model's own); ``tp_rank``, ``tp_size``: docs/runtime.md#tensor-parallelism.
+    The tp groups are innermost: in the placements above each "rank" is a block of T consecutive ranks.
+    Every tp rank of a replica passes the same batch (a sampler sharding over ``dp_rank``, not the world).
 
     Compiled stages: ``compile=True`` plans for stages compiled with ``torch.compile`` and runs
     them so (a plan made with it runs compiled), on ``compile_backend`` (default "inductor";

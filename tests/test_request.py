@@ -184,3 +184,23 @@ def test_a_made_plan_and_a_sharding_that_disagrees_with_it_are_refused():
     request = PlanRequest(sharding="none")
     with pytest.raises(RuntimeConfigError, match="sharding='none' disagrees with the plan's 'shard_grad_op'"):
         check_agrees(made, request, given_options(request, {"sharding": "none"}))
+
+
+def test_an_option_error_respells_its_options_not_the_same_words_in_its_prose() -> None:
+    from partitioner.errors import OptionError
+
+    err = OptionError("stages must divide devices= (4 stages on 6 devices); drop stages= or devices=",
+                      "stages", "devices")
+    flags = err.spelled(lambda name: f"--{name}")
+    assert flags == "--stages must divide --devices (4 stages on 6 devices); drop --stages or --devices"
+
+
+def test_a_plan_file_with_a_fractional_tensor_parallel_degree_is_refused(tmp_path) -> None:
+    import json
+
+    built = smp.models.build("gpt:size=tiny,batch=4")
+    plan = smp.plan(built.model, built.example_args, stages=2, timing="analytic")
+    data = plan.to_dict()
+    data.setdefault("replicas", {})["tensor_parallel"] = 2.5
+    with pytest.raises(PlanError, match="tensor_parallel is 2.5"):
+        smp.Plan.from_dict(json.loads(json.dumps(data)))
