@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from partitioner.microbatch import split_microbatches
+from runtime.precision import PipelineGradScaler
 from runtime.sharding import local
 from runtime.tensor_parallel import split_over_tp
 from smp.models import build
@@ -24,19 +25,30 @@ def sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
+FP16_SCALE = PipelineGradScaler().scale  # the first loss scale of an fp16 pipeline
+
+
 def reference_step(spec: str, pieces: int, precision: str = "fp32") -> dict[str, Any]:
     """One step of the unpartitioned model on the global batch as ``pieces`` microbatches: loss and gradients, the
-    gradient norm; after an SGD step its state and eval-mode output. ``precision="bf16"``: under autocast."""
+    gradient norm; after an SGD step its state and eval-mode output. ``precision="bf16"`` or ``"fp16"``: under
+    autocast."""
     b = build(spec, seed=0)
     model = b.model
     total = torch.zeros(())
     inputs = split_microbatches(b.example_args, b.example_kwargs, pieces)
     targets = [t[0][0] for t in split_microbatches((b.target,), None, pieces)]
     for (a, k), tgt in zip(inputs, targets):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        with torch.autocast("cpu", dtype=torch.float16 if precision == "fp16" else torch.bfloat16,
+                            enabled=precision in ("bf16", "fp16")):
             loss = b.loss_fn(model(*a, **k), tgt)
-        (loss / pieces).backward()
+        # fp16 as smp runs it: the loss scaled by the scaler's first scale before the backward, the
+        # gradients unscaled after (powers of two: exact, but small half-precision gradients no longer underflow)
+        (loss / pieces * (FP16_SCALE if precision == "fp16" else 1.0)).backward()
         total += loss.detach() / pieces
+    if precision == "fp16":
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad /= FP16_SCALE
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
     sgd(model.parameters()).step()

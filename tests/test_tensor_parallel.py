@@ -78,12 +78,14 @@ def test_zoo_gpt_at_tp2_pp2_interleaved_with_full_recomputation_trains_as_one_pr
 
 
 @pytest.mark.slow
-def test_zoo_gpt_at_tp2_pp2_under_bf16_matches_autocast(tmp_path: Path) -> None:
-    """Within bf16's rounding: the loss to one epsilon; a gradient to four (a rowwise output is the sum of T bf16
-    partial products, each rounded before the all-reduce: one rounding more than the whole matmul's)."""
-    ranks = _run(tmp_path, GPT, world=4, stages=2, tp=2, precision="bf16")
-    ref = reference_step(GPT, 2, "bf16")
-    eps = torch.finfo(torch.bfloat16).eps
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_zoo_gpt_at_tp2_pp2_under_half_precision_matches_autocast(tmp_path: Path, precision: str) -> None:
+    """Within the half type's rounding: the loss to one epsilon; a gradient to four (a rowwise output is the sum of
+    T half-precision partial products, each rounded before the all-reduce: one rounding more than the whole
+    matmul's). fp16 runs with smp's loss scaling, which scales and unscales by powers of two."""
+    ranks = _run(tmp_path, GPT, world=4, stages=2, tp=2, precision=precision)
+    ref = reference_step(GPT, 2, precision)
+    eps = torch.finfo(torch.bfloat16 if precision == "bf16" else torch.float16).eps
     for r, res in enumerate(ranks):
         assert torch.allclose(res["loss"], ref["loss"], rtol=eps), f"rank {r}: loss {res['loss']} != {ref['loss']}"
         for name, g in res["grads"].items():
