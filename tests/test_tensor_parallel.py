@@ -208,7 +208,7 @@ def _traced_block(heads: int = 4) -> tuple[Any, Any, Any]:
 
 
 def _splits(model: torch.nn.Module, plan: dict, tp: int) -> dict:
-    from runtime.tensor_parallel import check_tp_plan
+    from partitioner.tp_plan import check_tp_plan
 
     return {name: how for name, (_, how) in check_tp_plan(model, plan, tp).items()}
 
@@ -216,7 +216,7 @@ def _splits(model: torch.nn.Module, plan: dict, tp: int) -> dict:
 def test_views_that_bake_the_global_head_count_are_rewritten_to_each_ranks_share() -> None:
     import copy
 
-    from runtime.tp_graph import rewrite_stage, split_activations
+    from partitioner.tp_graph import rewrite_stage, split_activations
 
     gm, x, meta = _traced_block()
     views = {n.name: n for n in gm.graph.nodes if n.op == "call_method" and n.target in ("view", "reshape")}
@@ -244,8 +244,9 @@ def test_views_that_bake_the_global_head_count_are_rewritten_to_each_ranks_share
 
 
 def test_what_cannot_run_split_is_refused_naming_the_module_and_the_count() -> None:
-    from runtime.tensor_parallel import TensorParallelError, check_tp_plan, resolve_tp_plan
-    from runtime.tp_graph import split_activations
+    from partitioner.tp_graph import TensorParallelError
+    from partitioner.tp_plan import check_tp_plan, resolve_tp_plan
+    from partitioner.tp_graph import split_activations
     from smp.models import build
 
     gm, _, meta = _traced_block()
