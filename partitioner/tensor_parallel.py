@@ -39,7 +39,7 @@ _COMPUTE_FIELDS = ("fwd", "bwd", "bwd_w", "flops")
 
 @dataclass(frozen=True)
 class _Shaped:
-    """One leaf of a traced value on the meta device: its shape (None for a constant)."""
+    """One leaf of a traced value: its shape (None for a constant)."""
 
     shape: tuple[int, ...] | None
 
@@ -83,7 +83,7 @@ def tensor_parallel_split(model: nn.Module, gm: fx.GraphModule, flat_inputs: Seq
     ``tp_plan`` (default the model's own, partitioner/tp_plan.py): the runtime's own checks and split-activation
     pass, so a T the model cannot split (heads, features) is refused here as it would be there."""
     modules = module_splits(model, resolve_tp_plan(model, tp_plan), size)
-    shapes = _meta_shapes(gm, flat_inputs)
+    shapes = _global_shapes(gm, flat_inputs)
     acts = split_activations(gm, modules, shapes, size)
     op_module: dict[str, str] = {}
     inputs: dict[str, tuple[str, bool]] = {}
@@ -106,19 +106,21 @@ def tensor_parallel_split(model: nn.Module, gm: fx.GraphModule, flat_inputs: Seq
                                op_module, inputs, reads)
 
 
-def _meta_shapes(gm: fx.GraphModule, flat_inputs: Sequence[Any]) -> dict[str, _Value]:
-    """Every value's global shape for one microbatch: the program run on the meta device (no compute, any weights)."""
-    state = {name: torch.empty(t.shape, dtype=t.dtype, device="meta")
-             for name, t in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]}
-    inputs = [x.to("meta") if isinstance(x, torch.Tensor) else x for x in flat_inputs]
+def _global_shapes(gm: fx.GraphModule, flat_inputs: Sequence[Any]) -> dict[str, _Value]:
+    """Every value's global shape for one microbatch, computing nothing: the program run on fake tensors (its
+    weights, whatever device they are on or meta, faked on the inputs' device; a constant the program moves to
+    a device of its own follows)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    real = [x for x in flat_inputs if isinstance(x, torch.Tensor) and not x.is_meta]
+    device = real[0].device if real else torch.device("cpu")
     seen: dict[str, _Value] = {}
 
     class Recorder(fx.Interpreter):
         def run_node(self, node: fx.Node) -> Any:
             out = super().run_node(node)
-            leaves = pytree.tree_leaves(out)
             seen[node.name] = _Value(tuple(_Shaped(tuple(int(d) for d in x.shape) if isinstance(x, torch.Tensor)
-                                                   else None) for x in leaves))
+                                                   else None) for x in pytree.tree_leaves(out)))
             return out
 
     class Holder(nn.Module):
@@ -130,12 +132,15 @@ def _meta_shapes(gm: fx.GraphModule, flat_inputs: Sequence[Any]) -> dict[str, _V
             Recorder(self.gm).run(*flat)
 
     try:
-        with torch.no_grad():
-            torch.func.functional_call(Holder(), {f"gm.{k}": v for k, v in state.items()}, tuple(inputs),
-                                       strict=False, tie_weights=False)
-    except Exception as err:  # an op the meta device cannot run (data-dependent shapes)
-        raise PlanError(f"pricing tensor parallelism runs the traced model on the meta device for its shapes, "
-                        f"which failed: {type(err).__name__}: {err}") from None
+        with torch.random.fork_rng(devices=[]), FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
+            state = {f"gm.{name}": torch.empty(t.shape, dtype=t.dtype, device=device) for name, t in
+                     [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]}
+            inputs = [(torch.empty(x.shape, dtype=x.dtype, device=device) if x.is_meta else mode.from_tensor(x))
+                      if isinstance(x, torch.Tensor) else x for x in flat_inputs]
+            torch.func.functional_call(Holder(), state, tuple(inputs), strict=False, tie_weights=False)
+    except Exception as err:  # an op fake tensors cannot run (data-dependent shapes)
+        raise PlanError(f"pricing tensor parallelism runs the traced model on fake tensors for its shapes, which "
+                        f"failed: {type(err).__name__}: {err}") from None
     return seen
 
 
