@@ -122,7 +122,8 @@ class Candidate:
     def to_dict(self) -> dict[str, Any]:
         p = self.plan
         return {"data_parallel": self.shape.data_parallel, "stages": self.shape.stages,
-                "tensor_parallel": self.shape.tensor_parallel, "microbatches": self.shape.microbatches, "schedule": self.shape.schedule,
+                "tensor_parallel": self.shape.tensor_parallel, "microbatches": self.shape.microbatches,
+                "schedule": self.shape.schedule,
                 "placement": p.placement if p is not None else None, "fits": self.fits,
                 "step_time": self.step_time if p is not None else None,
                 "samples_per_second": self.samples_per_second if p is not None else None,
@@ -164,12 +165,12 @@ def shapes_for(devices: int, global_batch: int, *, schedules: Sequence[str], sta
                tensor_parallel: Sequence[int] = (1,)) -> list[Shape]:
     """Every shape of ``devices`` whose replicas and microbatches split the global batch evenly.
 
-    T runs over ``tensor_parallel`` (those that divide N), P over the divisors of N / T (or is ``stages``); m over the divisors of a replica's
-    batch from min(P, batch) up (or over ``microbatches``, those that divide it): fewer than
-    P microbatches leave ranks idle; more shrink the bubble and, as smaller microbatches,
-    the activations, which is what lets a large model fit (on one rank per pipeline they
-    are gradient accumulation). One rank per pipeline has no schedule to choose: it is
-    listed once, as 1f1b.
+    T runs over ``tensor_parallel`` (those that divide N), P over the divisors of N / T (or is
+    ``stages``); m over the divisors of a replica's batch from min(P, batch) up (or over
+    ``microbatches``, those that divide it): fewer than P microbatches leave ranks idle; more
+    shrink the bubble and, as smaller microbatches, the activations, which is what lets a large
+    model fit (on one rank per pipeline they are gradient accumulation). One rank per pipeline
+    has no schedule to choose: it is listed once, as 1f1b.
     """
     whole(devices, "devices")
     whole(global_batch, "global_batch")

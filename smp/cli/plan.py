@@ -185,7 +185,8 @@ def plan_cmd(
 ) -> None:
     """Partition a model into pipeline stages: per-stage table, predicted step time, bubble, lower bound, gap.
 
-    With --devices N, weigh every replicas x stages x tensor-parallel x microbatches shape on N devices and show the candidates.
+    With --devices N, weigh every replicas x stages x tensor-parallel x microbatches shape on N devices and show the
+    candidates.
     """
     objective = choice(objective.replace("-", "_"), ("bottleneck", "step_time"), "--objective")
     recompute = choice(recompute, RECOMPUTE_CHOICES, "--recompute")
