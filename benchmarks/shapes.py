@@ -2,6 +2,7 @@
 
 Run:  .venv/bin/python benchmarks/shapes.py [--write docs/benchmarks.md]
       .venv/bin/python benchmarks/shapes.py --sharding [--from-results] [--write docs/benchmarks.md]
+      .venv/bin/python benchmarks/shapes.py --tensor-parallel [--models "GPT 13B"] [--devices 64] [--write ...]
 
 Each model is a zoo GPT at real size built on the meta device and profiled analytically
 on the ``h100-sxm`` profile in bf16 (8 GPUs per node on NVLink, nodes on InfiniBand; fp32
@@ -198,10 +199,66 @@ def sharding_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+TP_DEVICES = 64
+TP_SECTION = "## Tensor parallelism inside the pipeline on H100 clusters"
+TP_DOC = f"""Each model is built on the meta device and profiled analytically on ``h100-sxm`` in bf16, as above, once;
+``smp.plan_shapes`` then weighs every shape of N GPUs for a global batch of {GLOBAL_BATCH} sequences of 2048 tokens
+twice: with ``tensor_parallel=1`` (D x P = N, today's search) and with ``tensor_parallel="auto"`` (D x P x T = N,
+T in 1, 2, 4, 8 within a node, priced as in docs/cost-model.md#tensor-parallelism). Predicted samples per second of
+each search's fastest plan that fits in 80 GB, its shape, and the search's time."""
+
+
+def run_tensor_parallel(name: str, spec: str, devices: int) -> dict[str, Any]:
+    """The fastest plan with tensor parallelism weighed and the fastest without, for ``spec`` on ``devices`` H100s."""
+    from partitioner.compile import plan_shapes, profile_model
+    from partitioner.request import PlanRequest
+    from smp.models import build
+
+    built = build(spec + ",batch=1", seed=0, meta=True)
+    request = PlanRequest.build(device_profile="h100-sxm", dtype="bf16", cluster="h100-sxm", devices=devices,
+                                global_batch=GLOBAL_BATCH)
+    t0 = time.perf_counter()
+    graph, info = profile_model(built.model, built.example_args, None, request, microbatches=1)
+    row: dict[str, Any] = {"model": name, "spec": spec, "params": info.num_params, "devices": devices,
+                           "global_batch": GLOBAL_BATCH, "profile_s": time.perf_counter() - t0}
+    for label, tp in (("without", 1), ("with", "auto")):
+        t0 = time.perf_counter()
+        search = plan_shapes(built.model, built.example_args, request=request.with_(tensor_parallel=tp), graph=graph)
+        best = search.candidates[0]
+        row[label] = None if best.plan is None else {
+            "data_parallel": best.shape.data_parallel, "stages": best.shape.stages,
+            "tensor_parallel": best.shape.tensor_parallel, "microbatches": best.shape.microbatches,
+            "schedule": best.shape.schedule, "samples_per_second": best.samples_per_second,
+            "memory_bytes": best.memory, "skipped": {str(t): why for t, why in search.skipped.items()},
+            "search_s": time.perf_counter() - t0}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def tensor_parallel_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| model | GPUs | without T: D x P, m | samples/s | search | with T weighed: D x P x T, m | samples/s | "
+             "search | ratio |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        off, on = r["without"], r["with"]
+
+        def cells(c: dict[str, Any] | None, tp: bool) -> str:
+            if c is None:
+                return "does not fit | - | -"
+            shape = f"{c['data_parallel']} x {c['stages']}" + (f" x {c['tensor_parallel']}" if tp else "")
+            return f"{shape}, m={c['microbatches']} | {c['samples_per_second']:.1f} | {c['search_s']:.0f} s"
+
+        ratio = f"{on['samples_per_second'] / off['samples_per_second']:.2f}x" if on and off else "-"
+        lines.append(f"| {r['model']} | {r['devices']} | {cells(off, False)} | {cells(on, True)} | {ratio} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python benchmarks/shapes.py", description=__doc__)
-    ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
-    ap.add_argument("--devices", nargs="*", type=int, default=list(DEVICES), help="cluster sizes (GPUs)")
+    ap.add_argument("--models", nargs="*", choices=list(MODELS),
+                    help="default: every model (--tensor-parallel: GPT 13B)")
+    ap.add_argument("--devices", nargs="*", type=int,
+                    help=f"cluster sizes (GPUs); default: {', '.join(map(str, DEVICES))} (--tensor-parallel: "
+                         f"{TP_DEVICES})")
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/shapes.json")
     ap.add_argument("--write", type=Path, help="replace this benchmark's section of a markdown file")
     ap.add_argument("--resume", type=Path, help="the output of an interrupted run: its rows (the JSON lines this "
@@ -210,7 +267,23 @@ def main(argv: list[str] | None = None) -> None:
                                                                  "benchmarks/results/sharding.json, nothing solved")
     ap.add_argument("--sharding", action="store_true", help=f"instead: {SHARDING_SECTION[3:]} (the plan with "
                                                              "sharding weighed against the best without)")
+    ap.add_argument("--tensor-parallel", action="store_true", help=f"instead: {TP_SECTION[3:]} (the plan with "
+                                                                    "T weighed against the best without)")
     a = ap.parse_args(argv)
+    if a.tensor_parallel:
+        rows = [run_tensor_parallel(name, MODELS[name], n) for name in (a.models or ["GPT 13B"])
+                for n in (a.devices or [TP_DEVICES])]
+        text = tensor_parallel_table(rows)
+        print(text)
+        out = ROOT / "benchmarks/results/tensor_parallel.json"
+        out.write_text(json.dumps(rows, indent=1) + "\n")
+        if a.write is not None:
+            write_section(a.write, TP_SECTION, "`.venv/bin/python benchmarks/shapes.py --tensor-parallel --write "
+                          "docs/benchmarks.md` (written by the script; raw rows in "
+                          f"`benchmarks/results/tensor_parallel.json`).\n{TP_DOC}\n\n{text}")
+        return
+    a.models = a.models or list(MODELS)
+    a.devices = a.devices or list(DEVICES)
     if a.sharding:
         out = ROOT / "benchmarks/results/sharding.json"
         if a.from_results:

@@ -6,6 +6,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch.fx as fx
 from torch import nn
 
 from partitioner.cluster import Cluster
@@ -18,15 +19,16 @@ from partitioner.plan import (PLACEMENTS, ModelInfo, Plan, PlanError, replica_la
                               simulate_partition)
 from partitioner.problem import DEFAULT_WORKSPACE_FACTOR, ProblemSettings
 from partitioner.profile import profile
-from partitioner.program import fingerprint
+from partitioner.program import fingerprint, flatten_inputs
 from partitioner.request import PlanRequest
 from partitioner.shapes import ShapeSearch, search_shapes
 from partitioner.sharding import SHARDING_MODES, state_bytes
 from partitioner.solve import solve
+from partitioner.tensor_parallel import TensorParallelSplit, price_tensor_parallel, tensor_parallel_split, tp_link
 from partitioner.trace import trace
 from partitioner.units import format_bytes
 
-__all__ = ["plan", "plan_from_graph", "plan_shapes", "profile_model", "tied_groups", "PlanRequest"]
+__all__ = ["plan", "plan_from_graph", "plan_shapes", "profile_model", "trace_model", "tied_groups", "PlanRequest"]
 
 
 def plan(
@@ -37,6 +39,7 @@ def plan(
     *,
     graph: OpGraph | None = None,
     progress: Callable[[int, int], None] | None = None,
+    tp_plan: Mapping[str, Any] | None = None,
     **options: Any,
 ) -> Plan:
     """Trace, profile, solve, schedule and simulate: the whole compiler in one call.
@@ -53,6 +56,8 @@ def plan(
     answer itself. Bounds, gap and ``optimal`` always speak of the bottleneck
     (``Partition.bound_on``). A training plan traces and profiles the model in train mode
     whatever mode the module is in; ``training=False`` plans inference in eval mode.
+    ``tensor_parallel=T`` > 1 prices each stage's modules split over T ranks by ``tp_plan`` (default the model's
+    own: partitioner/tp_plan.py), per tp rank (partitioner/tensor_parallel.py).
 
     A search instead of one shape (``devices=N``, ``microbatches="auto"`` or a list,
     ``schedule="auto"`` or a list): the fastest simulated plan that fits memory;
@@ -60,16 +65,22 @@ def plan(
     """
     request = PlanRequest.build(request, **options)
     if request.searching:
-        return plan_shapes(model, example_args, example_kwargs, request, graph=graph, progress=progress).best
+        return plan_shapes(model, example_args, example_kwargs, request, graph=graph, progress=progress,
+                           tp_plan=tp_plan).best
     if request.stages is None:
         raise PlanError("pass stages= (pipeline ranks), or devices= to search data parallel x stages x microbatches")
     args, kwargs = _inputs(example_args, example_kwargs)
     batch = batch_size(args, kwargs)
     request = request.with_(microbatches=request.microbatches_for(batch if isinstance(batch, int) else 1),
                             training=request.trains)
-    _resolve_cluster(request.cluster, request.stages * request.data_parallel)
+    cluster = _resolve_cluster(request.cluster, request.stages * request.data_parallel * request.tensor_parallel)
+    gm = trace_model(model, args, kwargs, request, microbatches=request.microbatches)
     graph, model_info = profile_model(model, args, kwargs, request, microbatches=request.microbatches, graph=graph,
-                                 progress=progress)
+                                      progress=progress, traced=gm)
+    if request.tensor_parallel > 1:
+        split = tensor_parallel_split(model, gm, _micro_inputs(gm, args, kwargs, request.microbatches),
+                                      request.tensor_parallel, tp_plan)
+        graph = price_tensor_parallel(graph, split, tp_link(cluster, request.tensor_parallel))
     return plan_from_graph(graph, request, model_info=model_info)
 
 
@@ -82,6 +93,7 @@ def plan_shapes(
     graph: OpGraph | None = None,
     progress: Callable[[int, int], None] | None = None,
     shape_progress: Callable[[int, int], None] | None = None,
+    tp_plan: Mapping[str, Any] | None = None,
     **options: Any,
 ) -> ShapeSearch:
     """Every shape of ``devices`` weighed for ``global_batch`` samples a step, fastest first.
@@ -93,7 +105,9 @@ def plan_shapes(
     is that graph scaled (partitioner/shapes.py); with measured timing, a microbatch size the
     sample batch splits into is profiled on its own instead. ``cluster`` (default:
     ``device_profile``'s devices, else free links and no memory limit) prices the links and
-    bounds the memory.
+    bounds the memory. ``tensor_parallel="auto"`` weighs T in :data:`TP_DEGREES` (those that divide the GPUs of a
+    node and the devices, and that the model's ``tp_plan`` can split: the others are reported as skipped, with why);
+    a whole number fixes T.
     """
     request = PlanRequest.build(request, **options)
     devices = request.devices if request.devices is not None else request.stages
@@ -111,7 +125,14 @@ def plan_shapes(
         raise PlanError("the shape search splits the batch among replicas and microbatches: the sample inputs need "
                         "a batch dimension (dim 0 of the tensor inputs)")
     given = graph is not None
-    graph, model_info = profile_model(model, args, kwargs, request, microbatches=1, graph=graph, progress=progress)
+    gm = trace_model(model, args, kwargs, request, microbatches=1)
+    graph, model_info = profile_model(model, args, kwargs, request, microbatches=1, graph=graph, progress=progress,
+                                      traced=gm)
+    degrees, skipped, splits = _tp_degrees(model, gm, _micro_inputs(gm, args, kwargs, 1), request, resolved, tp_plan)
+    link = {t: tp_link(resolved, t) for t in degrees}
+
+    def price_tp(g: OpGraph, t: int) -> OpGraph:
+        return price_tensor_parallel(g, splits[t], link[t])
 
     def profiled(micro: int) -> OpGraph | None:
         """Measured times do not scale with the microbatch (per-op overheads, caches): a size the sample
@@ -120,9 +141,47 @@ def plan_shapes(
             return None
         return profile_model(model, args, kwargs, request, microbatches=sample // micro)[0]
 
-    return search_shapes(graph, request.with_(global_batch=request.global_batch or sample, cluster=resolved),
+    return search_shapes(graph, request.with_(global_batch=request.global_batch or sample, cluster=resolved,
+                                              tensor_parallel=1),
                          profiled_batch=sample, solve_plan=plan_from_graph, model_info=model_info,
-                         progress=shape_progress, graph_for=profiled)
+                         progress=shape_progress, graph_for=profiled, price_tp=price_tp, tensor_parallel=degrees,
+                         skipped=skipped)
+
+
+#: The tensor-parallel degrees a search weighs (within a node: T divides its GPUs).
+TP_DEGREES = (1, 2, 4, 8)
+
+
+def _tp_degrees(model: nn.Module, gm: fx.GraphModule, flat_inputs: list[Any], request: PlanRequest,
+                cluster: Cluster | None, tp_plan: Mapping[str, Any] | None
+                ) -> tuple[list[int], dict[int, str], dict[int, TensorParallelSplit]]:
+    """The degrees T a search weighs (the request's, or :data:`TP_DEGREES` for "auto"), those skipped and why, and
+    each weighed T's split of the model. A fixed T the model cannot split is an error; under "auto" it is skipped."""
+    auto = request.tensor_parallel == "auto"
+    asked = TP_DEGREES if auto else (int(request.tensor_parallel),)
+    devices = request.devices or 1
+    per_node = None
+    if cluster is not None:
+        per_node = sum(1 for d in cluster.devices if d.node == cluster.devices[0].node)
+    degrees, skipped, splits = [], {}, {}
+    for t in asked:
+        if devices % t:
+            skipped[t] = f"does not divide the {devices} devices"
+        elif auto and per_node is not None and per_node % t:
+            skipped[t] = f"does not divide the {per_node} GPUs of a node (tensor parallelism stays within one)"
+        elif t > 1:
+            try:
+                splits[t] = tensor_parallel_split(model, gm, flat_inputs, t, tp_plan)
+            except PlanningError as err:  # TensorParallelError: heads, features, no tp plan
+                if not auto:
+                    raise
+                skipped[t] = " ".join(str(err).split())
+        if t not in skipped:
+            degrees.append(t)
+    if not degrees:
+        raise PlanError(f"no tensor-parallel degree of {asked} can run: " + "; ".join(
+            f"T={t} {why}" for t, why in skipped.items()))
+    return degrees, skipped, splits
 
 
 def _inputs(example_args: Sequence[Any] | Any, example_kwargs: Mapping[str, Any] | None) -> tuple[tuple, dict]:
@@ -131,21 +190,44 @@ def _inputs(example_args: Sequence[Any] | Any, example_kwargs: Mapping[str, Any]
     return args, dict(example_kwargs or {})
 
 
+def trace_model(model: nn.Module, example_args: Sequence[Any] | Any, example_kwargs: Mapping[str, Any] | None,
+                request: PlanRequest, *, microbatches: int) -> fx.GraphModule:
+    """The model traced on one of ``microbatches`` microbatches of the sample batch, in the request's mode (train
+    mode for a training plan, whatever mode the module is in)."""
+    args, kwargs = _inputs(example_args, example_kwargs)
+    how = request.profiling
+    was_training = model.training
+    model.train(request.trains)
+    try:
+        # One trace, on one microbatch: what the runtime traces too (an export trace is specialised
+        # to the shapes it saw), so the fingerprint is the one every rank will compute.
+        micro_args, micro_kwargs = split_microbatches(args, kwargs, microbatches)[0]
+        return trace(model, micro_args, micro_kwargs, frontend=how.frontend, leaf_modules=how.leaf_modules)
+    finally:
+        model.train(was_training)
+
+
+def _micro_inputs(gm: fx.GraphModule, args: tuple, kwargs: dict, microbatches: int) -> list[Any]:
+    """The traced program's inputs for one of ``microbatches`` microbatches of the sample batch."""
+    micro_args, micro_kwargs = split_microbatches(args, kwargs, microbatches)[0]
+    return flatten_inputs(gm, micro_args, micro_kwargs)
+
+
 def profile_model(model: nn.Module, example_args: Sequence[Any] | Any, example_kwargs: Mapping[str, Any] | None,
                   request: PlanRequest, *, microbatches: int, graph: OpGraph | None = None,
-                  progress: Callable[[int, int], None] | None = None) -> tuple[OpGraph, ModelInfo]:
-    """The model traced and costed on one of ``microbatches`` microbatches of the sample batch (unless ``graph``
-    is given), as ``request.profiling`` says, and what a plan says of the model."""
+                  progress: Callable[[int, int], None] | None = None,
+                  traced: fx.GraphModule | None = None) -> tuple[OpGraph, ModelInfo]:
+    """The model traced (unless ``traced`` is :func:`trace_model`'s already) and costed on one of ``microbatches``
+    microbatches of the sample batch (unless ``graph`` is given), as ``request.profiling`` says, and what a plan
+    says of the model."""
     args, kwargs = _inputs(example_args, example_kwargs)
     how = request.profiling
     training = request.trains
     was_training = model.training
     model.train(training)
     try:
-        # One trace, on one microbatch: what the runtime traces too (an export trace is specialised
-        # to the shapes it saw), so the fingerprint is the one every rank will compute.
         micro_args, micro_kwargs = split_microbatches(args, kwargs, microbatches)[0]
-        gm = trace(model, micro_args, micro_kwargs, frontend=how.frontend, leaf_modules=how.leaf_modules)
+        gm = traced if traced is not None else trace_model(model, args, kwargs, request, microbatches=microbatches)
         if graph is None:
             on_meta = any(p.is_meta for p in model.parameters())
             timing = how.timing or ("analytic" if on_meta or how.device_profile else "measured")
@@ -203,6 +285,10 @@ def plan_from_graph(
     if request.stages is None:
         raise PlanError("pass stages= (pipeline ranks)")
     stages, data_parallel = request.stages, request.data_parallel
+    if graph.meta.get("tensor_parallel", 1) != request.tensor_parallel:
+        raise PlanError(f"the graph is priced for tensor_parallel={graph.meta.get('tensor_parallel', 1)}, the request "
+                        f"asks for {request.tensor_parallel}: plan the model itself (smp.plan(model, ..., "
+                        "tensor_parallel=T) prices T; partitioner/tensor_parallel.py)")
     if request.placement is None and data_parallel > 1 and request.cluster is not None:
         plans, bounds = [], []
         for how in PLACEMENTS:
@@ -216,7 +302,9 @@ def plan_from_graph(
         return min(plans, key=lambda p: p.step_time)
     training = bool(graph.meta.get("training", True)) if request.training is None else request.training
     # compiled stages run unsharded (PlanRequest refuses a sharding given with compile=True)
-    if request.sharding == "auto" and data_parallel > 1 and training and not graph.meta.get("compiled", False):
+    # (split stages run unsharded: runtime/tensor_parallel.py refuses FSDP over tensor-parallel stages yet)
+    if request.sharding == "auto" and data_parallel > 1 and training and not graph.meta.get("compiled", False) \
+            and request.tensor_parallel == 1:
         return weigh_sharding(lambda mode: plan_from_graph(graph, request.with_(sharding=mode), model_info=model_info,
                                                            check_schedule=check_schedule, prune_above=prune_above),
                               request.stages_per_rank, request.kind)
@@ -225,8 +313,9 @@ def plan_from_graph(
     kind = request.kind
     v = request.stages_per_rank
     num_stages = stages * v
-    base_cluster, dp_link = replica_layout(_resolve_cluster(request.cluster, stages * data_parallel), stages,
-                                           data_parallel, placement)
+    base_cluster, dp_link = replica_layout(_tp_groups(_resolve_cluster(request.cluster, stages * data_parallel
+                                                                       * request.tensor_parallel),
+                                                      request.tensor_parallel), stages, data_parallel, placement)
     if len(graph) < num_stages:
         raise PlanError(f"the model has {len(graph)} ops, fewer than the {num_stages} stages asked for; "
                         "use fewer stages (or fewer virtual stages)")
@@ -342,6 +431,14 @@ def _model_info_from_graph(graph: OpGraph, microbatches: int, training: bool, na
         profiled_on=meta.get("device"),
         compiled=bool(meta.get("compiled", False)),
     )
+
+
+def _tp_groups(cluster: Cluster | None, tensor_parallel: int) -> Cluster | None:
+    """The cluster as its tensor-parallel groups (T consecutive devices each, as runtime/layout.py places them): one
+    device per group, its first, linked to the next group's as their peers are (each tp rank sends to its peer)."""
+    if cluster is None or tensor_parallel == 1:
+        return cluster
+    return cluster.subset(range(0, len(cluster) - tensor_parallel + 1, tensor_parallel))
 
 
 def _resolve_cluster(cluster: Cluster | str | Path | None, devices: int) -> Cluster | None:

@@ -227,10 +227,11 @@ class OpGraph:
         """
         data = self.to_dict()
         for node in data["nodes"]:
-            for key in ("fwd", "bwd", "bwd_w"):
+            for key in ("fwd", "bwd", "bwd_w", "tp_fwd_comm", "tp_bwd_comm"):  # tp: a priced graph's collectives
                 if key in node:
                     node[key] *= factor
-            for key in ("out_bytes", "saved_bytes", "saved_output_bytes", "storage_bytes", "flops", *KERNEL_FIELDS):
+            for key in ("out_bytes", "saved_bytes", "saved_output_bytes", "storage_bytes", "flops", *KERNEL_FIELDS,
+                        "tp_fwd_bytes", "tp_bwd_bytes"):
                 if key in node:
                     node[key] = int(round(node[key] * factor))
         return OpGraph.from_dict(data)

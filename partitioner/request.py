@@ -81,9 +81,9 @@ class PlanRequest:
     ``recompute`` ("auto", "none", "selective", "full", "offload"), at most ``active_microbatches`` in
     flight (gpipe, 1f1b), ``data_parallel`` replicas laid out by ``placement`` (None: both
     tried, the faster kept), each stage's modules split over ``tensor_parallel`` ranks (T; recorded in
-    the plan, run by runtime/tensor_parallel.py; not priced yet). A search instead: ``devices`` (N; D x P x m
-    weighed for ``global_batch`` samples a step), ``microbatches="auto"`` or a tuple of counts, ``schedule``
-    "auto" or a tuple of kinds. The solver: ``cluster`` (a Cluster, a profile name or a file),
+    the plan, run by runtime/tensor_parallel.py, priced by partitioner/tensor_parallel.py). A search instead:
+    ``devices`` (N; D x P x T x m weighed for ``global_batch`` samples a step; T fixed, or "auto": weighed),
+    ``microbatches="auto"`` or a tuple of counts, ``schedule`` "auto" or a tuple of kinds. The solver: ``cluster`` (a Cluster, a profile name or a file),
     ``memory_limit`` (bytes per device), ``method``, ``time_limit`` (seconds), ``objective``,
     ``colocate_tied``; ``training`` (None: the graph's, else a training step); ``sharding`` (how a
     stage's replicas hold its state: :mod:`partitioner.sharding`'s modes, or "auto"). ``profiling``:
@@ -97,7 +97,7 @@ class PlanRequest:
     recompute: str = "auto"
     active_microbatches: int | None = None
     data_parallel: int = 1
-    tensor_parallel: int = 1
+    tensor_parallel: int | str = 1
     placement: str | None = None
     devices: int | None = None
     global_batch: int | None = None
@@ -115,10 +115,14 @@ class PlanRequest:
         from partitioner.solve import check_choices  # the solvers' names live with the solvers
 
         if self.tensor_parallel == "auto":
-            raise PlanError("tensor_parallel='auto' (the planner choosing T) is not supported yet: pass the "
-                            "tensor-parallel degree, a whole number (e.g. tensor_parallel=2)")
+            if self.devices is None:
+                raise PlanError("tensor_parallel='auto' (the planner choosing T) is not supported yet for one plan: "
+                                "it weighs T in a shape search (pass devices=N too), or pass the tensor-parallel "
+                                "degree, a whole number (e.g. tensor_parallel=2)")
+        else:
+            object.__setattr__(self, "tensor_parallel", whole(self.tensor_parallel, "tensor_parallel"))
         for name, optional in (("stages", True), ("virtual_stages", False), ("data_parallel", False),
-                               ("tensor_parallel", False), ("devices", True), ("global_batch", True),
+                               ("devices", True), ("global_batch", True),
                                ("active_microbatches", True)):
             object.__setattr__(self, name, whole(getattr(self, name), name, optional=optional))
         flag(self.colocate_tied, "colocate_tied")
@@ -155,11 +159,6 @@ class PlanRequest:
                                   "count", "active_microbatches")
             if self.devices is not None and self.data_parallel != 1:
                 raise PlanError("devices= searches the data-parallel degree itself; drop data_parallel=")
-            if self.devices is not None and self.tensor_parallel != 1:  # its shapes are D x P = N, priced at T = 1
-                raise OptionError(f"devices= weighs D x P shapes of D x P = {self.devices} ranks without tensor "
-                                  f"parallelism (its plan would need {self.tensor_parallel} x as many): drop "
-                                  "tensor_parallel=, or fix stages= and data_parallel= instead of devices=",
-                                  "devices", "tensor_parallel", "stages", "data_parallel")
             if self.devices is None and self.stages is None:
                 raise PlanError("a microbatch or schedule search is for a pipeline of stages= ranks (or pass "
                                 "devices=)")

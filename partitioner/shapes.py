@@ -1,6 +1,7 @@
-"""The data-parallel x pipeline shape search: every (replicas, stages, microbatches, schedule) on N devices.
+"""The data-parallel x pipeline x tensor-parallel shape search: every (replicas, stages, tp, microbatches, schedule).
 
-A shape is D replicas of a P-rank pipeline with D x P = N, each replica's share of the
+A shape is D replicas of a P-rank pipeline whose stages are split over T tensor-parallel ranks
+(partitioner/tensor_parallel.py prices a T), D x P x T = N, each replica's share of the
 global batch B split into m microbatches, run under one schedule. The shapes are compared
 by simulated step time, which, the global batch being the same for all, orders them by
 samples per second too. Two phases keep 64 devices under a minute: every shape is first
@@ -35,7 +36,7 @@ import math
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -58,19 +59,22 @@ MAX_FINALISTS = 3
 
 @dataclass(frozen=True, order=True)
 class Shape:
-    """D replicas x P pipeline ranks, m microbatches per replica per step, one schedule."""
+    """D replicas x P pipeline ranks (each stage split over T tp ranks), m microbatches per replica per step, one
+    schedule."""
 
     data_parallel: int
     stages: int
     microbatches: int
     schedule: str
+    tensor_parallel: int = 1
 
     @property
     def devices(self) -> int:
-        return self.data_parallel * self.stages
+        return self.data_parallel * self.stages * self.tensor_parallel
 
     def __str__(self) -> str:
-        return f"{self.data_parallel}x{self.stages} {self.schedule} m={self.microbatches}"
+        tp = f" tp{self.tensor_parallel}" if self.tensor_parallel > 1 else ""
+        return f"{self.data_parallel}x{self.stages}{tp} {self.schedule} m={self.microbatches}"
 
 
 @dataclass
@@ -118,7 +122,8 @@ class Candidate:
     def to_dict(self) -> dict[str, Any]:
         p = self.plan
         return {"data_parallel": self.shape.data_parallel, "stages": self.shape.stages,
-                "microbatches": self.shape.microbatches, "schedule": self.shape.schedule,
+                "tensor_parallel": self.shape.tensor_parallel, "microbatches": self.shape.microbatches,
+                "schedule": self.shape.schedule,
                 "placement": p.placement if p is not None else None, "fits": self.fits,
                 "step_time": self.step_time if p is not None else None,
                 "samples_per_second": self.samples_per_second if p is not None else None,
@@ -137,6 +142,7 @@ class ShapeSearch:
     devices: int
     global_batch: int
     candidates: list[Candidate]
+    skipped: dict[int, str] = field(default_factory=dict)  # a tensor-parallel degree not weighed -> why
 
     @property
     def best(self) -> Plan:
@@ -150,19 +156,21 @@ class ShapeSearch:
 
     def to_dict(self) -> dict[str, Any]:
         return {"devices": self.devices, "global_batch": self.global_batch,
-                "candidates": [c.to_dict() for c in self.candidates]}
+                "candidates": [c.to_dict() for c in self.candidates],
+                "tensor_parallel_skipped": {str(t): why for t, why in self.skipped.items()}}
 
 
 def shapes_for(devices: int, global_batch: int, *, schedules: Sequence[str], stages: int | None = None,
-               microbatches: Sequence[int] | None = None, max_stages: int | None = None) -> list[Shape]:
+               microbatches: Sequence[int] | None = None, max_stages: int | None = None,
+               tensor_parallel: Sequence[int] = (1,)) -> list[Shape]:
     """Every shape of ``devices`` whose replicas and microbatches split the global batch evenly.
 
-    P runs over the divisors of N (or is ``stages``); m over the divisors of a replica's
-    batch from min(P, batch) up (or over ``microbatches``, those that divide it): fewer than
-    P microbatches leave ranks idle; more shrink the bubble and, as smaller microbatches,
-    the activations, which is what lets a large model fit (on one rank per pipeline they
-    are gradient accumulation). One rank per pipeline has no schedule to choose: it is
-    listed once, as 1f1b.
+    T runs over ``tensor_parallel`` (those that divide N), P over the divisors of N / T (or is
+    ``stages``); m over the divisors of a replica's batch from min(P, batch) up (or over
+    ``microbatches``, those that divide it): fewer than P microbatches leave ranks idle; more
+    shrink the bubble and, as smaller microbatches, the activations, which is what lets a large
+    model fit (on one rank per pipeline they are gradient accumulation). One rank per pipeline
+    has no schedule to choose: it is listed once, as 1f1b.
     """
     whole(devices, "devices")
     whole(global_batch, "global_batch")
@@ -171,19 +179,22 @@ def shapes_for(devices: int, global_batch: int, *, schedules: Sequence[str], sta
         whole(m, "each microbatch count", error=PlanError)
     check_stages_divide(stages, devices)
     out: list[Shape] = []
-    for p in [stages] if stages is not None else _divisors(devices):
-        if max_stages is not None and p > max_stages:
+    for t in tensor_parallel:
+        if devices % t or (stages is not None and (devices // t) % stages):
             continue
-        d = devices // p
-        if global_batch % d:
-            continue
-        share = global_batch // d
-        if microbatches is not None:
-            counts = [m for m in microbatches if share % m == 0]
-        else:
-            counts = [m for m in _divisors(share) if m >= min(p, share)]
-        for kind in (["1f1b"] if p == 1 else kinds):
-            out.extend(Shape(d, p, m, kind) for m in counts)
+        for p in [stages] if stages is not None else _divisors(devices // t):
+            if max_stages is not None and p > max_stages:
+                continue
+            d = devices // (p * t)
+            if global_batch % d:
+                continue
+            share = global_batch // d
+            if microbatches is not None:
+                counts = [m for m in microbatches if share % m == 0]
+            else:
+                counts = [m for m in _divisors(share) if m >= min(p, share)]
+            for kind in (["1f1b"] if p == 1 else kinds):
+                out.extend(Shape(d, p, m, kind, t) for m in counts)
     return out
 
 
@@ -196,6 +207,9 @@ def search_shapes(
     model_info: ModelInfo | None = None,
     progress: Callable[[int, int], None] | None = None,
     graph_for: Callable[[int], OpGraph | None] | None = None,
+    price_tp: Callable[[OpGraph, int], OpGraph] | None = None,
+    tensor_parallel: Sequence[int] = (1,),
+    skipped: Mapping[int, str] | None = None,
 ) -> ShapeSearch:
     """Weigh every shape of ``request.devices`` for ``request.global_batch`` samples a step; the fastest first.
 
@@ -205,6 +219,9 @@ def search_shapes(
     ``profiled_batch`` samples; a microbatch of u samples is costed by ``graph_for(u)`` where
     it gives a graph (e.g. one profiled at that size), else by ``graph`` scaled. ``solve_plan``
     is :func:`partitioner.compile.plan_from_graph` (passed in: the compiler imports this module).
+    ``tensor_parallel``: the degrees T weighed, each shape's graph priced for its T by ``price_tp(graph, T)``
+    (:func:`partitioner.tensor_parallel.price_tensor_parallel` for the model; needed for a T > 1); ``skipped``: the
+    degrees not weighed and why (reported with the search).
     """
     devices, cluster, placement = request.devices, request.cluster, request.placement
     global_batch = request.global_batch
@@ -215,8 +232,10 @@ def search_shapes(
     if cluster is not None and len(cluster.devices) < devices:
         raise PlanError(f"the cluster {cluster.name!r} has {len(cluster.devices)} devices, fewer than the {devices} "
                         "to plan for; load it with more (Cluster.load(name, devices=N))")
+    if price_tp is None and any(t > 1 for t in tensor_parallel):
+        raise PlanError("weighing tensor parallelism needs its pricing of the model (price_tp)")
     shapes = shapes_for(devices, global_batch, schedules=request.schedules, stages=request.stages,
-                        microbatches=request.microbatch_counts, max_stages=len(graph))
+                        microbatches=request.microbatch_counts, max_stages=len(graph), tensor_parallel=tensor_parallel)
     if not shapes:
         raise PlanError(f"no shape of {devices} devices splits a global batch of {global_batch} evenly: use a global "
                         f"batch that a divisor of {devices} divides (e.g. {devices * max(1, global_batch // devices)})")
@@ -225,36 +244,44 @@ def search_shapes(
                         "(e.g. cluster='h100-sxm'), or fix stages= to the device count")
     training = graph.meta.get("training", True) if request.training is None else request.training
     speed = max(d.speed for d in cluster.devices[:devices]) if cluster is not None else 1.0
-    base = _work(graph, training)
+    graphs: dict[tuple[int, int], OpGraph] = {(profiled_batch, 1): graph}  # (microbatch size, T) -> its graph
+    own: set[int] = set()  # microbatch sizes with a graph of their own (profiled at that size)
+
+    def graph_of(micro: int, tp: int = 1) -> OpGraph:
+        g = graphs.get((micro, tp))
+        if g is None:
+            if tp > 1:
+                assert price_tp is not None
+                g = price_tp(graph_of(micro), tp)
+            else:
+                g = graph_for(micro) if graph_for is not None else None
+                if g is not None:
+                    own.add(micro)
+                g = g if g is not None else graph.scaled(micro / profiled_batch)
+            graphs[(micro, tp)] = g
+        return g
+
+    # each T's work per tp rank on the profiled microbatch: scaled by each shape's microbatch below
+    base = {t: _work(graph_of(profiled_batch, t), training) for t in sorted({s.tensor_parallel for s in shapes})}
     candidates = [Candidate(shape, global_batch, lower_bound=_step_lower_bound(
-        shape, base, speed, global_batch / (shape.data_parallel * shape.microbatches) / profiled_batch))
-        for shape in shapes]
+        shape, base[shape.tensor_parallel], speed,
+        global_batch / (shape.data_parallel * shape.microbatches) / profiled_batch)) for shape in shapes]
     # Screen every shape with the fast exact-bottleneck DP, then solve the finalists as plan() would.
     two_phase = request.method == "auto" and request.objective == "step_time"
     # Screened plans' schedules are not validated (a search builds hundreds; the simulator
     # still walks each and stops at a deadlock): the plan returned is, below.
     screen = {"method": "dp", "objective": "bottleneck"} if two_phase else {}
-    graphs: dict[int, OpGraph] = {profiled_batch: graph}
-    own: set[int] = set()  # microbatch sizes with a graph of their own (profiled at that size)
-
-    def graph_of(micro: int) -> OpGraph:
-        g = graphs.get(micro)
-        if g is None:
-            g = graph_for(micro) if graph_for is not None else None
-            if g is not None:
-                own.add(micro)
-            graphs[micro] = g = g if g is not None else graph.scaled(micro / profiled_batch)
-        return g
 
     def solve(cand: Candidate, changes: Mapping[str, Any], *, check: bool, where: str | None = placement,
               prune_above: float | None = None, behind: str = "") -> None:
         shape = cand.shape
-        g = graph_of(global_batch // (shape.data_parallel * shape.microbatches))
+        g = graph_of(global_batch // (shape.data_parallel * shape.microbatches), shape.tensor_parallel)
         info = replace(model_info, batch_size=global_batch // shape.data_parallel) if model_info else None
         try:
             cand.plan = solve_plan(
                 g, request.with_(devices=None, global_batch=None, stages=shape.stages, microbatches=shape.microbatches,
                                  schedule=shape.schedule, data_parallel=shape.data_parallel,
+                                 tensor_parallel=shape.tensor_parallel,
                                  placement=where if shape.data_parallel > 1 and shape.stages > 1 else "cluster",
                                  **changes),
                 model_info=info, prune_above=prune_above, check_schedule=check)
@@ -270,7 +297,8 @@ def search_shapes(
         micro = global_batch // (cand.shape.data_parallel * cand.shape.microbatches)
         if graph_for is not None and graph_of(micro) is not None and micro in own:
             # profiled at its own size: the scaled graph's bound does not hold for it, its own does
-            cand.lower_bound = _step_lower_bound(cand.shape, _work(graphs[micro], training), speed, 1.0)
+            cand.lower_bound = _step_lower_bound(cand.shape, _work(graph_of(micro, cand.shape.tensor_parallel),
+                                                                   training), speed, 1.0)
         if cand.lower_bound >= best:
             cand.reason = f"pruned: its lower bound {cand.lower_bound:.4g} s is no better than {best:.4g} s"
         else:
@@ -313,13 +341,21 @@ def search_shapes(
         head.partition.notes.append(
             f"shape chosen among {len(candidates)} candidates ({devices} devices, global batch {global_batch}): the "
             "fastest simulated step that fits memory (partitioner/shapes.py)")
-    return ShapeSearch(devices, global_batch, candidates)
+    return ShapeSearch(devices, global_batch, candidates, dict(skipped or {}))
 
 
 def _work(graph: OpGraph, training: bool) -> list[float]:
-    """Each op's compute time (forward, and backward when training), largest first."""
-    return sorted((graph[v].get("fwd", 0.0) + (graph[v].get("bwd", 0.0) if training else 0.0) for v in graph.nx),
-                  reverse=True)
+    """Each op's compute time per rank (forward, and backward when training), largest first.
+
+    A graph priced for T tp ranks counts its split ops' 1/T and leaves out its tensor-parallel collectives
+    (``tp_fwd_comm``, ``tp_bwd_comm``, in fwd and bwd): what is left scales exactly with the microbatch, as the
+    bound's ``factor`` assumes (a collective's latency does not), and the collectives only add to a rank's time,
+    so the bound stays a lower bound under T."""
+    def compute(d: Mapping[str, Any]) -> float:
+        fwd = d.get("fwd", 0.0) - d.get("tp_fwd_comm", 0.0)
+        return fwd + (d.get("bwd", 0.0) - d.get("tp_bwd_comm", 0.0) if training else 0.0)
+
+    return sorted((compute(graph[v]) for v in graph.nx), reverse=True)
 
 
 def _step_lower_bound(shape: Shape, work: Sequence[float], speed: float, factor: float) -> float:

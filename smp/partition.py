@@ -341,7 +341,7 @@ class PipelinedModel(PipelineState):
             # autocast: the profile then records what autograd saves in that precision (bf16 activations, the
             # bf16 copies of the fp32 weights autocast makes for each microbatch) and prices ops in its dtype.
             with torch.random.fork_rng(devices=[]), self.precision.autocast(self.device):
-                return make_plan(self.module, args, kwargs, request)
+                return make_plan(self.module, args, kwargs, request, tp_plan=self.tp_plan)
 
         store = dist.distributed_c10d._get_default_store() if self.distributed else None
         return plan_on_rank0(build, rank=self.rank, store=store, timeout=self.timeout, note=self._together.note)

@@ -210,7 +210,7 @@ def _traced_block(heads: int = 4) -> tuple[Any, Any, Any]:
 
 
 def _splits(model: torch.nn.Module, plan: dict, tp: int) -> dict:
-    from runtime.tensor_parallel import check_tp_plan
+    from partitioner.tp_plan import check_tp_plan
 
     return {name: how for name, (_, how) in check_tp_plan(model, plan, tp).items()}
 
@@ -218,7 +218,7 @@ def _splits(model: torch.nn.Module, plan: dict, tp: int) -> dict:
 def test_views_that_bake_the_global_head_count_are_rewritten_to_each_ranks_share() -> None:
     import copy
 
-    from runtime.tp_graph import rewrite_stage, split_activations
+    from partitioner.tp_graph import rewrite_stage, split_activations
 
     gm, x, meta = _traced_block()
     views = {n.name: n for n in gm.graph.nodes if n.op == "call_method" and n.target in ("view", "reshape")}
@@ -246,8 +246,9 @@ def test_views_that_bake_the_global_head_count_are_rewritten_to_each_ranks_share
 
 
 def test_what_cannot_run_split_is_refused_naming_the_module_and_the_count() -> None:
-    from runtime.tensor_parallel import TensorParallelError, check_tp_plan, resolve_tp_plan
-    from runtime.tp_graph import split_activations
+    from partitioner.tp_graph import TensorParallelError
+    from partitioner.tp_plan import check_tp_plan, resolve_tp_plan
+    from partitioner.tp_graph import split_activations
     from smp.models import build
 
     gm, _, meta = _traced_block()
@@ -316,22 +317,20 @@ def test_hf_llama_with_grouped_kv_heads_at_dp2_pp2_tp2_trains_as_one_process(tmp
 def test_a_fused_module_cut_into_other_than_its_projections_is_refused() -> None:
     """fused_colwise:4 on the 2-projection k/v: each rank would hold a quarter of each half, and its chunk(2) would
     give k and v the wrong heads (computed, silently wrong, before this was refused)."""
-    from runtime.tp_graph import TensorParallelError, split_activations
+    from partitioner.tp_graph import TensorParallelError, split_activations
 
     gm, _, meta = _traced_block()
     with pytest.raises(TensorParallelError, match=r"cuts attn_kv into 2 .* 'fused_colwise:4' makes 4 projections"):
         split_activations(gm, _splits(gm, dict(_STYLES, **{"attn.kv": "fused_colwise:4"}), 2), meta, 2)
 
 
-def test_a_device_search_with_tensor_parallel_is_refused() -> None:
-    """The shape search lays out D x P = N ranks priced at T = 1: with T = 2 its plan needed 2N devices (devices=4
-    planned D 4 x P 1 x T 2, 8 ranks)."""
-    from partitioner.errors import OptionError
-    from partitioner.request import PlanRequest
+def test_a_device_search_with_a_given_tensor_parallel_degree_lays_out_d_x_p_x_t_devices() -> None:
+    """devices=N with T given weighs the D x P shapes of N / T (an earlier search priced D x P = N at T = 1, and
+    devices=4 with T = 2 planned D 4 x P 1 x T 2: 8 ranks)."""
+    import smp
 
-    with pytest.raises(OptionError, match=r"devices= weighs D x P shapes of D x P = 4 ranks without tensor "
-                                          r"parallelism \(its plan would need 2 x as many\)") as refused:
-        PlanRequest(devices=4, global_batch=8, tensor_parallel=2)
-    assert refused.value.spelled(lambda o: "--" + o.replace("_", "-")) == (
-        "--devices weighs D x P shapes of D x P = 4 ranks without tensor parallelism (its plan would need 2 x as "
-        "many): drop --tensor-parallel, or fix --stages and --data-parallel instead of --devices")
+    built = smp.models.build(GPT)
+    plan = smp.plan(built.model, built.example_args, devices=4, global_batch=4, tensor_parallel=2,
+                    cluster="h100-sxm", timing="analytic")
+    assert plan.tensor_parallel == 2
+    assert plan.data_parallel * plan.num_ranks * plan.tensor_parallel == 4

@@ -102,7 +102,21 @@ def _search_plans(model: str, request: PlanRequest, *, batch_size: int | None, s
     with progress_bar("weighing shapes", show_progress, unit="shapes") as cb:
         search = plan_shapes(bundle.model, bundle.example_args, bundle.example_kwargs,
                              request.with_(global_batch=batch), shape_progress=cb)
+    if search.skipped:
+        note = "; ".join([*([note] if note else []), *(f"tensor_parallel={t} not weighed: {why}"
+                                                        for t, why in search.skipped.items())])
     return search, note
+
+
+def _tensor_parallel(value: str | None, devices: int | None) -> int | str:
+    """--tensor-parallel: a degree, or auto (a --devices search weighs T; its default there)."""
+    if value is None:
+        return "auto" if devices is not None else 1
+    if value.strip().lower() == "auto":
+        if devices is None:
+            raise CLIUsageError("--tensor-parallel auto weighs T in a --devices search: pass --devices N, or a degree")
+        return "auto"
+    return _count(value, "--tensor-parallel")
 
 
 def _count(value: str, option: str) -> int:
@@ -121,7 +135,7 @@ def plan_cmd(
     stages: Annotated[Optional[int], typer.Option("--stages", "-p", help="pipeline ranks (devices) \\[with "
                                                   "--devices: searched among the divisors of N]")] = None,
     devices: Annotated[Optional[int], typer.Option(
-        "--devices", "-n", help="weigh every replicas x stages x microbatches shape on N devices of --cluster and "
+        "--devices", "-n", help="weigh every replicas x stages x tp x microbatches shape on N devices of --cluster and "
                                 "keep the fastest")] = None,
     global_batch: Annotated[Optional[int], typer.Option(
         "--global-batch", help="with --devices: samples per step over all replicas \\[default: N x the sample "
@@ -157,6 +171,10 @@ def plan_cmd(
     dtype: DtypeOpt = None,
     repeats: RepeatsOpt = 3,
     virtual_stages: Annotated[int, typer.Option("--virtual-stages", help="stages per rank for interleaved")] = 2,
+    tensor_parallel: Annotated[Optional[str], typer.Option(
+        "--tensor-parallel", help="split each stage's modules over T ranks by the model's tp plan (world D x P x "
+                                  "T), priced per tp rank (docs/cost-model.md#tensor-parallelism); auto: weigh T in "
+                                  "1, 2, 4, 8 within a node \\[default: auto with --devices, else 1]")] = None,
     objective: Annotated[str, typer.Option(
         "--objective", help="step_time (the fastest simulated step among the bottleneck-optimal plan and the "
                             "peer baselines, refined) or bottleneck (the plan minimising the slowest stage, "
@@ -167,7 +185,8 @@ def plan_cmd(
 ) -> None:
     """Partition a model into pipeline stages: per-stage table, predicted step time, bubble, lower bound, gap.
 
-    With --devices N, weigh every replicas x stages x microbatches shape on N devices and show the candidates.
+    With --devices N, weigh every replicas x stages x tensor-parallel x microbatches shape on N devices and show the
+    candidates.
     """
     objective = choice(objective.replace("-", "_"), ("bottleneck", "step_time"), "--objective")
     recompute = choice(recompute, RECOMPUTE_CHOICES, "--recompute")
@@ -194,7 +213,8 @@ def plan_cmd(
                        batch_size=batch_size, seq_len=seq_len, stages=stages, devices=devices,
                        global_batch=global_batch, microbatches=m, schedule=sched, memory_limit=limit, method=meth,
                        time_limit=time_limit, virtual_stages=virtual_stages, objective=objective,
-                       recompute=recompute, active_microbatches=active_microbatches, sharding=sharding)
+                       recompute=recompute, active_microbatches=active_microbatches, sharding=sharding,
+                       tensor_parallel=_tensor_parallel(tensor_parallel, devices))
     if searching:
         search, note = _search_plans(model, request, batch_size=batch_size, seq_len=seq_len, meta=meta,
                                      show_progress=not json_out)

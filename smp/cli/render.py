@@ -264,11 +264,11 @@ def _recompute(choice: str, seconds: float) -> str:
 
 def candidate_table(candidates: Sequence[Any], *, shapes: bool = False, title: str | None = None) -> Table:
     """The candidates a search weighed (:class:`partitioner.shapes.Candidate`), best first; with ``shapes``
-    the replicas x stages and placement columns too."""
+    the replicas x stages, tensor-parallel and placement columns too."""
     t = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD, show_edge=False,
               pad_edge=False)
     num = {"justify": "right", "no_wrap": True}
-    cols: list[tuple[str, dict[str, Any]]] = [("replicas x stages", num), ("placement", {}),
+    cols: list[tuple[str, dict[str, Any]]] = [("replicas x stages", num), ("tp", num), ("placement", {}),
                                               ("sharding", {"overflow": "fold", "max_width": 36})] if shapes else []
     cols += [("microbatches", num), ("schedule", {}), ("step time", num), ("samples/s", num), ("bubble", num),
              ("peak memory", num), ("fits", {}), ("proven", {}), ("recompute", {"overflow": "fold"}),
@@ -282,7 +282,8 @@ def candidate_table(candidates: Sequence[Any], *, shapes: bool = False, title: s
             peak = f"needs {peak}"
         rec = ", ".join(f"{n} {x}" for x, n in runs_of(c.recompute)) if c.recompute else "-"
         why = "" if p is not None else (c.reason if len(c.reason) <= 120 else c.reason[:117] + "...")
-        row = [f"{c.shape.data_parallel} x {c.shape.stages}", p.placement if p is not None and
+        row = [f"{c.shape.data_parallel} x {c.shape.stages}", str(c.shape.tensor_parallel),
+               p.placement if p is not None and
                c.shape.data_parallel > 1 and c.shape.stages > 1 else "-", _sharding(p)] if shapes else []
         row += [str(c.shape.microbatches), c.shape.schedule, format_time(c.step_time) if p is not None else "-",
                 f"{c.samples_per_second:,.1f}" if p is not None else "-",

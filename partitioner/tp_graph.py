@@ -6,20 +6,34 @@ import math
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.fx as fx
 from torch import nn
 
-from runtime.errors import RuntimeConfigError
-from runtime.split import ValueMeta
+from partitioner.errors import PlanError
 
 __all__ = ["TensorParallelError", "ModuleSplit", "SplitActivations", "split_activations", "rewrite_stage",
            "planned_module"]
 
 
-class TensorParallelError(RuntimeConfigError):
+class ShapedLeaf(Protocol):
+    """One leaf of a value: a tensor's shape (None for a constant)."""
+
+    shape: tuple[int, ...] | None
+
+    @property
+    def is_tensor(self) -> bool: ...
+
+
+class ShapedValue(Protocol):
+    """A traced value's leaves with their global shapes (runtime.split.ValueMeta; the planner's own)."""
+
+    leaves: Sequence[ShapedLeaf]
+
+
+class TensorParallelError(PlanError):
     """The tensor-parallel plan cannot run on this model: the message names the module or op and the count."""
 
 
@@ -27,11 +41,14 @@ class TensorParallelError(RuntimeConfigError):
 class ModuleSplit:
     """How a tensor-parallel style treats a module's activations: ``reads_split`` (its input must be split on
     its last dim: rowwise) or whole; ``makes_split`` (its output is split on its last dim: colwise) or whole;
-    ``parts``: the output is that many projections side by side, each split alike (a fused k/v Linear)."""
+    ``parts``: the output is that many projections side by side, each split alike (a fused k/v Linear);
+    ``rowwise``: the weight is split along its input features (its output is each rank's partial sum, all-reduced;
+    a bias stays whole), else along its output features (colwise: the input's gradient is the partial sum)."""
 
     reads_split: bool
     makes_split: bool
     parts: int = 1
+    rowwise: bool = False
 
 
 #: Modules that act on each element alone (so on a shard as on the whole).
@@ -94,7 +111,7 @@ def planned_module(node: fx.Node) -> str | None:
     return None
 
 
-def _shape(meta: Mapping[str, ValueMeta], node: Any) -> tuple[int, ...] | None:
+def _shape(meta: Mapping[str, ShapedValue], node: Any) -> tuple[int, ...] | None:
     """The global shape of a single-tensor value (None for anything else)."""
     if not isinstance(node, fx.Node) or node.name not in meta:
         return None
@@ -108,7 +125,7 @@ def _where(node: fx.Node) -> str:
     return f"op {node.name}" + (f" (in module {module})" if module else "")
 
 
-def split_activations(gm: fx.GraphModule, styles: Mapping[str, ModuleSplit], meta: Mapping[str, ValueMeta],
+def split_activations(gm: fx.GraphModule, styles: Mapping[str, ModuleSplit], meta: Mapping[str, ShapedValue],
                       tp_size: int) -> SplitActivations:
     """Follow the split activations of ``gm`` (the whole traced program, every stage) from the modules of
     ``styles`` (by qualified name), with every value's global shape in ``meta``; the view and expand shapes
@@ -157,7 +174,7 @@ def split_activations(gm: fx.GraphModule, styles: Mapping[str, ModuleSplit], met
     return acts
 
 
-def _follow(node: fx.Node, ins: Sequence[fx.Node], gm: fx.GraphModule, meta: Mapping[str, ValueMeta],
+def _follow(node: fx.Node, ins: Sequence[fx.Node], gm: fx.GraphModule, meta: Mapping[str, ShapedValue],
             acts: SplitActivations, parts: dict[str, int]) -> None:
     """The split of ``node``'s value from its split inputs ``ins`` (and a rewrite of its shape arguments)."""
     split = acts.split
@@ -259,7 +276,7 @@ def _transposed(node: fx.Node, dim: int, ndim: int) -> int:
     return b if dim == a else a if dim == b else dim
 
 
-def _broadcast(node: fx.Node, out: tuple[int, ...], meta: Mapping[str, ValueMeta], split: Mapping[str, Any]) -> int:
+def _broadcast(node: fx.Node, out: tuple[int, ...], meta: Mapping[str, ShapedValue], split: Mapping[str, Any]) -> int:
     """An elementwise op's output split: its split inputs must agree (aligned from the right), and its whole
     tensor inputs must broadcast along that dim (size 1 there)."""
     dims = set()

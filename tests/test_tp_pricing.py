@@ -1,0 +1,145 @@
+"""The planner's price of tensor parallelism (partitioner/tensor_parallel.py): T's compute, bytes and collectives."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from partitioner.cluster import Cluster
+from partitioner.compile import plan
+from partitioner.plan import Plan
+from partitioner.shapes import Shape
+from smp.models import build
+
+GPT = "gpt:size=tiny,batch=8"
+SPLIT = ("attn.q", "attn.kv", "attn.out", "fc", "proj")  # the zoo GPT's tp plan, by module leaf
+
+
+@pytest.fixture(scope="module")
+def plans() -> tuple[Plan, Plan, object]:
+    b = build(GPT, seed=0)
+    common = dict(stages=2, device_profile="h100-sxm", cluster="h100-sxm", timing="analytic")
+    return plan(b.model, b.example_args, **common), plan(b.model, b.example_args, tensor_parallel=2, **common), b.model
+
+
+def test_split_ops_cost_half_and_replicated_ops_whole(plans) -> None:
+    one, two, _ = plans
+    assert (one.tensor_parallel, two.tensor_parallel) == (1, 2)
+    kinds = {"split": 0, "whole": 0}
+    for name in one.graph.nx:
+        a, b = one.graph[name], two.graph[name]
+        if a["op"] == "output":
+            continue
+        compute = b["fwd"] - b["tp_fwd_comm"], b["bwd"] - b["tp_bwd_comm"]
+        if a["module"].endswith(SPLIT) or a["op"] == "scaled_dot_product_attention":
+            assert compute == pytest.approx((a["fwd"] / 2, a["bwd"] / 2), rel=1e-12), name
+            kinds["split"] += 1
+        elif a["op"] in ("LayerNorm", "Embedding", "add", "Dropout") and not a["module"].endswith(".attn"):
+            assert (b["fwd"], b["bwd"], b["out_bytes"], b["params"]) == (a["fwd"], a["bwd"], a["out_bytes"],
+                                                                         a["params"]), name
+            kinds["whole"] += 1
+    assert kinds["split"] >= 5 * 2 + 2 and kinds["whole"] >= 8  # two blocks' five Linears and attentions
+
+
+def test_each_rowwise_output_and_colwise_input_gradient_pays_a_ring_all_reduce_on_the_nvlink(plans) -> None:
+    one, two, _ = plans
+    link = Cluster.load("h100-sxm", devices=8).links[0]  # within a node
+    assert link.bandwidth < float("inf")
+    rowwise = colwise = 0
+    for name in two.graph.nx:
+        a, b = one.graph[name], two.graph[name]
+        module = a["module"]
+        if module.endswith(("attn.out", "proj")):  # rowwise: its whole output all-reduced in the forward
+            nbytes = a["out_bytes"]
+            assert b["tp_fwd_bytes"] == nbytes and b["tp_bwd_bytes"] == 0
+            assert b["tp_fwd_comm"] == pytest.approx(2 * (2 - 1) / 2 * nbytes / link.bandwidth
+                                                     + 2 * (2 - 1) * link.latency, rel=1e-12)
+            assert b["fwd"] == pytest.approx(a["fwd"] / 2 + b["tp_fwd_comm"], rel=1e-12)
+            rowwise += 1
+        elif module.endswith(("attn.q", "attn.kv", "fc")):  # colwise: its input's gradient all-reduced in backward
+            producer = next(iter(one.graph.nx.predecessors(name)))
+            nbytes = one.graph[producer]["out_bytes"]  # the LayerNorm's output, whole
+            assert b["tp_bwd_bytes"] == nbytes and b["tp_fwd_bytes"] == 0
+            assert b["tp_bwd_comm"] == pytest.approx(nbytes / link.bandwidth + 2 * link.latency, rel=1e-12)
+            assert b["bwd"] == pytest.approx(a["bwd"] / 2 + b["tp_bwd_comm"], rel=1e-12)
+            colwise += 1
+        else:
+            assert b["tp_fwd_comm"] == b["tp_bwd_comm"] == 0, name
+    assert (rowwise, colwise) == (4, 6)
+
+
+def test_split_weights_count_half_per_rank_and_so_does_a_split_activation(plans) -> None:
+    one, two, model = plans
+    for name in one.graph.nx:
+        a, b = one.graph[name], two.graph[name]
+        module = a["module"]
+        if module.endswith(SPLIT):
+            m = model.get_submodule(module)
+            rowwise = module.endswith(("attn.out", "proj"))
+            weight, bias = m.weight.numel() * 4, m.bias.numel() * 4
+            assert a["params"] == weight + bias
+            assert b["params"] == weight // 2 + (bias if rowwise else bias // 2), name
+            assert b["out_bytes"] == (a["out_bytes"] if rowwise else a["out_bytes"] // 2), name
+    split_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if n.rpartition(".")[0].endswith(SPLIT)
+                      and not (n.endswith("bias") and n.rpartition(".")[0].endswith(("attn.out", "proj"))))
+    assert sum(s.params for s in two.partition.stages) == sum(s.params for s in one.partition.stages) - split_bytes / 2
+    assert max(two.rank_memory) < max(one.rank_memory)
+
+
+def test_a_plan_at_tp2_round_trips_through_json(plans, tmp_path: Path) -> None:
+    _, two, _ = plans
+    again = Plan.load(two.save(tmp_path / "tp2.json"))
+    assert again.tensor_parallel == 2 and again.graph.meta["tensor_parallel"] == 2
+    assert again.step_time == pytest.approx(two.step_time, rel=1e-12)
+    assert [s.params for s in again.partition.stages] == [s.params for s in two.partition.stages]
+    name = next(n for n in two.graph.nx if two.graph[n]["module"].endswith("attn.out"))
+    assert again.graph[name]["tp_fwd_comm"] == two.graph[name]["tp_fwd_comm"] > 0
+
+
+def test_a_graph_priced_for_one_t_is_refused_for_another(plans) -> None:
+    from partitioner.compile import plan_from_graph
+    from partitioner.errors import PlanError
+
+    one, two, _ = plans
+    with pytest.raises(PlanError, match="priced for tensor_parallel=1, the request asks for 2"):
+        plan_from_graph(one.graph, stages=2, tensor_parallel=2)
+    assert plan_from_graph(two.graph, stages=2, tensor_parallel=2, cluster="h100-sxm").tensor_parallel == 2
+
+
+def test_the_shape_search_weighs_t_within_a_node_skips_what_the_model_cannot_split_and_bounds_hold() -> None:
+    from partitioner.compile import plan_shapes
+
+    b = build(GPT, seed=0)  # 4 heads: T = 8 cannot split them
+    search = plan_shapes(b.model, b.example_args, devices=8, global_batch=32, device_profile="h100-sxm",
+                         cluster="h100-sxm", timing="analytic", tensor_parallel="auto")
+    assert set(search.skipped) == {8} and "4 heads" in search.skipped[8] and "=8 does not divide" in search.skipped[8]
+    weighed = {c.shape.tensor_parallel for c in search.candidates}
+    assert weighed == {1, 2, 4}
+    for c in search.candidates:
+        assert c.shape.devices == 8 and c.shape.data_parallel * c.shape.stages * c.shape.tensor_parallel == 8
+        if c.plan is not None:
+            assert c.plan.tensor_parallel == c.shape.tensor_parallel
+            assert c.lower_bound <= c.step_time * (1 + 1e-9), c.shape  # the screen's bound holds under T
+            if c.shape.tensor_parallel > 1:
+                assert c.plan.sharding == "none"  # split stages run unsharded
+    best = search.candidates[0].step_time
+    assert all(c.lower_bound >= best for c in search.candidates if c.plan is None and c.pruned)
+    data = search.to_dict()
+    assert data["tensor_parallel_skipped"] == {"8": search.skipped[8]}
+    assert {c["tensor_parallel"] for c in data["candidates"]} == {1, 2, 4}
+    fixed = plan_shapes(b.model, b.example_args, devices=8, global_batch=32, device_profile="h100-sxm",
+                        cluster="h100-sxm", timing="analytic", tensor_parallel=2)
+    assert {c.shape.tensor_parallel for c in fixed.candidates} == {2} and not fixed.skipped
+    solved = [c for c in fixed.candidates if c.plan is not None]
+    assert len(solved) >= 3 and all(c.plan.tensor_parallel == 2 for c in solved)
+    assert all(c.lower_bound <= c.step_time * (1 + 1e-9) for c in solved)  # the screen's bound holds under T
+
+
+def test_a_tp_degree_that_does_not_divide_a_node_is_not_weighed() -> None:
+    from partitioner.shapes import shapes_for
+
+    shapes = shapes_for(8, 16, schedules=("1f1b",), tensor_parallel=(1, 2, 4))
+    assert {s.tensor_parallel for s in shapes} == {1, 2, 4}
+    assert all(s.devices == 8 for s in shapes) and str(Shape(2, 2, 4, "1f1b", 2)) == "2x2 tp2 1f1b m=4"
+    assert {s.tensor_parallel for s in shapes_for(6, 12, schedules=("1f1b",), tensor_parallel=(1, 2, 4))} == {1, 2}
