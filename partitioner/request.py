@@ -15,6 +15,7 @@ from partitioner.plan import PLACEMENTS
 from partitioner.recompute import check_mode
 from partitioner.schedule import check_active_microbatches
 from partitioner.sharding import SHARDING_MODES, check_backward, check_sharding
+from partitioner.tensor_parallel import not_run_split
 
 __all__ = ["PlanRequest", "Profiling", "default_microbatches", "check_stages_divide", "TIMINGS"]
 
@@ -142,6 +143,13 @@ class PlanRequest:
             raise PlanError(f"unknown sharding {self.sharding!r}; use auto or one of {', '.join(SHARDING_MODES)}")
         if self.profiling.compile:
             self._check_compiled()
+        if self.tensor_parallel != 1 and self.tensor_parallel != "auto":  # a search leaves out what T > 1 cannot run
+            why = not_run_split(sharding=self.sharding, compiled=self.profiling.compile,
+                                schedules=[self.schedule] if isinstance(self.schedule, str) else [],
+                                recompute=[self.recompute])
+            if why is not None:
+                raise OptionError(f"tensor_parallel={self.tensor_parallel} does not run with {why} yet: drop it, or "
+                                  "tensor_parallel=", "tensor_parallel")
         if not isinstance(self.schedule, tuple):  # a search leaves zero-bubble kinds unsharded itself
             try:
                 check_backward(self.sharding, self.schedule, ScheduleKind.parse(self.schedule).split_backward)

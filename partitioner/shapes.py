@@ -47,6 +47,7 @@ from partitioner.graph import OpGraph
 from partitioner.ir import ScheduleKind, ScheduleError
 from partitioner.plan import ModelInfo, Plan
 from partitioner.request import PlanRequest, check_stages_divide
+from partitioner.tensor_parallel import runs_split
 from partitioner.walk import validate
 
 __all__ = ["Shape", "Candidate", "ShapeSearch", "search_shapes", "shapes_for"]
@@ -193,7 +194,7 @@ def shapes_for(devices: int, global_batch: int, *, schedules: Sequence[str], sta
                 counts = [m for m in microbatches if share % m == 0]
             else:
                 counts = [m for m in _divisors(share) if m >= min(p, share)]
-            for kind in (["1f1b"] if p == 1 else kinds):
+            for kind in (["1f1b"] if p == 1 else [k for k in kinds if t == 1 or runs_split(k)]):
                 out.extend(Shape(d, p, m, kind, t) for m in counts)
     return out
 

@@ -18,7 +18,35 @@ from partitioner.graph import OUTPUT_OP, OpGraph
 from partitioner.tp_graph import ModuleSplit, SplitActivations, planned_module, split_activations
 from partitioner.tp_plan import module_splits, resolve_tp_plan
 
-__all__ = ["TensorParallelSplit", "tensor_parallel_split", "tp_link", "price_tensor_parallel", "TP_COST_FIELDS"]
+__all__ = ["TensorParallelSplit", "tensor_parallel_split", "tp_link", "price_tensor_parallel", "TP_COST_FIELDS",
+           "TP_RECOMPUTE", "runs_split", "not_run_split"]
+
+#: The recomputation choices split stages run (the runtime's selective rerun and offloading hooks do not see
+#: DTensor collectives yet): what recompute="auto" may choose at T > 1.
+TP_RECOMPUTE = ("none", "full")
+
+
+def runs_split(schedule: str) -> bool:
+    """Whether tensor-parallel stages run under ``schedule`` (not a split backward: the W passes would run the
+    rowwise all-reduces' backward twice)."""
+    from partitioner.ir import ScheduleKind
+
+    return not ScheduleKind.parse(schedule).split_backward
+
+
+def not_run_split(*, sharding: str, compiled: bool, schedules: Sequence[str],
+                  recompute: Sequence[str]) -> str | None:
+    """What of a request or a plan tensor-parallel stages do not run with yet (the one list: the request refuses
+    it before planning, the runtime before running a plan made elsewhere), or None."""
+    for why, bad in ((f"sharding {sharding!r} (FSDP over the replicas)", sharding not in ("auto", "none")),
+                     ("compiled stages (compile=True)", compiled),
+                     (f"the zero-bubble schedule {next((s for s in schedules if not runs_split(s)), '')!r}",
+                      not all(runs_split(s) for s in schedules)),
+                     (f"recompute {next((c for c in recompute if c not in (*TP_RECOMPUTE, 'auto')), '')!r}",
+                      any(c not in (*TP_RECOMPUTE, "auto") for c in recompute))):
+        if bad:
+            return why
+    return None
 
 #: What the pricing adds to each op of the graph it rewrites (seconds and bytes, per tp rank).
 TP_COST_FIELDS = {

@@ -10,18 +10,18 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from partitioner.ir import ScheduleKind
 from partitioner.plan import Plan
 from partitioner.request import PlanRequest
 from partitioner.tp_graph import (ModuleSplit, SplitActivations, TensorParallelError, planned_module, rewrite_stage,
                                   split_activations)
+from partitioner.tensor_parallel import not_run_split
 from partitioner.tp_plan import check_tp_plan, resolve_tp_plan
 from runtime.errors import RuntimeConfigError
 from runtime.precision import Precision
 from runtime.program import Program
 from runtime.split import StageProgram, ValueMeta, propagate_meta
 
-__all__ = ["TensorParallel", "TensorParallelRefused", "split_over_tp", "refuse_request", "refuse_plan",
+__all__ = ["TensorParallel", "TensorParallelRefused", "split_over_tp", "refuse_plan",
            "tp_plan_for", "settled"]
 
 
@@ -41,29 +41,15 @@ def _refused_at_setup() -> Iterator[None]:
         raise TensorParallelRefused(str(err)) from None
 
 
-def refuse_request(request: PlanRequest, tp_size: int) -> None:
-    """Refuse what a planning request asks for that tensor parallelism does not run with yet."""
-    for why, bad in ((f"sharding={request.sharding!r} (FSDP over the replicas)",
-                      request.sharding not in ("auto", "none")),
-                     ("compile=True", request.profiling.compile),
-                     (f"the zero-bubble schedule {request.schedule!r}",
-                      isinstance(request.schedule, str) and ScheduleKind.parse(request.schedule).split_backward),
-                     (f"recompute={request.recompute!r}", request.recompute in ("selective", "offload"))):
-        if bad:
-            raise TensorParallelRefused(f"tensor_parallel={tp_size} does not run with {why} yet: drop it, or "
-                                      "tensor_parallel")
-
-
 def refuse_plan(plan: Plan) -> None:
-    """Refuse what a made plan runs that tensor parallelism does not run with yet."""
-    for why, bad in ((f"sharding {plan.sharding!r}", plan.sharding != "none"), ("compiled stages", plan.model.compiled),
-                     (f"the zero-bubble schedule {plan.schedule_name!r}", plan.schedule.split_backward),
-                     ("selective or offloaded recomputation",
-                      any(c in ("selective", "offload") for c in plan.recompute))):
-        if bad:
-            raise TensorParallelRefused(f"the plan runs {why}, which tensor_parallel={plan.tensor_parallel} does not "
-                                      "run with yet: re-plan without it (sharding='none', recompute='none' or "
-                                      "'full', schedule gpipe, 1f1b or interleaved)")
+    """Refuse a made plan (from a file, or made without tensor parallelism's limits) that tensor-parallel stages do
+    not run with yet."""
+    why = not_run_split(sharding=plan.sharding, compiled=plan.model.compiled, schedules=[plan.schedule_name],
+                        recompute=plan.recompute)
+    if why is not None:
+        raise TensorParallelRefused(f"the plan runs {why}, which tensor_parallel={plan.tensor_parallel} does not "
+                                    "run with yet: re-plan without it (sharding='none', recompute='none' or "
+                                    "'full', schedule gpipe, 1f1b or interleaved)")
 
 
 def tp_plan_for(model: nn.Module, given: Mapping[str, Any] | None, request: PlanRequest,
@@ -75,7 +61,6 @@ def tp_plan_for(model: nn.Module, given: Mapping[str, Any] | None, request: Plan
             raise TensorParallelRefused("tp_plan= goes with tensor_parallel=T > 1: pass tensor_parallel, or drop "
                                       "tp_plan")
         return None
-    refuse_request(request, tp_size)
     plan = resolve_tp_plan(model, given)
     with _refused_at_setup():
         check_tp_plan(model, plan, tp_size)

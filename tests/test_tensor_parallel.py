@@ -333,4 +333,4 @@ def test_a_device_search_with_a_given_tensor_parallel_degree_lays_out_d_x_p_x_t_
     plan = smp.plan(built.model, built.example_args, devices=4, global_batch=4, tensor_parallel=2,
                     cluster="h100-sxm", timing="analytic")
     assert plan.tensor_parallel == 2
-    assert plan.data_parallel * plan.num_ranks * plan.tensor_parallel == 4
+    assert plan.data_parallel * plan.pipeline_ranks * plan.tensor_parallel == 4

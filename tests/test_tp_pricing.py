@@ -143,3 +143,29 @@ def test_a_tp_degree_that_does_not_divide_a_node_is_not_weighed() -> None:
     assert {s.tensor_parallel for s in shapes} == {1, 2, 4}
     assert all(s.devices == 8 for s in shapes) and str(Shape(2, 2, 4, "1f1b", 2)) == "2x2 tp2 1f1b m=4"
     assert {s.tensor_parallel for s in shapes_for(6, 12, schedules=("1f1b",), tensor_parallel=(1, 2, 4))} == {1, 2}
+
+
+def test_what_split_stages_do_not_run_is_never_planned_for_them() -> None:
+    """recompute="auto" weighs only none and full for split stages, and a search leaves zero-bubble schedules out of
+    its T > 1 shapes: the runtime refuses both at T > 1, so a plan chosen for T > 1 must not need them."""
+    from partitioner import synthetic
+    from partitioner.problem import Problem, ProblemSettings
+    from partitioner.shapes import shapes_for
+    from partitioner.tensor_parallel import TP_RECOMPUTE
+
+    g = synthetic.chain(6, seed=0)
+    split = Problem(g, ProblemSettings(2, memory_limit=1e12, recompute="auto", recompute_choices=TP_RECOMPUTE))
+    whole = Problem(g, ProblemSettings(2, memory_limit=1e12, recompute="auto"))
+    assert "selective" in whole.choices[0] and split.choices == [TP_RECOMPUTE, TP_RECOMPUTE]
+    shapes = shapes_for(8, 16, schedules=("1f1b", "zb-h1"), tensor_parallel=(1, 2))
+    assert {s.schedule for s in shapes if s.tensor_parallel == 1 and s.stages > 1} == {"1f1b", "zb-h1"}
+    assert {s.schedule for s in shapes if s.tensor_parallel == 2} == {"1f1b"}
+
+
+@pytest.mark.parametrize("option", [{"schedule": "zb-h1"}, {"recompute": "selective"}, {"sharding": "full_shard"}])
+def test_a_request_for_what_split_stages_do_not_run_is_refused_before_planning(option: dict) -> None:
+    from partitioner.errors import OptionError
+    from partitioner.request import PlanRequest
+
+    with pytest.raises(OptionError, match=r"tensor_parallel=2 does not run with .* yet"):
+        PlanRequest(stages=2, data_parallel=2, tensor_parallel=2, **option)
