@@ -15,6 +15,7 @@ from torch import nn
 from partitioner.cluster import Cluster, Link
 from partitioner.errors import PlanError
 from partitioner.graph import OUTPUT_OP, OpGraph
+from partitioner.ir import ScheduleKind
 from partitioner.tp_graph import ModuleSplit, SplitActivations, planned_module, split_activations
 from partitioner.tp_plan import module_splits, resolve_tp_plan
 
@@ -29,8 +30,6 @@ TP_RECOMPUTE = ("none", "full")
 def runs_split(schedule: str) -> bool:
     """Whether tensor-parallel stages run under ``schedule`` (not a split backward: the W passes would run the
     rowwise all-reduces' backward twice)."""
-    from partitioner.ir import ScheduleKind
-
     return not ScheduleKind.parse(schedule).split_backward
 
 
