@@ -139,8 +139,11 @@ def _global_shapes(gm: fx.GraphModule, flat_inputs: Sequence[Any]) -> dict[str, 
     a device of its own follows)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    real = [x for x in flat_inputs if isinstance(x, torch.Tensor) and not x.is_meta]
-    device = real[0].device if real else torch.device("cpu")
+    tensors = [x for x in flat_inputs if isinstance(x, torch.Tensor)]
+    real = [x for x in tensors if not x.is_meta]
+    # a program traced on meta inputs bakes device="meta" into the tensors it makes (positions, masks): its
+    # weights are faked there too
+    device = real[0].device if real else torch.device("meta" if tensors else "cpu")
     seen: dict[str, _Value] = {}
 
     class Recorder(fx.Interpreter):

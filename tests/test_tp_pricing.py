@@ -169,3 +169,21 @@ def test_a_request_for_what_split_stages_do_not_run_is_refused_before_planning(o
 
     with pytest.raises(OptionError, match=r"tensor_parallel=2 does not run with .* yet"):
         PlanRequest(stages=2, data_parallel=2, tensor_parallel=2, **option)
+
+
+def test_a_hugging_face_model_built_on_meta_is_priced_split() -> None:
+    """torch.export bakes device="meta" into the positions and masks a meta-built model makes: pricing T runs the
+    program on fake tensors there (it failed with a device mismatch, so "auto" skipped every T > 1)."""
+    pytest.importorskip("transformers")
+    from partitioner.compile import plan_shapes
+
+    b = build("hf-llama:layers=2,d_model=64,heads=4,kv_heads=2,ffn=128,vocab=256,seq_len=16,batch=2", seed=0,
+              meta=True)
+    search = plan_shapes(b.model, b.example_args, devices=4, global_batch=4, device_profile="h100-sxm",
+                         cluster="h100-sxm", timing="analytic", tensor_parallel="auto", dtype="bf16")
+    assert set(search.skipped) == {4, 8} and "heads" in search.skipped[4]  # 2 key/value heads: T = 4 cannot split
+    assert {c.shape.tensor_parallel for c in search.candidates} == {1, 2}
+    common = dict(stages=2, device_profile="h100-sxm", cluster="h100-sxm", timing="analytic", dtype="bf16")
+    one, two = plan(b.model, b.example_args, **common), plan(b.model, b.example_args, tensor_parallel=2, **common)
+    q = next(v for v in one.graph.nx if one.graph[v]["module"] == "model.layers.0.self_attn.q_proj")
+    assert two.graph[q]["fwd"] - two.graph[q]["tp_fwd_comm"] == pytest.approx(one.graph[q]["fwd"] / 2, rel=1e-12)
