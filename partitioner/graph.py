@@ -48,6 +48,14 @@ NODE_FIELDS: dict[str, str] = {
 #: optional: a graph without them is priced by the op's output and saved bytes alone.
 KERNEL_FIELDS = ("kernel_bytes", "kernel_saved_bytes", "kernel_output_bytes")
 
+#: Per-microbatch times a node may carry besides fwd and bwd (all in seconds, all scale with the microbatch and add
+#: up over a coarsened group): the weight-gradient part of bwd (split-backward schedules) and a tensor-parallel
+#: priced graph's collectives (partitioner/tensor_parallel.py TP_COST_FIELDS).
+OPTIONAL_TIMES = ("bwd_w", "tp_fwd_comm", "tp_bwd_comm")
+PER_MICROBATCH_TIMES = ("fwd", "bwd", *OPTIONAL_TIMES)
+#: ... and per-microbatch bytes: what a tensor-parallel priced graph's collectives move.
+OPTIONAL_BYTES = ("tp_fwd_bytes", "tp_bwd_bytes")
+
 #: ``op`` of the node that stands for the model's output: it costs nothing, and its in-edges
 #: are the values the model returns, which must reach the stage that returns them.
 OUTPUT_OP = "output"
@@ -227,11 +235,11 @@ class OpGraph:
         """
         data = self.to_dict()
         for node in data["nodes"]:
-            for key in ("fwd", "bwd", "bwd_w", "tp_fwd_comm", "tp_bwd_comm"):  # tp: a priced graph's collectives
+            for key in PER_MICROBATCH_TIMES:
                 if key in node:
                     node[key] *= factor
             for key in ("out_bytes", "saved_bytes", "saved_output_bytes", "storage_bytes", "flops", *KERNEL_FIELDS,
-                        "tp_fwd_bytes", "tp_bwd_bytes"):
+                        *OPTIONAL_BYTES):
                 if key in node:
                     node[key] = int(round(node[key] * factor))
         return OpGraph.from_dict(data)
@@ -332,6 +340,12 @@ class OpGraph:
                 # what leaves the group: the storages of members read outside it that are not views
                 storage_bytes=sum(d["storage_bytes"] for d, m in zip(datas, group)
                                   if not d["view_of"] and any(group_of(s) != rep for s in self.nx.successors(m))),
+                # a tied parameter's bytes once per group: a member's share of it is dropped when the group
+                # holds the parameter's owner too
+                shared_bytes=sum(d.get("shared_bytes", 0) for d in datas
+                                 if not set(d["shared_from"]) <= {p for e in datas for p in e["param_names"]}),
+                **{key: sum(d[key] for d in datas) for key in (*OPTIONAL_TIMES, *OPTIONAL_BYTES)
+                   if all(key in d for d in datas)},
                 **({"kernel_bytes": sum(d["kernel_bytes"] for d in datas),
                     "kernel_saved_bytes": sum(d["kernel_saved_bytes"] for d in datas),
                     "kernel_output_bytes": sum(d["kernel_output_bytes"] for d, m in zip(datas, group)

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field, replace
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from partitioner.blocks import block_graph
 from partitioner.checks import whole
 from partitioner.cluster import Cluster
 from partitioner.errors import PlanError, PlanningError, ShapePruned
@@ -235,8 +236,11 @@ def search_shapes(
                         "to plan for; load it with more (Cluster.load(name, devices=N))")
     if price_tp is None and any(t > 1 for t in tensor_parallel):
         raise PlanError("weighing tensor parallelism needs its pricing of the model (price_tp)")
+    # each shape is solved on the graph with one node per repeated block (partitioner/blocks.py), when it has them
+    coarse = {(profiled_batch, 1): block_graph(graph)}
     shapes = shapes_for(devices, global_batch, schedules=request.schedules, stages=request.stages,
-                        microbatches=request.microbatch_counts, max_stages=len(graph), tensor_parallel=tensor_parallel)
+                        microbatches=request.microbatch_counts, max_stages=len(coarse[profiled_batch, 1]),
+                        tensor_parallel=tensor_parallel)
     if not shapes:
         raise PlanError(f"no shape of {devices} devices splits a global batch of {global_batch} evenly: use a global "
                         f"batch that a divisor of {devices} divides (e.g. {devices * max(1, global_batch // devices)})")
@@ -262,6 +266,13 @@ def search_shapes(
             graphs[(micro, tp)] = g
         return g
 
+    def blocks_of(micro: int, tp: int) -> OpGraph:
+        """What a shape is solved on: its graph, folded to its repeated blocks."""
+        g = coarse.get((micro, tp))
+        if g is None:
+            g = coarse[micro, tp] = block_graph(graph_of(micro, tp))
+        return g
+
     # each T's work per tp rank on the profiled microbatch: scaled by each shape's microbatch below
     base = {t: _work(graph_of(profiled_batch, t), training) for t in sorted({s.tensor_parallel for s in shapes})}
     candidates = [Candidate(shape, global_batch, lower_bound=_step_lower_bound(
@@ -276,7 +287,7 @@ def search_shapes(
     def solve(cand: Candidate, changes: Mapping[str, Any], *, check: bool, where: str | None = placement,
               prune_above: float | None = None, behind: str = "") -> None:
         shape = cand.shape
-        g = graph_of(global_batch // (shape.data_parallel * shape.microbatches), shape.tensor_parallel)
+        g = blocks_of(global_batch // (shape.data_parallel * shape.microbatches), shape.tensor_parallel)
         info = replace(model_info, batch_size=global_batch // shape.data_parallel) if model_info else None
         try:
             cand.plan = solve_plan(

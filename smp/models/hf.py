@@ -197,15 +197,17 @@ def build_hf_t5(cfg: dict[str, Any], ctx: BuildContext) -> Built:
     "Hugging Face LlamaForCausalLM from LlamaConfig (RMSNorm, rotary positions, SwiGLU, grouped KV heads), "
     "random weights; input input_ids (B, T); needs transformers",
     options=_SIZE_OPTIONS + [Option("kv_heads", None, int, "key/value heads (default: heads)", min=1),
-                             Option("ffn", None, int, "MLP hidden size (default: 8 d_model / 3)", min=1)],
+                             Option("ffn", None, int, "MLP hidden size (default: 8 d_model / 3)", min=1),
+                             Option("attention", "eager", str, "attention kernel: eager (matmuls and softmax) or "
+                                    "sdpa (torch's fused scaled_dot_product_attention)", choices=("eager", "sdpa"))],
     presets={
         "tiny": {"layers": 2, "d_model": 64, "heads": 4, "vocab": 256, "seq_len": 32},
         "1b": {"layers": 16, "d_model": 2048, "heads": 32, "kv_heads": 8, "vocab": 128256, "seq_len": 2048},
         # Llama 3's published shapes (Grattafiori et al., 2024, table 3); build them with meta=True
         "70b": {"layers": 80, "d_model": 8192, "heads": 64, "kv_heads": 8, "ffn": 28672, "vocab": 128256,
-                "seq_len": 4096},
+                "seq_len": 4096, "attention": "sdpa"},
         "405b": {"layers": 126, "d_model": 16384, "heads": 128, "kv_heads": 8, "ffn": 53248, "vocab": 128256,
-                 "seq_len": 4096},
+                 "seq_len": 4096, "attention": "sdpa"},
     },
     validate=lambda cfg: _check_heads("hf-llama", cfg["d_model"], cfg["heads"]),
 )
@@ -223,7 +225,7 @@ def build_hf_llama(cfg: dict[str, Any], ctx: BuildContext) -> Built:
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=None,
-        **_COMMON,
+        **{**_COMMON, "attn_implementation": cfg["attention"]},
     )
     with _offline():
         model = tf.LlamaForCausalLM(config)

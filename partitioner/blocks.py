@@ -1,0 +1,57 @@
+"""Repeated blocks: the list of layers a transformer is, found in an op graph and folded to one node per layer.
+
+A model of L identical layers (``model.layers.0`` ... ``model.layers.79``) traces to L copies of
+the same ops; a pipeline cut inside a layer rarely pays (its activations are as large as the
+layer's output, and the layers are the unit Megatron-LM and torchtitan split by), so the shape
+search solves each shape on the graph with one node per layer — the layer priced once as the sum
+of its ops, not partitioned op by op 80 times. The solvers then see tens of nodes where the trace
+has thousands (the Llama-3-70B trace: 5,343 ops, 84 nodes), which is what lets a search over
+D x P x T x m x schedule finish in seconds. Its lower bounds stay those of the op graph, so the gap
+reported is against any partition, not only the layer-aligned ones (partitioner/shapes.py).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+from partitioner.graph import OpGraph
+
+__all__ = ["MIN_BLOCKS", "MIN_OPS", "block_prefix", "block_graph"]
+
+#: A module list counts as repeated blocks from this many members on ...
+MIN_BLOCKS = 4
+#: ... and a graph is folded to them only from this many ops on (a smaller one solves fast op by op and keeps the
+#: finer cuts).
+MIN_OPS = 1000
+
+_INDEXED = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
+
+
+def block_prefix(graph: OpGraph) -> str | None:
+    """The module path of the list whose numbered members hold the most ops (``model.layers``), or None when no
+    list has :data:`MIN_BLOCKS` members."""
+    ops: Counter[str] = Counter()
+    members: dict[str, set[str]] = {}
+    for v in graph.nx:
+        match = _INDEXED.match(graph[v]["module"])
+        if match:
+            ops[match.group(1)] += 1
+            members.setdefault(match.group(1), set()).add(match.group(2))
+    for prefix, _ in ops.most_common():
+        if len(members[prefix]) >= MIN_BLOCKS:
+            return prefix
+    return None
+
+
+def block_graph(graph: OpGraph, *, min_ops: int = MIN_OPS) -> OpGraph:
+    """``graph`` with each member of its repeated blocks one node (and the ops outside them grouped by their
+    module at the same depth, free ops folded into their neighbours); ``graph`` itself when it has fewer than
+    ``min_ops`` ops or no repeated blocks. Costs add up (:meth:`OpGraph.coarsen`); ``meta["blocks"]`` names
+    the list."""
+    prefix = block_prefix(graph) if len(graph) >= min_ops else None
+    if prefix is None:
+        return graph
+    coarse = graph.coarsen(depth=len(prefix.split(".")) + 1, fold_free=True, fold_chains=True)
+    coarse.meta["blocks"] = prefix
+    return coarse
