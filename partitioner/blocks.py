@@ -29,17 +29,19 @@ _INDEXED = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
 
 
 def block_prefix(graph: OpGraph) -> str | None:
-    """The module path of the list whose numbered members hold the most ops (``model.layers``), or None when no
-    list has :data:`MIN_BLOCKS` members."""
+    """The module path of the list whose numbered members hold the most ops (``model.layers``), among those with
+    :data:`MIN_BLOCKS` members that trace to the same ops (a Sequential of different layers is no such list), or
+    None."""
     ops: Counter[str] = Counter()
-    members: dict[str, set[str]] = {}
-    for v in graph.nx:
+    signature: dict[str, dict[str, list[str]]] = {}  # list -> member -> its ops, in program order
+    for v in graph.topological_order():
         match = _INDEXED.match(graph[v]["module"])
         if match:
             ops[match.group(1)] += 1
-            members.setdefault(match.group(1), set()).add(match.group(2))
+            signature.setdefault(match.group(1), {}).setdefault(match.group(2), []).append(graph[v]["op"])
     for prefix, _ in ops.most_common():
-        if len(members[prefix]) >= MIN_BLOCKS:
+        alike = Counter(tuple(member) for member in signature[prefix].values())
+        if alike.most_common(1)[0][1] >= MIN_BLOCKS:
             return prefix
     return None
 
@@ -52,6 +54,6 @@ def block_graph(graph: OpGraph, *, min_ops: int = MIN_OPS) -> OpGraph:
     prefix = block_prefix(graph) if len(graph) >= min_ops else None
     if prefix is None:
         return graph
-    coarse = graph.coarsen(depth=len(prefix.split(".")) + 1, fold_free=True, fold_chains=True)
+    coarse = graph.coarsen(depth=len(prefix.split(".")) + 1, fold_free=True)
     coarse.meta["blocks"] = prefix
     return coarse

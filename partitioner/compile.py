@@ -25,7 +25,7 @@ from partitioner.request import PlanRequest
 from partitioner.shapes import ShapeSearch, search_shapes
 from partitioner.sharding import SHARDING_MODES, state_bytes
 from partitioner.solve import solve
-from partitioner.tensor_parallel import (TP_RECOMPUTE, TensorParallelSplit, price_tensor_parallel,
+from partitioner.tensor_parallel import (TP_RECOMPUTE, TensorParallelSplit, global_shapes, price_tensor_parallel,
                                          tensor_parallel_split, tp_link)
 from partitioner.trace import trace
 from partitioner.units import format_bytes
@@ -166,6 +166,7 @@ def _tp_degrees(model: nn.Module, gm: fx.GraphModule, flat_inputs: list[Any], re
     if cluster is not None:
         per_node = sum(1 for d in cluster.devices if d.node == cluster.devices[0].node)
     degrees, skipped, splits = [], {}, {}
+    shapes = None
     for t in asked:
         if devices % t:
             skipped[t] = f"does not divide the {devices} devices"
@@ -173,7 +174,9 @@ def _tp_degrees(model: nn.Module, gm: fx.GraphModule, flat_inputs: list[Any], re
             skipped[t] = f"does not divide the {per_node} GPUs of a node (tensor parallelism stays within one)"
         elif t > 1:
             try:
-                splits[t] = tensor_parallel_split(model, gm, flat_inputs, t, tp_plan)
+                if shapes is None:
+                    shapes = global_shapes(gm, flat_inputs)  # one fake run serves every T
+                splits[t] = tensor_parallel_split(model, gm, flat_inputs, t, tp_plan, shapes=shapes)
             except PlanningError as err:  # TensorParallelError: heads, features, no tp plan
                 if not auto:
                     raise

@@ -118,6 +118,11 @@ class Candidate:
         return list(self.plan.recompute) if self.plan is not None else []
 
     @property
+    def gap(self) -> float:
+        """step / :attr:`lower_bound` - 1: how far this shape's plan may be from the fastest plan of its shape."""
+        return self.step_time / self.lower_bound - 1 if self.plan is not None and self.lower_bound > 0 else math.inf
+
+    @property
     def pruned(self) -> bool:
         return self.plan is None and self.reason.startswith("pruned")
 
@@ -131,6 +136,7 @@ class Candidate:
                 "samples_per_second": self.samples_per_second if p is not None else None,
                 "bubble": p.bubble if p is not None else None, "memory_bytes": self.memory,
                 "proven": self.proven, "recompute": self.recompute, "lower_bound": self.lower_bound,
+                "gap": self.gap if self.gap < math.inf else None,
                 "sharding": p.sharding if p is not None else None,
                 "sharding_weighed": dict(p.sharding_weighed) if p is not None else None,
                 "final": self.final,
@@ -147,6 +153,19 @@ class ShapeSearch:
     skipped: dict[int, str] = field(default_factory=dict)  # a tensor-parallel degree not weighed -> why
 
     @property
+    def lower_bound(self) -> float:
+        """Seconds no plan beats among the shapes that fit: the least of their bounds, those pruned included. A shape
+        found not to fit is out; solved on the graph folded to its blocks (partitioner/blocks.py), that is proven
+        for plans that cut between blocks, not for a cut inside one."""
+        return min((c.lower_bound for c in self.candidates if c.fits or c.pruned), default=math.inf)
+
+    @property
+    def gap(self) -> float:
+        """How far the chosen step may be from the fastest of the space weighed: step / :attr:`lower_bound` - 1."""
+        step = self.candidates[0].step_time if self.candidates else math.inf
+        return step / self.lower_bound - 1 if 0 < self.lower_bound < math.inf and step < math.inf else math.inf
+
+    @property
     def best(self) -> Plan:
         """The fastest plan that fits; PlanError with the reasons when no shape has one."""
         if not self.candidates or self.candidates[0].plan is None:
@@ -158,6 +177,8 @@ class ShapeSearch:
 
     def to_dict(self) -> dict[str, Any]:
         return {"devices": self.devices, "global_batch": self.global_batch,
+                "lower_bound": self.lower_bound if self.lower_bound < math.inf else None,
+                "gap": self.gap if self.gap < math.inf else None,
                 "candidates": [c.to_dict() for c in self.candidates],
                 "tensor_parallel_skipped": {str(t): why for t, why in self.skipped.items()}}
 

@@ -19,7 +19,7 @@ from partitioner.ir import ScheduleKind
 from partitioner.tp_graph import ModuleSplit, SplitActivations, planned_module, split_activations
 from partitioner.tp_plan import module_splits, resolve_tp_plan
 
-__all__ = ["TensorParallelSplit", "tensor_parallel_split", "tp_link", "price_tensor_parallel", "TP_COST_FIELDS",
+__all__ = ["TensorParallelSplit", "tensor_parallel_split", "global_shapes", "tp_link", "price_tensor_parallel", "TP_COST_FIELDS",
            "TP_RECOMPUTE", "runs_split", "not_run_split"]
 
 #: The recomputation choices split stages run (the runtime's selective rerun and offloading hooks do not see
@@ -105,12 +105,14 @@ class TensorParallelSplit:
 
 
 def tensor_parallel_split(model: nn.Module, gm: fx.GraphModule, flat_inputs: Sequence[Any], size: int,
-                          tp_plan: Mapping[str, Any] | None = None) -> TensorParallelSplit:
+                          tp_plan: Mapping[str, Any] | None = None, *,
+                          shapes: Mapping[str, Any] | None = None) -> TensorParallelSplit:
     """What ``size`` tp ranks split of ``gm`` (``model`` traced, run on ``flat_inputs``: one microbatch), by
     ``tp_plan`` (default the model's own, partitioner/tp_plan.py): the runtime's own checks and split-activation
-    pass, so a T the model cannot split (heads, features) is refused here as it would be there."""
+    pass, so a T the model cannot split (heads, features) is refused here as it would be there. ``shapes``: the
+    values' :func:`global_shapes`, when already known (they do not depend on T)."""
     modules = module_splits(model, resolve_tp_plan(model, tp_plan), size)
-    shapes = _global_shapes(gm, flat_inputs)
+    shapes = global_shapes(gm, flat_inputs) if shapes is None else shapes
     acts = split_activations(gm, modules, shapes, size)
     op_module: dict[str, str] = {}
     inputs: dict[str, tuple[str, bool]] = {}
@@ -133,7 +135,7 @@ def tensor_parallel_split(model: nn.Module, gm: fx.GraphModule, flat_inputs: Seq
                                op_module, inputs, reads)
 
 
-def _global_shapes(gm: fx.GraphModule, flat_inputs: Sequence[Any]) -> dict[str, _Value]:
+def global_shapes(gm: fx.GraphModule, flat_inputs: Sequence[Any]) -> dict[str, Any]:
     """Every value's global shape for one microbatch, computing nothing: the program run on fake tensors (its
     weights, whatever device they are on or meta, faked on the inputs' device; a constant the program moves to
     a device of its own follows)."""

@@ -1,0 +1,92 @@
+"""Repeated blocks (partitioner/blocks.py): found, folded one node each with costs kept, and what the search makes of it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from partitioner.blocks import block_graph, block_prefix
+from partitioner.compile import plan_from_graph, profile_model
+from partitioner.graph import OpGraph
+from partitioner.request import PlanRequest
+from partitioner.shapes import search_shapes
+from partitioner.synthetic import chain
+from smp.models import build
+
+ANALYTIC = PlanRequest.build(device_profile="h100-sxm", timing="analytic")
+
+
+@pytest.fixture(scope="module")
+def gpt() -> tuple[OpGraph, object]:
+    b = build("gpt:size=tiny,layers=6,batch=4", seed=0)
+    return profile_model(b.model, b.example_args, None, ANALYTIC, microbatches=1)
+
+
+def test_the_numbered_module_list_is_found_and_each_member_becomes_one_node(gpt) -> None:
+    graph, _ = gpt
+    assert block_prefix(graph) == "blocks"
+    folded = block_graph(graph, min_ops=0)
+    modules = [folded[v]["module"] for v in folded.topological_order()]
+    assert [m for m in modules if m.startswith("blocks")] == [f"blocks.{i}" for i in range(6)]
+    assert folded.meta["blocks"] == "blocks" and len(folded) < len(graph) / 10
+    assert "ln_f" in modules and "lm_head" in modules  # the ops outside the blocks keep their own nodes
+    # every op is in exactly one node, and the costs add up
+    members = [f for v in folded.nx for f in folded[v]["fx_nodes"]]
+    assert sorted(members) == sorted(f for v in graph.nx for f in graph[v]["fx_nodes"])
+    for key in ("fwd", "bwd", "flops", "params", "saved_bytes"):
+        assert sum(folded[v][key] for v in folded.nx) == pytest.approx(sum(graph[v][key] for v in graph.nx),
+                                                                        rel=1e-12), key
+
+
+def test_a_small_graph_or_one_without_a_module_list_is_left_as_it_is(gpt) -> None:
+    graph, _ = gpt
+    assert block_graph(graph) is graph  # 188 ops: below MIN_OPS, solved op by op
+    data = chain(2000).to_dict()
+    for node in data["nodes"]:
+        node["module"] = ""
+    plain = OpGraph.from_dict(data)  # ops of no module
+    assert block_prefix(plain) is None and block_graph(plain) is plain
+    b = build("mlp:batch=4", seed=0)  # body.0 Linear, body.1 GELU, ...: four alike members, each one op already
+    mlp, _ = profile_model(b.model, b.example_args, None, ANALYTIC, microbatches=1)
+    assert block_prefix(mlp) == "body" and len(block_graph(mlp, min_ops=0)) == len(mlp)
+
+
+def test_a_tied_weight_counts_once_in_a_group_that_holds_its_owner(gpt) -> None:
+    graph, _ = gpt
+    tied = [v for v in graph.nx if graph[v]["shared_from"]]
+    assert tied and sum(graph[v]["shared_bytes"] for v in tied) > 0  # lm_head reads tok_emb's weight
+    whole = graph.contract(lambda v: "all")
+    assert whole[next(iter(whole.nx))]["shared_bytes"] == 0  # the owner is in the group: held once
+    apart = block_graph(graph, min_ops=0)
+    head = next(v for v in apart.nx if apart[v]["module"] == "lm_head")
+    assert apart[head]["shared_bytes"] == sum(graph[v]["shared_bytes"] for v in tied)  # another stage's copy
+
+
+def test_a_plan_of_the_folded_graph_cuts_between_blocks_and_prices_as_the_ops_do(gpt) -> None:
+    graph, _ = gpt
+    folded = block_graph(graph, min_ops=0)
+    request = PlanRequest(stages=3, microbatches=4, cluster="h100-sxm")
+    coarse, fine = plan_from_graph(folded, request), plan_from_graph(graph, request)
+    stage_of = coarse.fx_stage_of  # every traced op's stage
+    for i in range(6):
+        ops = [f for v in graph.nx if graph[v]["module"].startswith(f"blocks.{i}.") for f in graph[v]["fx_nodes"]]
+        assert len({stage_of[f] for f in ops}) == 1, i  # a block is never cut
+    assert len(set(stage_of.values())) == 3
+    assert coarse.step_time >= fine.step_time * (1 - 1e-9)  # the op-by-op space holds the folded one
+
+
+def test_the_search_reports_each_plans_bound_and_the_gap(gpt) -> None:
+    graph, info = gpt
+    from partitioner.cluster import Cluster
+
+    search = search_shapes(graph, PlanRequest(devices=4, global_batch=16, cluster=Cluster.load("h100-sxm", devices=4)),
+                           profiled_batch=4, solve_plan=plan_from_graph, model_info=info)
+    best = search.candidates[0]
+    assert 0 < best.lower_bound <= best.step_time and best.gap == pytest.approx(best.step_time / best.lower_bound - 1)
+    assert search.lower_bound <= best.lower_bound and search.gap >= best.gap - 1e-12
+    assert search.lower_bound == min(c.lower_bound for c in search.candidates if c.fits or c.pruned)
+    data = search.to_dict()
+    assert data["gap"] == pytest.approx(search.gap) and data["candidates"][0]["gap"] == pytest.approx(best.gap)
+    assert all(c["gap"] is None for c in data["candidates"] if not c["fits"])
+    assert math.isfinite(search.gap)
