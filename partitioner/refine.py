@@ -27,10 +27,15 @@ from partitioner.problem import Problem
 from partitioner.schedule import make_schedule, stage_graph_from_transfers
 from partitioner.simulate import simulate, stage_costs_from
 
-__all__ = ["simulated_step_time", "refine_step_time", "REFINE_SIMULATIONS"]
+__all__ = ["simulated_step_time", "refine_step_time", "refine_simulations", "REFINE_SIMULATIONS"]
 
-#: Candidates the hill climb may simulate (deterministic; ~1-3 ms each on a 500-op graph).
+#: Candidates the hill climb may simulate (deterministic; ~1-3 ms each on a 500-op graph) ...
 REFINE_SIMULATIONS = 400
+#: ... while each simulates at most this many stage-microbatches (a simulation's work grows with both: 32 stages
+#: ranked on 64 microbatches take a second in Python); beyond, the count shrinks so the climb's work stays
+#: REFINE_SIMULATIONS x this, down to REFINE_MIN_SIMULATIONS.
+REFINE_STAGE_MICROBATCHES = 16 * 64
+REFINE_MIN_SIMULATIONS = 50
 #: Microbatches a candidate is simulated with when the step has more (see the module's doc).
 RANKING_MICROBATCHES = 32
 
@@ -59,8 +64,16 @@ def _ranking_microbatches(m: int, stages: int, ranks: int | None) -> int:
     return short if 0 < short < m and m % per == 0 else m
 
 
+def refine_simulations(stages: int, microbatches: int) -> int:
+    """How many candidates the climb simulates for ``stages`` ranked on ``microbatches``: a fixed amount of work."""
+    work = stages * microbatches
+    if work <= REFINE_STAGE_MICROBATCHES:
+        return REFINE_SIMULATIONS
+    return max(REFINE_MIN_SIMULATIONS, REFINE_SIMULATIONS * REFINE_STAGE_MICROBATCHES // work)
+
+
 def refine_step_time(prob: Problem, assign: Sequence[int], *, ranks: int | None = None,
-                     frozen: Iterable[int] = (), simulations: int = REFINE_SIMULATIONS,
+                     frozen: Iterable[int] = (), simulations: int | None = None,
                      slack: float = 0.10) -> tuple[list[int], float, float]:
     """Hill-climb ``assign`` (a stage per position of ``prob.order``) on simulated step time.
 
@@ -68,16 +81,16 @@ def refine_step_time(prob: Problem, assign: Sequence[int], *, ranks: int | None 
     already lies on the far side, so the assignment stays a valid pipeline; stages never
     empty, memory limits hold, and ops in ``frozen`` (colocation groups) stay put.
     Candidates whose bottleneck exceeds the current one by more than ``slack`` are not
-    simulated; at most ``simulations`` are. Returns (assignment, step time before, step time after).
+    simulated; at most ``simulations`` are (default :func:`refine_simulations`). Returns (assignment, step time
+    before, step time after).
     """
     frozen = set(frozen)
-    left = simulations
+    short = _ranking_microbatches(prob.microbatches, prob.p, ranks)
+    left = refine_simulations(prob.p, short) if simulations is None else simulations
     current = list(assign)
     sizes = [0] * prob.p
     for s in current:
         sizes[s] += 1
-
-    short = _ranking_microbatches(prob.microbatches, prob.p, ranks)
 
     def step_of(candidate: list[int], exact: bool = False) -> float | None:
         nonlocal left

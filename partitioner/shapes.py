@@ -258,7 +258,7 @@ def search_shapes(
     if price_tp is None and any(t > 1 for t in tensor_parallel):
         raise PlanError("weighing tensor parallelism needs its pricing of the model (price_tp)")
     # each shape is solved on the graph with one node per repeated block (partitioner/blocks.py), when it has them
-    coarse = {(profiled_batch, 1): block_graph(graph)}
+    coarse: dict[tuple[int, int], OpGraph] = {(profiled_batch, 1): block_graph(graph)}
     shapes = shapes_for(devices, global_batch, schedules=request.schedules, stages=request.stages,
                         microbatches=request.microbatch_counts, max_stages=len(coarse[profiled_batch, 1]),
                         tensor_parallel=tensor_parallel)
@@ -271,27 +271,40 @@ def search_shapes(
     training = graph.meta.get("training", True) if request.training is None else request.training
     speed = max(d.speed for d in cluster.devices[:devices]) if cluster is not None else 1.0
     graphs: dict[tuple[int, int], OpGraph] = {(profiled_batch, 1): graph}  # (microbatch size, T) -> its graph
-    own: set[int] = set()  # microbatch sizes with a graph of their own (profiled at that size)
+
+    profiled_at: dict[int, OpGraph | None] = {}  # microbatch size -> its own graph (profiled at that size), if any
+
+    def own_graph(micro: int) -> OpGraph | None:
+        if micro not in profiled_at:
+            profiled_at[micro] = graph_for(micro) if graph_for is not None and micro != profiled_batch else None
+        return profiled_at[micro]
 
     def graph_of(micro: int, tp: int = 1) -> OpGraph:
+        """The op graph of a microbatch of ``micro`` samples priced for ``tp`` ranks (what bounds are taken on)."""
         g = graphs.get((micro, tp))
         if g is None:
             if tp > 1:
                 assert price_tp is not None
                 g = price_tp(graph_of(micro), tp)
             else:
-                g = graph_for(micro) if graph_for is not None else None
-                if g is not None:
-                    own.add(micro)
-                g = g if g is not None else graph.scaled(micro / profiled_batch)
+                own = own_graph(micro)
+                g = own if own is not None else graph.scaled(micro / profiled_batch)
             graphs[(micro, tp)] = g
         return g
 
     def blocks_of(micro: int, tp: int) -> OpGraph:
-        """What a shape is solved on: its graph, folded to its repeated blocks."""
+        """What a shape is solved on: its graph folded to its repeated blocks. A folded graph's other microbatch
+        sizes without a profile of their own are its profiled size scaled, as the op graph would be, T's
+        collectives included (their latency, like the per-op overheads, does not scale; pricing thousands of ops
+        for each size took seconds a shape)."""
         g = coarse.get((micro, tp))
         if g is None:
-            g = coarse[micro, tp] = block_graph(graph_of(micro, tp))
+            folded = coarse[profiled_batch, 1] is not graph
+            if not folded or micro == profiled_batch or own_graph(micro) is not None:
+                g = block_graph(graph_of(micro, tp))
+            else:
+                g = blocks_of(profiled_batch, tp).scaled(micro / profiled_batch)
+            coarse[micro, tp] = g
         return g
 
     # each T's work per tp rank on the profiled microbatch: scaled by each shape's microbatch below
@@ -328,7 +341,7 @@ def search_shapes(
     best = math.inf
     for done, cand in enumerate(sorted(candidates, key=lambda c: (c.lower_bound, c.shape)), 1):
         micro = global_batch // (cand.shape.data_parallel * cand.shape.microbatches)
-        if graph_for is not None and graph_of(micro) is not None and micro in own:
+        if own_graph(micro) is not None:
             # profiled at its own size: the scaled graph's bound does not hold for it, its own does
             cand.lower_bound = _step_lower_bound(cand.shape, _work(graph_of(micro, cand.shape.tensor_parallel),
                                                                    training), speed, 1.0)

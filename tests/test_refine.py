@@ -89,3 +89,34 @@ def test_many_microbatches_are_ranked_on_a_shorter_step_and_reported_in_full(sch
     assert refine.RANKING_MICROBATCHES in seen and 96 in seen  # estimates, and the ends in full
     assert refined.simulated_step == pytest.approx(simulate(refined))
     assert refined.simulated_step <= simulate(plain) * (1 + 1e-9)
+
+
+def test_a_long_pipeline_simulates_fewer_candidates_for_the_same_work(monkeypatch):
+    """Each simulation's work grows with stages x microbatches: beyond REFINE_STAGE_MICROBATCHES the climb
+    simulates fewer candidates, so a 32-stage plan of a 70B model refines in seconds, not minutes."""
+    import partitioner.refine as refine
+
+    assert refine.refine_simulations(8, 32) == refine.REFINE_SIMULATIONS  # every plan docs/ shows: as before
+    assert refine.refine_simulations(16, 64) == refine.REFINE_SIMULATIONS
+    assert refine.refine_simulations(32, 64) == refine.REFINE_SIMULATIONS // 2
+    assert refine.refine_simulations(128, 256) == refine.REFINE_MIN_SIMULATIONS
+    graph = synthetic.chain(400, seed=2)
+    calls = []
+    simulate = refine.simulated_step_time
+
+    def counting(part, *args, **kw):
+        calls.append(part.num_stages)
+        return simulate(part, *args, **kw)
+
+    monkeypatch.setattr(refine, "simulated_step_time", counting)
+    common = dict(cluster=Cluster.uniform(16, bandwidth=2e9, latency=2e-5), microbatches=32, objective="step_time",
+                  method="dp")
+    solve(graph, 16, **common)
+    uncapped, calls[:] = len(calls), []
+    # a small graph standing in for a large one: its work counted as if each simulation were 16 times longer
+    monkeypatch.setattr(refine, "REFINE_STAGE_MICROBATCHES", 16 * 32 // 16)
+    monkeypatch.setattr(refine, "REFINE_MIN_SIMULATIONS", 5)
+    solve(graph, 16, **common)
+    assert refine.refine_simulations(16, 32) == refine.REFINE_SIMULATIONS // 16 and uncapped > 30
+    # the climb's own candidates, and its end simulated in full
+    assert len(calls) <= refine.REFINE_SIMULATIONS // 16 + 1 < uncapped
