@@ -306,10 +306,10 @@ def plan_from_graph(
             raise ShapePruned(min(bounds))
         return min(plans, key=lambda p: p.step_time)
     training = bool(graph.meta.get("training", True)) if request.training is None else request.training
-    # compiled stages run unsharded (PlanRequest refuses a sharding given with compile=True)
-    # (split stages run unsharded: runtime/tensor_parallel.py refuses FSDP over tensor-parallel stages yet)
-    if request.sharding == "auto" and data_parallel > 1 and training and not graph.meta.get("compiled", False) \
-            and request.tensor_parallel == 1:
+    # compiled stages run unsharded (PlanRequest refuses a sharding given with compile=True). Split stages (T > 1)
+    # are weighed as whole ones: the graph priced for T holds each tp rank's parameter bytes, which the modes'
+    # per-byte factors (partitioner.sharding.state_bytes) split again over the replicas
+    if request.sharding == "auto" and data_parallel > 1 and training and not graph.meta.get("compiled", False):
         return weigh_sharding(lambda mode: plan_from_graph(graph, request.with_(sharding=mode), model_info=model_info,
                                                            check_schedule=check_schedule, prune_above=prune_above),
                               request.stages_per_rank, request.kind)

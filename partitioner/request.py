@@ -144,7 +144,7 @@ class PlanRequest:
         if self.profiling.compile:
             self._check_compiled()
         if self.tensor_parallel != 1 and self.tensor_parallel != "auto":  # a search leaves out what T > 1 cannot run
-            why = not_run_split(sharding=self.sharding, compiled=self.profiling.compile,
+            why = not_run_split(compiled=self.profiling.compile,
                                 schedules=[self.schedule] if isinstance(self.schedule, str) else [],
                                 recompute=[self.recompute])
             if why is not None:

@@ -33,12 +33,10 @@ def runs_split(schedule: str) -> bool:
     return not ScheduleKind.parse(schedule).split_backward
 
 
-def not_run_split(*, sharding: str, compiled: bool, schedules: Sequence[str],
-                  recompute: Sequence[str]) -> str | None:
+def not_run_split(*, compiled: bool, schedules: Sequence[str], recompute: Sequence[str]) -> str | None:
     """What of a request or a plan tensor-parallel stages do not run with yet (the one list: the request refuses
     it before planning, the runtime before running a plan made elsewhere), or None."""
-    for why, bad in ((f"sharding {sharding!r} (FSDP over the replicas)", sharding not in ("auto", "none")),
-                     ("compiled stages (compile=True)", compiled),
+    for why, bad in (("compiled stages (compile=True)", compiled),
                      (f"the zero-bubble schedule {next((s for s in schedules if not runs_split(s)), '')!r}",
                       not all(runs_split(s) for s in schedules)),
                      (f"recompute {next((c for c in recompute if c not in (*TP_RECOMPUTE, 'auto')), '')!r}",

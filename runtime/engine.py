@@ -112,6 +112,8 @@ class Engine:
             self.tp_acts, replaced = tensor_parallel.split_stages(program, list(self.split.stages.values()),
                                                                   example_flat, device, precision)
             ownership.rekey(replaced)
+        # split over "tp" first, then sharded over "dp" of the same mesh: FSDP2 shards TP's DTensors (torchtitan's
+        # 2-D order; the other way round, parallelize_module would meet FSDP's DTensors)
         self.shards: StageShards | None = None
         self.gathered_by = gathered_by
         if shard_mesh is not None and sch.sharding != "none" and not self.single:

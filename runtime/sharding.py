@@ -14,6 +14,11 @@ communication (``set_requires_gradient_sync(False)``), and the schedule's REDUCE
 of the stage (:meth:`StageShards.reduce`) runs FSDP's post-backward, which reduce-scatters
 them (mean over the replicas) into the sharded parameters' ``.grad`` and frees the
 unsharded gradients and parameters.
+
+Under tensor parallelism the stage programs' split parameters are DTensors over "tp" already
+(runtime/tensor_parallel.py, applied first): ``fully_shard`` on the "dp" dimension of the same
+mesh shards each tp rank's share (torchtitan's 2-D order), and what is read here of a parameter,
+gradient or gathered copy is its local part (:func:`local`).
 """
 
 from __future__ import annotations
@@ -27,8 +32,8 @@ from torch import nn
 
 from runtime.errors import RuntimeConfigError
 
-__all__ = ["StageShards", "WorkingBytes", "local", "is_sharded", "is_strided", "storable", "repoint", "shard_like",
-           "copy_whole_into"]
+__all__ = ["StageShards", "WorkingBytes", "local", "is_sharded", "is_strided", "storable", "gather_whole", "repoint",
+           "shard_like", "copy_whole_into"]
 
 
 def is_sharded(t: torch.Tensor | None) -> bool:
@@ -49,7 +54,54 @@ def is_strided(t: torch.Tensor | None) -> bool:
 def storable(t: torch.Tensor) -> torch.Tensor:
     """``t`` as torch.distributed.checkpoint stores it: a strided DTensor gathered whole (a collective over its
     mesh; every rank then writes the same whole tensor, stored once), any other as it is."""
-    return t.full_tensor() if is_strided(t) else t  # type: ignore[attr-defined]
+    return gather_whole(t) if is_strided(t) else t
+
+
+def _fused_under_dp(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a fused projection's share (strided over "tp") that FSDP sharded over "dp" too.
+
+    FSDP2 describes it as strided on both dimensions, which DTensor reads as another interleaving
+    than the one its ranks hold (torch 2.13: its ``full_tensor()`` and ``distribute_tensor`` put
+    the rows in the wrong places), so :func:`gather_whole` and
+    :func:`shard_like` take it one dimension at a time: FSDP's chunks of the tp share, the tp
+    shares of the whole.
+    """
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if not is_sharded(t):
+        return False
+    names = t.device_mesh.mesh_dim_names or ()  # type: ignore[union-attr]
+    return "dp" in names and "tp" in names and \
+        isinstance(t.placements[names.index("tp")], _StridedShard)  # type: ignore[union-attr]
+
+
+def _tp_share(t: Any) -> tuple[Any, Any, Any, torch.Size]:
+    """A fused projection's (:func:`_fused_under_dp`) "dp" and "tp" meshes, its placement over "tp", and the
+    shape of one tp rank's share (the style splits the rows evenly)."""
+    mesh = t.device_mesh
+    tp = mesh["tp"]
+    placement = t.placements[mesh.mesh_dim_names.index("tp")]
+    return mesh["dp"], tp, placement, torch.Size((t.shape[0] // tp.size(), *t.shape[1:]))
+
+
+def gather_whole(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of ``t``: a DTensor gathered (a collective over its mesh), else ``t``."""
+    if not is_sharded(t):
+        return t
+    if not _fused_under_dp(t):
+        return t.full_tensor()  # type: ignore[attr-defined]
+    from torch.distributed.tensor import DTensor, Shard
+
+    dp, tp, placement, share = _tp_share(t)
+    mine = DTensor.from_local(local(t), dp, [Shard(0)], run_check=False, shape=share,
+                              stride=_contiguous_stride(share)).full_tensor()
+    return DTensor.from_local(mine, tp, [placement], run_check=False, shape=t.shape,
+                              stride=_contiguous_stride(t.shape)).full_tensor()
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (what DTensor.from_local needs with a global shape)."""
+    return torch.empty(shape, device="meta").stride()
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -61,9 +113,16 @@ def shard_like(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``whole`` cut as the DTensor ``like`` is (this rank's shard, no communication); ``whole`` if ``like`` is plain."""
     if not is_sharded(like):
         return whole
-    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    return distribute_tensor(whole.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+    whole = whole.to(like.device)
+    if not _fused_under_dp(like):
+        return distribute_tensor(whole, like.device_mesh, like.placements, src_data_rank=None)
+    dp, tp, placement, _ = _tp_share(like)
+    share = distribute_tensor(whole, tp, [placement], src_data_rank=None).to_local()
+    mine = distribute_tensor(share, dp, [Shard(0)], src_data_rank=None).to_local()
+    return DTensor.from_local(mine, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
 
 
 def copy_whole_into(target: torch.Tensor, whole: torch.Tensor) -> None:
@@ -133,13 +192,13 @@ class StageShards:
             module.register_forward_pre_hook(self._note_gathered)  # after FSDP's own pre-forward: gathered now
 
     def _note_gathered(self, module: nn.Module, args: Any) -> None:
-        self._note_storages(p for p in module.parameters() if not is_sharded(p))
+        self._note_storages(_gathered_params(module))
         self._watch(module)
         self._note_working()
 
     def _note_storages(self, params: Iterable[torch.Tensor]) -> None:
         for p in params:
-            storage = p.untyped_storage()
+            storage = local(p).untyped_storage()  # split over the tp ranks: a DTensor, its share's storage
             self.gathered_storages[storage.data_ptr()] = storage
 
     def holds_gathered(self, ptr: int) -> bool:
@@ -179,7 +238,7 @@ class StageShards:
                 unsharded = getattr(fp, "_unsharded_param", None)  # made at the first gather
                 for g in (unsharded.grad if unsharded is not None else None, fp.unsharded_accumulated_grad):
                     if g is not None:
-                        grads += g.untyped_storage().nbytes()
+                        grads += local(g).untyped_storage().nbytes()
         return WorkingBytes(sum(gathered.values()), grads)
 
     def _note_working(self) -> None:
@@ -228,7 +287,7 @@ class StageShards:
         ops as the first, and FSDP's gathering would be others) and the backward that follows the rerun."""
         module = self.modules[stage]
         module.unshard()
-        self._note_storages(module.parameters())
+        self._note_storages(_gathered_params(module))
         self._watch(module)
 
     def release(self, stage: int) -> None:

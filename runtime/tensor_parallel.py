@@ -44,12 +44,11 @@ def _refused_at_setup() -> Iterator[None]:
 def refuse_plan(plan: Plan) -> None:
     """Refuse a made plan (from a file, or made without tensor parallelism's limits) that tensor-parallel stages do
     not run with yet."""
-    why = not_run_split(sharding=plan.sharding, compiled=plan.model.compiled, schedules=[plan.schedule_name],
-                        recompute=plan.recompute)
+    why = not_run_split(compiled=plan.model.compiled, schedules=[plan.schedule_name], recompute=plan.recompute)
     if why is not None:
         raise TensorParallelRefused(f"the plan runs {why}, which tensor_parallel={plan.tensor_parallel} does not "
-                                    "run with yet: re-plan without it (sharding='none', recompute='none' or "
-                                    "'full', schedule gpipe, 1f1b or interleaved)")
+                                    "run with yet: re-plan without it (compile=False, recompute='none' or 'full', "
+                                    "schedule gpipe, 1f1b or interleaved)")
 
 
 def tp_plan_for(model: nn.Module, given: Mapping[str, Any] | None, request: PlanRequest,
@@ -77,10 +76,12 @@ def settled(t: torch.Tensor) -> torch.Tensor:
 
 
 def split_over_tp(t: torch.Tensor) -> bool:
-    """Whether ``t`` (a parameter or gradient) is split over the tp ranks: a DTensor sharded there, not replicated."""
+    """Whether ``t`` (a parameter or gradient) is split over the tp ranks: a DTensor sharded on its mesh's "tp"
+    dimension, not replicated there (sharded over the replicas too, its "dp" placement is FSDP's)."""
     from torch.distributed.tensor import DTensor
 
-    return isinstance(t, DTensor) and any(not (p.is_replicate() or p.is_partial()) for p in t.placements)
+    return isinstance(t, DTensor) and any(name == "tp" and not (p.is_replicate() or p.is_partial())
+                                          for name, p in zip(t.device_mesh.mesh_dim_names or (), t.placements))
 
 
 def _torch_style(style: Any, module: nn.Module) -> Any:

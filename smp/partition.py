@@ -333,8 +333,6 @@ class PipelinedModel(PipelineState):
     def _make_plan(self, args: tuple, kwargs: dict) -> Plan:
         request = self.request.with_(stages=self.stages, training=True, data_parallel=self.layout.dp_size,
                                      placement=self.layout.placement)
-        if self._tp is not None and request.sharding == "auto":  # sharded stages do not run split yet
-            request = request.with_(sharding="none")
 
         def build() -> Plan:
             # profiling runs the model; keep every rank's RNG stream identical to the others'. Under the stages'

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from runtime.checkpoint import CheckpointError, MissingStateError, load_pipeline, merge_partial_states, save_pipeline
 from runtime.errors import PipelineError, RuntimeConfigError
 from runtime.gradients import global_grad_norm
-from runtime.sharding import copy_whole_into, is_sharded, local, storable
+from runtime.sharding import copy_whole_into, gather_whole, local, storable
 from runtime.tensor_parallel import split_over_tp
 
 __all__ = ["PipelineState"]
@@ -49,7 +49,7 @@ class PipelineState:
 
     def _whole_state(self) -> dict[str, torch.Tensor]:
         """This rank's tensors of the model state, on the CPU; sharded ones gathered whole (a collective then)."""
-        return {k: (v.full_tensor() if is_sharded(v) else v).detach().cpu()
+        return {k: gather_whole(v).detach().cpu()
                 for k, v in self.module.state_dict().items() if isinstance(v, torch.Tensor) and not v.is_meta}
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:

@@ -9,15 +9,10 @@ import torch
 
 from partitioner.microbatch import split_microbatches
 from runtime.precision import PipelineGradScaler
-from runtime.sharding import local
+from runtime.sharding import gather_whole as whole, local
 from runtime.tensor_parallel import split_over_tp
 from smp.models import build
 from smp.partition import partition
-
-
-def whole(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor gathered whole (a collective over its mesh), else ``t``."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def sgd(params: Any) -> torch.optim.Optimizer:
@@ -77,7 +72,11 @@ def tp_worker(rank: int, world: int, *, spec: str, stages: int, tp: int, out: st
     res = {"loss": loss, "tp_rank": pipe.tp_rank, "pp_rank": pipe.pp_rank, "dp_rank": pipe.dp_rank,
            "grads": {n: whole(p.grad).clone() for n, p in params.items() if p.grad is not None},
            "held": {n: local(p).numel() for n, p in params.items()}, "whole": {n: numel[n] for n in params},
-           "split": sorted(n for n, p in params.items() if split_over_tp(p))}
+           "split": sorted(n for n, p in params.items() if split_over_tp(p)),
+           "meshes": {n: p.device_mesh.mesh_dim_names if hasattr(p, "device_mesh") else () for n, p in params.items()},
+           "memory": pipe.memory_stats()[pipe.pp_rank],
+           "tp_share_bytes": sum((numel[n] // tp if split_over_tp(p) else numel[n]) * p.element_size()
+                                 for n, p in params.items())}
     res["norm"] = pipe.clip_grad_norm_(float("inf"))  # the norm, unclipped
     opt = sgd(pipe.parameters())
     opt.step()
@@ -89,12 +88,13 @@ def tp_worker(rank: int, world: int, *, spec: str, stages: int, tp: int, out: st
     torch.save(res, Path(out) / f"tp-{rank}.pt")
 
 
-def load_worker(rank: int, world: int, *, spec: str, stages: int, tp: int, checkpoint_from: str, out: str) -> None:
+def load_worker(rank: int, world: int, *, spec: str, stages: int, tp: int, checkpoint_from: str, out: str,
+                **options: Any) -> None:
     """One rank of a fresh ``stages`` x ``tp`` pipeline (another seed) loading ``checkpoint_from`` with its SGD
     state: the state dict (rank 0) and each parameter's momentum gathered whole."""
     b = build(spec, seed=1)
     pipe = partition(b.model, stages=stages, tensor_parallel=tp, microbatches=2, loss_fn=b.loss_fn, timeout=60,
-                     timing="analytic")
+                     timing="analytic", **options)
     pipe.prepare(b.example_args[0])
     opt = sgd(pipe.parameters())
     pipe.load_checkpoint(checkpoint_from, opt)

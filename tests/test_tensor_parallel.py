@@ -30,9 +30,10 @@ def _max_relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
 
 
-def _check_exact(ranks: list[dict], spec: str, pieces: int, tp: int, label: str) -> float:
+def _check_exact(ranks: list[dict], spec: str, pieces: int, tp: int, label: str, sharded_over: int = 1) -> float:
     """Every rank's loss and gathered gradients equal the one-process step (fp32, relative 1e-5); each rank holds
-    1/tp of each split weight, and the whole of the others. Returns the largest relative gradient error."""
+    1/tp of each split weight, and the whole of the others (each 1/``sharded_over`` of that: sharded over the
+    replicas). Returns the largest relative gradient error."""
     ref = reference_step(spec, pieces)
     worst = 0.0
     seen: set[str] = set()
@@ -46,7 +47,7 @@ def _check_exact(ranks: list[dict], spec: str, pieces: int, tp: int, label: str)
         seen |= set(res["grads"])
         assert res["split"], f"{label} rank {r}: no split weight"
         for name, held in res["held"].items():
-            expected = res["whole"][name] // tp if name in res["split"] else res["whole"][name]
+            expected = (res["whole"][name] // tp if name in res["split"] else res["whole"][name]) // sharded_over
             assert held == expected, f"{label} rank {r}: holds {held} of {name}'s {res['whole'][name]}"
     assert seen == set(ref["grads"]), f"{label}: gradients missing {set(ref['grads']) - seen}"
     for r, res in enumerate(ranks):  # clipping's global norm over every stage's shards
@@ -99,21 +100,50 @@ def test_zoo_gpt_at_dp2_pp2_tp2_trains_as_one_process_and_its_checkpoint_loads_a
     assert [(r["dp_rank"], r["pp_rank"], r["tp_rank"]) for r in ranks] == \
         [(d, p, t) for d in range(2) for p in range(2) for t in range(2)]  # cluster: tp innermost, then pp
     _check_exact(ranks, GPT, 4, 2, "gpt dp2 x pp2 x tp2")
+    _check_loads(tmp_path, saved, ranks, [(2, 1, {}), (4, 2, {})])  # resharded to 1 tp rank, and back to 2
+
+
+def _check_loads(tmp_path: Path, saved: Path, ranks: list[dict], layouts: list[tuple[int, int, dict]]) -> None:
+    """``saved`` (the checkpoint of ``ranks``' step) loads into a fresh pipeline of each layout (world, tp,
+    options): its state dict and each parameter's SGD momentum bit for bit."""
     grads = {n: g for r in ranks for n, g in r["grads"].items()}
-    for world, tp in ((2, 1), (4, 2)):  # resharded to 1 tp rank, and back to 2: bit for bit
-        out = tmp_path / f"load-{tp}"
+    for i, (world, tp, options) in enumerate(layouts):
+        out = tmp_path / f"load-{i}"
         out.mkdir()
         results = launch(f"{HERE / '_tp_checks.py'}:load_worker", world, {
-            "spec": GPT, "stages": 2, "tp": tp, "checkpoint_from": str(saved), "out": str(out)}, timeout=300)
+            "spec": GPT, "stages": 2, "tp": tp, "checkpoint_from": str(saved), "out": str(out), **options},
+            timeout=300)
         for r in results:
             assert r.returncode == 0, f"rank {r.rank}: {r.stdout[-1500:]}\n{r.stderr[-3000:]}"
         loaded = [torch.load(out / f"load-{r}.pt", weights_only=False) for r in range(world)]
+        label = f"world {world}, tp {tp} {options}"
         assert loaded[0]["state"].keys() == ranks[0]["state"].keys()
         for name, t in loaded[0]["state"].items():
-            assert torch.equal(t, ranks[0]["state"][name]), f"tp {tp}: {name}"
+            assert torch.equal(t, ranks[0]["state"][name]), f"{label}: {name}"
         for res in loaded:  # SGD's momentum after one step: the first replica's gradient (the global one)
             for name, m in res["momentum"].items():
-                assert torch.equal(m, grads[name]), f"tp {tp}: momentum of {name}"
+                assert torch.equal(m, grads[name]), f"{label}: momentum of {name}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["shard_grad_op", "full_shard"])
+def test_zoo_gpt_at_dp2_pp2_tp2_sharded_over_the_replicas_trains_as_one_process(tmp_path: Path,
+                                                                                sharding: str) -> None:
+    """FSDP2 over "dp" on the tp-split stages (torchtitan's 2-D order: parallelize_module, then fully_shard on
+    the same mesh): each rank holds 1/(T x D) of a split weight (a fused k/v's shares too), 1/D of the others;
+    the checkpoint loads unsharded at tp 1 and tp 2, and sharded again."""
+    saved = tmp_path / "ckpt"
+    ranks = _run(tmp_path, GPT, world=8, stages=2, tp=2, sharding=sharding, checkpoint_to=str(saved))
+    for res in ranks:
+        assert all("dp" in mesh for mesh in res["meshes"].values()), res["meshes"]  # FSDP's DTensors
+        assert {res["meshes"][n] for n in res["split"]} == {("dp", "tp")}
+        # the meters see the shards' storage, and the step held this rank's tp shares whole (gathered over "dp")
+        memory = res["memory"]
+        assert memory["params"] == memory["grads"] == res["tp_share_bytes"] // 2
+        assert memory["gathered_peak"] == memory["whole_grads_peak"] == res["tp_share_bytes"], memory
+    assert any(n.endswith("attn.kv.weight") for n in ranks[0]["split"])  # the fused projection (strided)
+    _check_exact(ranks, GPT, 4, 2, f"gpt dp2 x pp2 x tp2 {sharding}", sharded_over=2)
+    _check_loads(tmp_path, saved, ranks, [(2, 1, {}), (4, 2, {}), (8, 2, {"sharding": sharding})])
 
 
 # ---------------------------------------------------------------------- the typed option (one process)
@@ -173,8 +203,7 @@ def test_tensor_parallel_without_ranks_for_it_is_refused() -> None:
         smp.partition(b.model, stages=1, tensor_parallel=2, loss_fn=b.loss_fn)
     with pytest.raises(RuntimeConfigError, match="tp_plan= goes with tensor_parallel"):
         smp.partition(b.model, stages=1, tp_plan={"blocks.*.fc": "colwise"}, loss_fn=b.loss_fn)
-    for option, value in (("sharding", "full_shard"), ("compile", True), ("schedule", "zb-h1"),
-                          ("recompute", "selective")):
+    for option, value in (("compile", True), ("schedule", "zb-h1"), ("recompute", "selective")):
         with pytest.raises(RuntimeConfigError, match="does not run with .* yet"):
             smp.partition(b.model, stages=1, tensor_parallel=2, loss_fn=b.loss_fn, **{option: value})
 

@@ -121,8 +121,8 @@ def test_the_shape_search_weighs_t_within_a_node_skips_what_the_model_cannot_spl
         if c.plan is not None:
             assert c.plan.tensor_parallel == c.shape.tensor_parallel
             assert c.lower_bound <= c.step_time * (1 + 1e-9), c.shape  # the screen's bound holds under T
-            if c.shape.tensor_parallel > 1:
-                assert c.plan.sharding == "none"  # split stages run unsharded
+            if c.shape.tensor_parallel > 1 and c.shape.data_parallel > 1:  # split stages' sharding weighed too
+                assert set(c.plan.sharding_weighed) == {"none", "shard_grad_op", "full_shard"}
     best = search.candidates[0].step_time
     assert all(c.lower_bound >= best for c in search.candidates if c.plan is None and c.pruned)
     data = search.to_dict()
@@ -162,13 +162,45 @@ def test_what_split_stages_do_not_run_is_never_planned_for_them() -> None:
     assert {s.schedule for s in shapes if s.tensor_parallel == 2} == {"1f1b"}
 
 
-@pytest.mark.parametrize("option", [{"schedule": "zb-h1"}, {"recompute": "selective"}, {"sharding": "full_shard"}])
+@pytest.mark.parametrize("option", [{"schedule": "zb-h1"}, {"recompute": "selective"}])
 def test_a_request_for_what_split_stages_do_not_run_is_refused_before_planning(option: dict) -> None:
     from partitioner.errors import OptionError
     from partitioner.request import PlanRequest
 
     with pytest.raises(OptionError, match=r"tensor_parallel=2 does not run with .* yet"):
         PlanRequest(stages=2, data_parallel=2, tensor_parallel=2, **option)
+
+
+def test_split_stages_sharded_over_the_replicas_hold_their_share_of_the_split_state(plans) -> None:
+    """Sharding at T = 2 is requested (no longer refused) and priced by the one formula: the graph priced for T
+    holds each tp rank's parameter bytes, which state_bytes' factors split over the D replicas, so a rank holds
+    1/(T x D) of a split module's optimizer state (and 1/D of a whole one's)."""
+    from partitioner.request import PlanRequest
+    from partitioner.sharding import OPTIMIZER_BYTES, SHARDING_MODES, state_bytes
+
+    one, two, model = plans
+    for mode in ("shard_grad_op", "full_shard"):
+        assert PlanRequest(stages=2, data_parallel=2, tensor_parallel=2, sharding=mode).sharding == mode
+    b = build(GPT, seed=0)
+    common = dict(stages=2, data_parallel=2, tensor_parallel=2, device_profile="h100-sxm", cluster="h100-sxm",
+                  timing="analytic")
+    sharded = plan(b.model, b.example_args, sharding="shard_grad_op", **common)
+    assert (sharded.sharding, sharded.tensor_parallel, sharded.data_parallel) == ("shard_grad_op", 2, 2)
+    held = state_bytes("shard_grad_op", 2, workspace=1.0)
+    for stage in sharded.partition.stages:  # by the stage's own (one tp rank's) parameter bytes
+        assert stage.state == pytest.approx(held.state * stage.params + stage.buffers, rel=1e-12)
+        assert stage.working == pytest.approx(held.working * stage.params, rel=1e-12)
+    split = [n for n in two.graph.nx if one.graph[n]["module"].endswith(SPLIT) and one.graph[n]["params"]]
+    whole_bytes = sum(one.graph[n]["params"] for n in split)  # T = 1: each split module's whole parameters
+    rank_bytes = sum(sharded.graph[n]["params"] for n in split)  # T = 2: one tp rank's share (a rowwise bias whole)
+    biases = sum(2 * sharded.graph[n]["params"] - one.graph[n]["params"] for n in split)  # a rowwise bias: whole
+    assert whole_bytes > 0 and 0 < biases < whole_bytes / 20
+    assert held.optimizer * rank_bytes == pytest.approx(OPTIMIZER_BYTES * (whole_bytes + biases) / (2 * 2),
+                                                        rel=1e-12)
+    assert held.optimizer * rank_bytes < OPTIMIZER_BYTES * whole_bytes / (2 * 2) * 1.05  # 1/(T x D)-ish
+    weighed = plan(b.model, b.example_args, sharding="auto", virtual_stages=2, schedule="interleaved", **common)
+    assert set(weighed.sharding_weighed) == set(SHARDING_MODES)
+    assert not any(v.startswith("not weighed") for v in weighed.sharding_weighed.values()), weighed.sharding_weighed
 
 
 def test_a_hugging_face_model_built_on_meta_is_priced_split() -> None:
