@@ -46,12 +46,12 @@ def block_prefix(graph: OpGraph) -> str | None:
     return None
 
 
-def block_graph(graph: OpGraph, *, min_ops: int = MIN_OPS) -> OpGraph:
+def block_graph(graph: OpGraph, *, min_ops: int | None = None) -> OpGraph:
     """``graph`` with each member of its repeated blocks one node (and the ops outside them grouped by their
     module at the same depth, free ops folded into their neighbours); ``graph`` itself when it has fewer than
-    ``min_ops`` ops or no repeated blocks. Costs add up (:meth:`OpGraph.coarsen`); ``meta["blocks"]`` names
-    the list."""
-    prefix = block_prefix(graph) if len(graph) >= min_ops else None
+    ``min_ops`` (default :data:`MIN_OPS`) ops or no repeated blocks. Costs add up (:meth:`OpGraph.coarsen`);
+    ``meta["blocks"]`` names the list."""
+    prefix = block_prefix(graph) if len(graph) >= (MIN_OPS if min_ops is None else min_ops) else None
     if prefix is None:
         return graph
     coarse = graph.coarsen(depth=len(prefix.split(".")) + 1, fold_free=True)

@@ -333,6 +333,8 @@ def search_shapes(
                 model_info=info, prune_above=prune_above, check_schedule=check)
         except (PlanningError, ScheduleError) as err:
             cand.reason = " ".join(str(err).split())
+            if g.meta.get("blocks"):
+                cand.reason += f" (solved with each member of {g.meta['blocks']} one node: no cut inside one weighed)"
             cand.needs = getattr(err, "works", None) or getattr(err, "needed", None)
         except ShapePruned as pruned:
             cand.lower_bound = max(cand.lower_bound, pruned.bound)

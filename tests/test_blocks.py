@@ -90,3 +90,20 @@ def test_the_search_reports_each_plans_bound_and_the_gap(gpt) -> None:
     assert data["gap"] == pytest.approx(search.gap) and data["candidates"][0]["gap"] == pytest.approx(best.gap)
     assert all(c["gap"] is None for c in data["candidates"] if not c["fits"])
     assert math.isfinite(search.gap)
+
+
+def test_a_shape_refused_on_the_folded_graph_says_at_what_granularity(gpt, monkeypatch) -> None:
+    graph, info = gpt
+    import partitioner.blocks as blocks
+    from partitioner.cluster import Cluster
+
+    folded = search_shapes(graph, PlanRequest(devices=2, global_batch=8, cluster=Cluster.load("h100-sxm", devices=2),
+                                              memory_limit=1e5), profiled_batch=4, solve_plan=plan_from_graph,
+                           model_info=info)
+    assert all(c.plan is None for c in folded.candidates)
+    assert all("no cut inside one weighed" not in c.reason for c in folded.candidates)  # 188 ops: not folded
+    monkeypatch.setattr(blocks, "MIN_OPS", 0)
+    folded = search_shapes(graph, PlanRequest(devices=2, global_batch=8, cluster=Cluster.load("h100-sxm", devices=2),
+                                              memory_limit=1e5), profiled_batch=4, solve_plan=plan_from_graph,
+                           model_info=info)
+    assert all("each member of blocks one node: no cut inside one weighed" in c.reason for c in folded.candidates)
