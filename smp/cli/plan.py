@@ -19,6 +19,7 @@ from smp.cli.render import (candidate_table, plan_header, print_plan, render_sta
                             write_timeline)
 from smp.cli.root import app, command
 from smp.plan import PlanRequest, default_microbatches
+from smp.units import format_time
 
 __all__ = ["plan_cmd", "inspect_cmd", "simulate_cmd", "compare_cmd"]
 
@@ -179,6 +180,8 @@ def plan_cmd(
         "--objective", help="step_time (the fastest simulated step among the bottleneck-optimal plan and the "
                             "peer baselines, refined) or bottleneck (the plan minimising the slowest stage, "
                             "with a proven bound)")] = "step_time",
+    top: Annotated[int, typer.Option("--top", help="with a search: show the K fastest candidates (0: every one; "
+                                                    "--json always lists every one)", min=0)] = 12,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="save the plan JSON here")] = None,
     timeline: TimelineOpt = None,
     json_out: JsonOpt = False,
@@ -233,9 +236,17 @@ def plan_cmd(
         return
     if search is not None:
         con = rich_console()
-        con.print(candidate_table(search.candidates, shapes=devices is not None, title=(
+        shown = search.candidates[:top] if top else search.candidates
+        con.print(candidate_table(shown, shapes=devices is not None, title=(
             f"candidates weighed ({len(search.candidates)}, best first: the fastest simulated step that fits "
-            "memory)")))
+            "memory" + (f"; the {len(shown)} fastest shown" if len(shown) < len(search.candidates) else "") + ")")))
+        more = len(search.candidates) - len(shown)
+        if more:
+            con.print(f"... and {more} more (--top 0 shows every one, --json lists them)")
+        if search.lower_bound < float("inf"):
+            con.print(f"no shape that fits steps in under {format_time(search.lower_bound)} (the least of their "
+                      f"bounds: the busiest rank's share of the compute); the chosen step is within "
+                      f"{search.gap:.1%} of it")
         con.print()
     print_plan(p, files=files, note=note)
 
