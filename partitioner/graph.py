@@ -51,7 +51,7 @@ KERNEL_FIELDS = ("kernel_bytes", "kernel_saved_bytes", "kernel_output_bytes")
 #: Per-microbatch times a node may carry besides fwd and bwd (all in seconds, all scale with the microbatch and add
 #: up over a coarsened group): the weight-gradient part of bwd (split-backward schedules) and a tensor-parallel
 #: priced graph's collectives (partitioner/tensor_parallel.py TP_COST_FIELDS).
-OPTIONAL_TIMES = ("bwd_w", "tp_fwd_comm", "tp_bwd_comm")
+OPTIONAL_TIMES = ("bwd_w", "tp_fwd_comm", "tp_bwd_comm", "tp_whole_fwd", "tp_whole_bwd")
 PER_MICROBATCH_TIMES = ("fwd", "bwd", *OPTIONAL_TIMES)
 #: ... and per-microbatch bytes: what a tensor-parallel priced graph's collectives move.
 OPTIONAL_BYTES = ("tp_fwd_bytes", "tp_bwd_bytes")

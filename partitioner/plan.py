@@ -172,7 +172,10 @@ class Plan:
         microbatch), no communication: what ``speedup`` compares the D x P ranks with."""
         devices = self.partition.cluster.get("devices")
         speed = max(d["speed"] for d in devices) if devices else 1.0
-        work = self.graph.total_fwd + (self.graph.total_bwd if self.partition.training else 0.0)
+        # a graph priced for T tp ranks records each op's unsplit time (partitioner/tensor_parallel.py)
+        fwd, bwd = ("tp_whole_fwd", "tp_whole_bwd") if self.tensor_parallel > 1 else ("fwd", "bwd")
+        work = sum(node.get(fwd, node["fwd"]) + (node.get(bwd, node["bwd"]) if self.partition.training else 0.0)
+                   for node in (self.graph[v] for v in self.graph.nx))
         return self.data_parallel * self.microbatches * work / speed
 
     @property

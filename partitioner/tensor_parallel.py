@@ -53,6 +53,8 @@ TP_COST_FIELDS = {
                    "one's all-gather), included in bwd",
     "tp_fwd_bytes": "bytes of the tensor the forward collective reduces or gathers (whole)",
     "tp_bwd_bytes": "bytes of the gradient the backward collective reduces or gathers (whole)",
+    "tp_whole_fwd": "seconds of the op's forward on one device, unsplit (what a plan's speed-up compares with)",
+    "tp_whole_bwd": "seconds of its backward on one device, unsplit",
 }
 
 #: An op's activation bytes: each tp rank holds its share of a split output.
@@ -193,7 +195,8 @@ def price_tensor_parallel(graph: OpGraph, split: TensorParallelSplit, link: Link
     t = split.size
     out = graph.nx.copy()
     for name, data in out.nodes(data=True):
-        data.update(tp_fwd_comm=0.0, tp_bwd_comm=0.0, tp_fwd_bytes=0, tp_bwd_bytes=0)
+        data.update(tp_fwd_comm=0.0, tp_bwd_comm=0.0, tp_fwd_bytes=0, tp_bwd_bytes=0, tp_whole_fwd=data["fwd"],
+                    tp_whole_bwd=data["bwd"])
         if data["op"] == OUTPUT_OP:
             continue
         fx_nodes = tuple(data["fx_nodes"])

@@ -219,3 +219,12 @@ def test_a_hugging_face_model_built_on_meta_is_priced_split() -> None:
     one, two = plan(b.model, b.example_args, **common), plan(b.model, b.example_args, tensor_parallel=2, **common)
     q = next(v for v in one.graph.nx if one.graph[v]["module"] == "model.layers.0.self_attn.q_proj")
     assert two.graph[q]["fwd"] - two.graph[q]["tp_fwd_comm"] == pytest.approx(one.graph[q]["fwd"] / 2, rel=1e-12)
+
+
+def test_the_speed_up_compares_with_one_device_running_the_whole_model(plans) -> None:
+    """A T-priced graph holds each rank's share; one device runs every op whole (it read the shares: at T = 2 the
+    speed-up was about half what it is)."""
+    one, two, _ = plans
+    assert two.microbatches == one.microbatches
+    assert two.single_device_time == pytest.approx(one.single_device_time, rel=1e-12)
+    assert two.speedup == pytest.approx(one.single_device_time / two.step_time, rel=1e-12)
