@@ -326,6 +326,11 @@ class Plan:
             raise PlanError(
                 "interleaving changes the number of stages per rank, so the assignment must be solved again: "
                 f"run `smp plan` with --schedule {kind.value}")
+        if cluster is not None and self.tensor_parallel > 1:
+            raise PlanError(f"this plan splits its stages over {self.tensor_parallel} tensor-parallel ranks, whose "
+                            "collectives are priced on its own cluster's links: plan again for the other cluster "
+                            f"(smp.plan(..., tensor_parallel={self.tensor_parallel}, cluster=...)); its schedule, "
+                            "microbatches and recomputation can still be changed here")
         cap = active_microbatches
         if cap == "same":
             cap = self.active_microbatches if kind in CAPPABLE else None

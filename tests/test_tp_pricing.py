@@ -228,3 +228,15 @@ def test_the_speed_up_compares_with_one_device_running_the_whole_model(plans) ->
     assert two.microbatches == one.microbatches
     assert two.single_device_time == pytest.approx(one.single_device_time, rel=1e-12)
     assert two.speedup == pytest.approx(one.single_device_time / two.step_time, rel=1e-12)
+
+
+def test_a_split_plan_is_not_resimulated_on_another_cluster_but_on_its_own_it_is(plans) -> None:
+    """Its collectives are priced on its cluster's node links (and its stages laid out over tp groups there): on
+    another cluster it would keep the old prices; it used to be laid out as if unsplit."""
+    from partitioner.errors import PlanError
+
+    _, two, _ = plans
+    with pytest.raises(PlanError, match="plan again for the other cluster"):
+        two.resimulate(cluster=Cluster.load("a100-sxm", devices=8))
+    again = two.resimulate(microbatches=two.microbatches)
+    assert again.step_time == pytest.approx(two.step_time, rel=1e-9) and again.tensor_parallel == 2
