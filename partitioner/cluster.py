@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -237,14 +237,17 @@ class Cluster:
         return Cluster(tuple(self.devices[i] for i in idx), links, self.name, self.meta)
 
     def interleaved(self, ranks: int, virtual_stages: int) -> Cluster:
-        """The stages' view of an interleaved pipeline: stage s runs on device s mod ``ranks``.
+        """The stages' view of an interleaved pipeline: stage s runs on device s mod ``ranks``, with
+        1/``virtual_stages`` of its memory (a rank's stages share it, as a ``memory_limit`` is shared: each stage
+        had the whole device, so a rank's two stages could plan for twice its memory).
 
         Links follow the devices; the link from the last rank back to the first (between
         two chunks) is taken to be the slowest link of the cluster.
         """
         if virtual_stages == 1:
             return self
-        devices = tuple(self.devices[s % ranks] for s in range(ranks * virtual_stages))
+        devices = tuple(replace(d, memory=None if d.memory is None else d.memory / virtual_stages)
+                        for d in (self.devices[s % ranks] for s in range(ranks * virtual_stages)))
         wrap = min(self.links, key=lambda lk: (lk.bandwidth, -lk.latency)) if self.links else Link("local", math.inf, 0.0)
         links = tuple(self.links[s % ranks] if (s % ranks) < ranks - 1 else wrap
                       for s in range(ranks * virtual_stages - 1))

@@ -516,3 +516,23 @@ def test_a_schedule_made_from_a_template_equals_one_built_afresh(kind: str, stag
     a, b = walk(reused), walk(fresh)
     assert (a.actions, a.rank, a.after, a.needs, a.mate, a.sequence) == \
         (b.actions, b.rank, b.after, b.needs, b.mate, b.sequence)
+
+
+def test_interleaved_stages_share_their_rank_s_device_memory() -> None:
+    """Each virtual stage had the whole device's memory, so a rank's two stages could plan for twice it (a 70B
+    model's interleaved plan "fit" at 98.5 GiB on an 80 GB GPU); now they share it, as they share a memory_limit."""
+    from partitioner.cluster import Cluster
+    from partitioner.compile import plan
+    from partitioner.errors import MemoryLimitError
+    from smp.models import build
+
+    b = build("gpt:size=tiny,layers=4,batch=8", seed=0)
+    common = dict(stages=2, schedule="interleaved", virtual_stages=2, microbatches=4, device_profile="h100-sxm",
+                  timing="analytic", recompute="none")
+    roomy = plan(b.model, b.example_args, cluster=Cluster.uniform(2, bandwidth=1e11, memory=1e12), **common)
+    device = 0.8 * max(roomy.rank_memory)  # each stage alone fits in it, the rank's two together do not
+    assert all(s.memory <= device for s in roomy.partition.stages)
+    with pytest.raises(MemoryLimitError, match="2 interleaved stages share each rank"):
+        plan(b.model, b.example_args, cluster=Cluster.uniform(2, bandwidth=1e11, memory=device), **common)
+    fits = plan(b.model, b.example_args, cluster=Cluster.uniform(2, bandwidth=1e11, memory=1.2 * device), **common)
+    assert max(fits.rank_memory) <= 1.2 * device

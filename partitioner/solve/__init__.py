@@ -511,8 +511,12 @@ def _memory_error(prob: Problem, allowed: np.ndarray, *, proven: bool) -> Memory
     needed, largest = memory_lower_bound(prob)
     limits = [x for x in prob.mem_limit if x is not None]
     limit = min(limits) if limits else None
+    ranks = prob.settings.ranks
+    shared = ranks is not None and 0 < ranks < prob.p  # interleaved: a rank's stages share its memory
     what = (f"memory limit {format_bytes(limit)} per device" if prob.settings.memory_limit is not None
-            else f"device memory ({format_bytes(limit)} on the smallest device)")
+            else f"device memory ({format_bytes(limit)} on the smallest device"
+                 + (f" per stage: its {prob.p // ranks} interleaved stages share each rank's" if shared else "")
+                 + ")")
     recompute = "" if prob.recompute_mode == "auto" else f" with recompute={prob.recompute_mode!r}"
     least = least_memory(prob, allowed)
     works = least[1] if least is not None else None
