@@ -53,7 +53,8 @@ def summary(search: Any, params: int, tokens: int, peak: float) -> dict[str, Any
     return {"data_parallel": best.shape.data_parallel, "stages": best.shape.stages,
             "tensor_parallel": best.shape.tensor_parallel, "microbatches": best.shape.microbatches,
             "schedule": best.shape.schedule, "sharding": best.plan.sharding,
-            "recomputing_stages": sum(r != "none" for r in best.recompute), "step_s": step,
+            "recomputing_stages": sum(r != "none" for r in best.recompute), "all_stages": len(best.recompute),
+            "step_s": step,
             "samples_per_second": best.samples_per_second, "memory_bytes": best.memory,
             "mfu": 6 * params * tokens / step / (search.devices * peak),
             "lower_bound_s": best.lower_bound, "gap": best.gap, "space_lower_bound_s": search.lower_bound,
@@ -109,7 +110,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             lines.append(
                 f"| {r['model']} | {r['devices']} | {title} | {c['data_parallel']} x {c['stages']} x "
                 f"{c['tensor_parallel']}, m={c['microbatches']}, {c['schedule']} | {c['sharding']} | "
-                f"{c['recomputing_stages']} of {c['stages']} | {c['step_s']:.2f} s | {c['mfu']:.1%} | "
+                f"{c['recomputing_stages']} of {c['all_stages']} | {c['step_s']:.2f} s | {c['mfu']:.1%} | "
                 f"{c['lower_bound_s']:.2f} s ({c['gap']:.1%}) | {c['planning_s']:.0f} s | {ratio} |")
     return "\n".join(lines)
 
