@@ -19,13 +19,12 @@ from partitioner.plan import (PLACEMENTS, ModelInfo, Plan, PlanError, replica_la
                               simulate_partition)
 from partitioner.problem import DEFAULT_WORKSPACE_FACTOR, ProblemSettings
 from partitioner.profile import profile
-from partitioner.recompute import CHOICES
 from partitioner.program import fingerprint, flatten_inputs
 from partitioner.request import PlanRequest
 from partitioner.shapes import ShapeSearch, search_shapes
 from partitioner.sharding import SHARDING_MODES, state_bytes
 from partitioner.solve import solve
-from partitioner.tensor_parallel import (TP_RECOMPUTE, TensorParallelSplit, global_shapes, price_tensor_parallel,
+from partitioner.tensor_parallel import (TensorParallelSplit, global_shapes, price_tensor_parallel,
                                          tensor_parallel_split, tp_link)
 from partitioner.trace import trace
 from partitioner.units import format_bytes
@@ -334,8 +333,7 @@ def plan_from_graph(
     settings = ProblemSettings(num_stages, cluster=stage_cluster, microbatches=microbatches, schedule=kind.value,
                                training=training, memory_limit=limit, ranks=stages, recompute=request.recompute,
                                active_microbatches=request.active_microbatches, state_factor=held.state,
-                               working_factor=held.working, workspace_factor=held.workspace,
-                               recompute_choices=TP_RECOMPUTE if request.tensor_parallel > 1 else CHOICES)
+                               working_factor=held.working, workspace_factor=held.workspace)
     part = solve(graph, settings, colocate=colocate, method=request.method, time_limit=request.time_limit,
                  objective=request.objective)
     if prune_above is not None:

@@ -105,7 +105,7 @@ class ProblemSettings:
     devices' memory). ``state_factor``, ``workspace_factor`` and ``working_factor``: bytes per
     parameter byte held the whole step, allocated by the optimizer's step, and held only while a
     stage computes (partitioner/sharding.py). ``recompute``: one mode for every stage
-    (:data:`partitioner.recompute.MODES`) or one choice per stage; ``recompute_choices``: those ``auto`` weighs. The planning request builds
+    (:data:`partitioner.recompute.MODES`) or one choice per stage. The planning request builds
     these once (partitioner/compile.py); ``solve``, ``evaluate`` and :class:`Problem` also build
     them from their keywords, and a variant is ``dataclasses.replace`` of them.
     """
@@ -122,7 +122,6 @@ class ProblemSettings:
     ranks: int | None = None
     recompute: str | tuple[str, ...] = "none"
     active_microbatches: int | None = None
-    recompute_choices: tuple[str, ...] = CHOICES  # what recompute="auto" may choose (split stages: none or full)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", whole(self.stages, "stages", error=StageCountError))
@@ -287,8 +286,7 @@ class Problem:
             return mode, [("none",)] * self.p
         if mode == "auto":  # where memory is unlimited the fastest choice, none, is the only one worth taking
             # offloading only where it moves the stash off the device (a host link)
-            limited = tuple(c for c in (CHOICES if self.host is not None else RECOMPUTING)
-                            if c in self.settings.recompute_choices)
+            limited = CHOICES if self.host is not None else RECOMPUTING
             return mode, [limited if lim is not None else RECOMPUTING[:1] for lim in self.mem_limit]
         return mode, [(mode,)] * self.p
 

@@ -145,8 +145,7 @@ class PlanRequest:
             self._check_compiled()
         if self.tensor_parallel != 1 and self.tensor_parallel != "auto":  # a search leaves out what T > 1 cannot run
             why = not_run_split(compiled=self.profiling.compile,
-                                schedules=[self.schedule] if isinstance(self.schedule, str) else [],
-                                recompute=[self.recompute])
+                                schedules=[self.schedule] if isinstance(self.schedule, str) else [])
             if why is not None:
                 raise OptionError(f"tensor_parallel={self.tensor_parallel} does not run with {why} yet: drop it, or "
                                   "tensor_parallel=", "tensor_parallel")

@@ -20,11 +20,7 @@ from partitioner.tp_graph import ModuleSplit, SplitActivations, planned_module, 
 from partitioner.tp_plan import module_splits, resolve_tp_plan
 
 __all__ = ["TensorParallelSplit", "tensor_parallel_split", "global_shapes", "tp_link", "price_tensor_parallel", "TP_COST_FIELDS",
-           "TP_RECOMPUTE", "runs_split", "not_run_split"]
-
-#: The recomputation choices split stages run (the runtime's selective rerun and offloading hooks do not see
-#: DTensor collectives yet): what recompute="auto" may choose at T > 1.
-TP_RECOMPUTE = ("none", "full")
+           "runs_split", "not_run_split"]
 
 
 def runs_split(schedule: str) -> bool:
@@ -33,14 +29,13 @@ def runs_split(schedule: str) -> bool:
     return not ScheduleKind.parse(schedule).split_backward
 
 
-def not_run_split(*, compiled: bool, schedules: Sequence[str], recompute: Sequence[str]) -> str | None:
+def not_run_split(*, compiled: bool, schedules: Sequence[str]) -> str | None:
     """What of a request or a plan tensor-parallel stages do not run with yet (the one list: the request refuses
-    it before planning, the runtime before running a plan made elsewhere), or None."""
+    it before planning, the runtime before running a plan made elsewhere), or None. Every recomputation choice
+    runs split (runtime/recompute.py, runtime/offload.py)."""
     for why, bad in (("compiled stages (compile=True)", compiled),
                      (f"the zero-bubble schedule {next((s for s in schedules if not runs_split(s)), '')!r}",
-                      not all(runs_split(s) for s in schedules)),
-                     (f"recompute {next((c for c in recompute if c not in (*TP_RECOMPUTE, 'auto')), '')!r}",
-                      any(c not in (*TP_RECOMPUTE, "auto") for c in recompute))):
+                      not all(runs_split(s) for s in schedules))):
         if bad:
             return why
     return None

@@ -12,6 +12,11 @@ from ``save_on_cpu``, each for the plan's accounting:
 - on a CPU device the copy is made too (``save_on_cpu`` keeps a CPU tensor as it is): the same
   path runs everywhere, and the copies are counted as the device's memory, which on a CPU they are.
 
+A tensor subclass autograd saves (on a tensor-parallel stage, a DTensor) is taken apart and put
+together again by torch's wrapper-subclass protocol (``__tensor_flatten__`` /
+``__tensor_unflatten__``): its plain tensors (a DTensor's local shard) are what is copied, or
+left in place as above.
+
 The copies run on the current (compute) stream: nothing overlaps them with compute, as the planner
 prices them. The values are copied, not changed: losses and gradients equal those without offloading.
 """
@@ -19,14 +24,33 @@ prices them. The values are copied, not changed: losses and gradients equal thos
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from typing import Any, Union
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = ["kept_storages", "offloading"]
 
-Packed = Union[torch.Tensor, tuple[torch.device, torch.Tensor]]
+
+@dataclass(frozen=True)
+class _OnHost:
+    """A saved tensor copied to host memory, and the device it goes back to."""
+
+    device: torch.device
+    host: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _Subclass:
+    """A saved tensor subclass taken apart: its inner values (each tensor packed), as its protocol rebuilds it."""
+
+    cls: type
+    inner: dict[str, Any]
+    context: Any
+    size: torch.Size
+    stride: tuple[int, ...]
 
 
 def offloading(device: torch.device, on_device: Callable[[int], bool],
@@ -37,8 +61,16 @@ def offloading(device: torch.device, on_device: Callable[[int], bool],
     ``count`` is told of every tensor that stays in the device's memory (on a CPU device, the copies)."""
     pin = device.type == "cuda" and torch.cuda.is_available()
 
-    def pack(t: torch.Tensor) -> Packed:
-        if isinstance(t, nn.Parameter) or t.is_meta or on_device(t.untyped_storage().data_ptr()):
+    def pack(t: torch.Tensor) -> Any:
+        if isinstance(t, nn.Parameter) or t.is_meta:
+            count(t)
+            return t
+        if is_traceable_wrapper_subclass(t):
+            names, context = t.__tensor_flatten__()
+            inner = {n: getattr(t, n) for n in names}  # (a DTensor's include its mesh)
+            return _Subclass(type(t), {n: pack(v) if isinstance(v, torch.Tensor) else v for n, v in inner.items()},
+                             context, t.size(), t.stride())
+        if on_device(t.untyped_storage().data_ptr()):
             count(t)
             return t
         # (no sharing of one copy between two saves of a tensor: a freed tensor's address is reused)
@@ -46,13 +78,15 @@ def offloading(device: torch.device, on_device: Callable[[int], bool],
         host.copy_(t, non_blocking=pin)
         if device.type == "cpu":
             count(host)
-        return (t.device, host)
+        return _OnHost(t.device, host)
 
-    def unpack(packed: Packed) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
-        where, host = packed
-        return host.to(where, non_blocking=pin)
+    def unpack(packed: Any) -> Any:
+        if isinstance(packed, _OnHost):
+            return packed.host.to(packed.device, non_blocking=pin)
+        if isinstance(packed, _Subclass):
+            return packed.cls.__tensor_unflatten__({n: unpack(v) for n, v in packed.inner.items()}, packed.context,
+                                                   packed.size, packed.stride)
+        return packed  # left on the device (or a subclass's inner value that is no tensor)
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 

@@ -12,14 +12,24 @@ The plan gives each stage one choice (``partitioner/recompute.py``, docs/memory.
   one recomputed graph, held from B to W, exactly as the planner prices it
   (``peak_recomputing``): ``torch.utils.checkpoint`` would recompute again for W, and its
   selective mode refuses a second backward.
-- ``selective``: the forward runs without autograd under torch's selective activation
+- ``selective``: the forward runs under torch's selective activation
   checkpointing modes (``torch.utils.checkpoint.create_selective_checkpoint_contexts``)
   with a :class:`~torch.utils.checkpoint.CheckpointPolicy` of ``MUST_SAVE`` for every
   aten op of a matmul-like fx node (the plan's own flag: the op graph's ``flops > 0``, so
   the runtime keeps exactly the nodes the planner priced as kept) and
   ``PREFER_RECOMPUTE`` for the rest: the caching mode keeps those outputs; B reruns
   the forward under the cached mode, which hands them back instead of recomputing them
-  (Megatron-LM's selective recomputation, Korthikanti et al., MLSys 2023).
+  (Megatron-LM's selective recomputation, Korthikanti et al., MLSys 2023). On a
+  tensor-parallel stage the policy sees the DTensor-level ops (modes run before tensor
+  subclasses): the kept outputs are DTensors, their storages their local shards, and a matmul
+  node's functional collectives (a rowwise output's all-reduce) are kept as well, as
+  torchtitan's selective policy keeps its reduce-scatters: B reruns no collective, as the
+  planner prices it (a matmul node's collective is part of its forward, which selective does
+  not rerun). The forward runs with autograd on, as the replay does and as
+  ``torch.utils.checkpoint`` runs it, but saves nothing (its saved tensors are dropped, its
+  outputs detached): torch runs other aten ops with autograd off (DTensor's ``to_local``
+  returns its local tensor, with autograd a view of it), which the replay would not find
+  in the cache.
 
 Both reruns restore the random number generators to their state at the forward (dropout
 draws the same masks) and undo what the rerun writes to the stage's buffers (BatchNorm's
@@ -36,7 +46,7 @@ from typing import Any, Iterator
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import flop_registry
 
@@ -73,6 +83,43 @@ class _MarkingInterpreter(fx.Interpreter):
             self.in_matmul = False
 
 
+#: The namespace of torch's functional collectives (what DTensor's redistributions run).
+_COLLECTIVES = "_c10d_functional"
+
+
+def _plain_tensors(tree: Any) -> Iterator[torch.Tensor]:
+    """The plain tensors holding the tensors of ``tree``: a tensor subclass's (DTensor's local shard, an
+    asynchronous collective's result) through torch's wrapper-subclass protocol."""
+    for t in pytree.tree_leaves(tree):
+        if not isinstance(t, torch.Tensor):
+            continue
+        if is_traceable_wrapper_subclass(t):  # (a DTensor's inner attributes include its mesh: skipped above)
+            yield from _plain_tensors([getattr(t, name) for name in t.__tensor_flatten__()[0]])
+        else:
+            yield t
+
+
+def _storages(tree: Any) -> set[int]:
+    """Data pointers of the storages under the tensors of ``tree``."""
+    return {t.untyped_storage().data_ptr() for t in _plain_tensors(tree)}
+
+
+def _is_collective(op: Any) -> bool:
+    """Whether ``op`` is one of torch's functional collectives (not their wait, which only waits)."""
+    return op.namespace == _COLLECTIVES and op.overloadpacket is not torch.ops._c10d_functional.wait_tensor
+
+
+def _nothing_saved() -> torch.autograd.graph.saved_tensors_hooks:
+    """Autograd on, keeping none of what it saves (a graph no backward runs: the replay builds the one B uses)."""
+    def dropped(_: torch.Tensor) -> None:
+        return None
+
+    def missing(_: None) -> torch.Tensor:
+        raise RecomputeError("a selective stage's first forward was differentiated: only its replay keeps a graph")
+
+    return torch.autograd.graph.saved_tensors_hooks(dropped, missing)
+
+
 def _rng_states(device: torch.device) -> tuple[torch.Tensor, tuple[torch.device, torch.Tensor] | None]:
     dev = (device, torch.cuda.get_rng_state(device)) if device.type == "cuda" else None
     return torch.get_rng_state(), dev
@@ -104,8 +151,9 @@ def _buffers_kept(gm: torch.nn.Module) -> Iterator[None]:
 
 def forward_for_recompute(gm: fx.GraphModule, args: list[Any], choice: str, matmul_nodes: Collection[str],
                           device: torch.device, keep: Callable[[torch.Tensor], None]) -> tuple[Any, Rerun]:
-    """Run the stage's forward without autograd as ``choice`` ("full" or "selective") says; ``keep`` is told of
-    every tensor the selective cache holds until B. Returns the outputs and what :func:`recompute` needs."""
+    """Run the stage's forward keeping nothing for autograd, as ``choice`` ("full" or "selective") says; ``keep``
+    is told of every tensor the selective cache holds until B. Returns the outputs (no autograd graph) and what
+    :func:`recompute` needs."""
     cpu_rng, device_rng = _rng_states(device)
     if choice == "full":
         with torch.no_grad():
@@ -118,19 +166,17 @@ def forward_for_recompute(gm: fx.GraphModule, args: list[Any], choice: str, matm
     after: dict[int, tuple[torch.Tensor, tuple[torch.device, torch.Tensor] | None]] = {}
 
     def writes_kept(op: Any, a: Any, k: Any) -> bool:
-        return op._schema.is_mutable and any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in kept
-                                             for t in pytree.tree_leaves((a, k)))
+        return op._schema.is_mutable and not kept.isdisjoint(_storages((a, k)))
 
     def policy(ctx: Any, op: Any, *a: Any, **k: Any) -> CheckpointPolicy:
-        save = interp.in_matmul and (op.overloadpacket in flop_registry or writes_kept(op, a, k))
+        save = interp.in_matmul and (op.overloadpacket in flop_registry or _is_collective(op) or
+                                     writes_kept(op, a, k))
         if torch.Tag.nondeterministic_seeded in op.tags:
             seeded[0] += 1
             if save:
                 after[seeded[0]] = _rng_states(device)
         if save:
-            for t in pytree.tree_leaves(ctx.op_output):
-                if isinstance(t, torch.Tensor):
-                    kept.add(t.untyped_storage().data_ptr())
+            kept.update(_storages(ctx.op_output))
             return CheckpointPolicy.MUST_SAVE
         if writes_kept(op, a, k):
             raise RecomputeError(
@@ -143,14 +189,12 @@ def forward_for_recompute(gm: fx.GraphModule, args: list[Any], choice: str, matm
     # their final values without running them, so the change is not applied twice; a change from outside the
     # node is refused above.
     caching, cached = create_selective_checkpoint_contexts(policy, allow_cache_entry_mutation=True)
-    with torch.no_grad(), caching:
-        out = interp.run(*args)
+    with torch.enable_grad(), _nothing_saved(), caching:
+        out = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, interp.run(*args))
     for entries in caching.storage.values():
         for entry in entries.values():
-            for leaf in pytree.tree_leaves(entry):
-                val = getattr(leaf, "val", None)
-                if isinstance(val, torch.Tensor):
-                    keep(val)
+            for t in _plain_tensors([getattr(leaf, "val", None) for leaf in pytree.tree_leaves(entry)]):
+                keep(t)
     return out, Rerun(choice, cpu_rng, device_rng, (cached, _RandomReplay(after)))
 
 

@@ -44,11 +44,11 @@ def _refused_at_setup() -> Iterator[None]:
 def refuse_plan(plan: Plan) -> None:
     """Refuse a made plan (from a file, or made without tensor parallelism's limits) that tensor-parallel stages do
     not run with yet."""
-    why = not_run_split(compiled=plan.model.compiled, schedules=[plan.schedule_name], recompute=plan.recompute)
+    why = not_run_split(compiled=plan.model.compiled, schedules=[plan.schedule_name])
     if why is not None:
         raise TensorParallelRefused(f"the plan runs {why}, which tensor_parallel={plan.tensor_parallel} does not "
-                                    "run with yet: re-plan without it (compile=False, recompute='none' or 'full', "
-                                    "schedule gpipe, 1f1b or interleaved)")
+                                    "run with yet: re-plan without it (compile=False, schedule gpipe, 1f1b or "
+                                    "interleaved)")
 
 
 def tp_plan_for(model: nn.Module, given: Mapping[str, Any] | None, request: PlanRequest,

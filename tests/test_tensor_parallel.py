@@ -79,6 +79,15 @@ def test_zoo_gpt_at_tp2_pp2_interleaved_with_full_recomputation_trains_as_one_pr
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("recompute", ["selective", "offload"])
+def test_zoo_gpt_at_tp2_pp2_with_selective_recomputation_or_offloading_trains_as_one_process(
+        tmp_path: Path, recompute: str) -> None:
+    ranks = _run(tmp_path, GPT, world=4, stages=2, tp=2, recompute=recompute)
+    assert all(r["recompute"] == [recompute, recompute] for r in ranks)
+    _check_exact(ranks, GPT, 2, 2, f"gpt tp2 x pp2, recompute={recompute}")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_zoo_gpt_at_tp2_pp2_under_half_precision_matches_autocast(tmp_path: Path, precision: str) -> None:
     """Within the half type's rounding: the loss to one epsilon; a gradient to four (a rowwise output is the sum of
@@ -203,7 +212,7 @@ def test_tensor_parallel_without_ranks_for_it_is_refused() -> None:
         smp.partition(b.model, stages=1, tensor_parallel=2, loss_fn=b.loss_fn)
     with pytest.raises(RuntimeConfigError, match="tp_plan= goes with tensor_parallel"):
         smp.partition(b.model, stages=1, tp_plan={"blocks.*.fc": "colwise"}, loss_fn=b.loss_fn)
-    for option, value in (("compile", True), ("schedule", "zb-h1"), ("recompute", "selective")):
+    for option, value in (("compile", True), ("schedule", "zb-h1")):
         with pytest.raises(RuntimeConfigError, match="does not run with .* yet"):
             smp.partition(b.model, stages=1, tensor_parallel=2, loss_fn=b.loss_fn, **{option: value})
 

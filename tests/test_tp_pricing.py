@@ -146,29 +146,41 @@ def test_a_tp_degree_that_does_not_divide_a_node_is_not_weighed() -> None:
 
 
 def test_what_split_stages_do_not_run_is_never_planned_for_them() -> None:
-    """recompute="auto" weighs only none and full for split stages, and a search leaves zero-bubble schedules out of
-    its T > 1 shapes: the runtime refuses both at T > 1, so a plan chosen for T > 1 must not need them."""
-    from partitioner import synthetic
-    from partitioner.problem import Problem, ProblemSettings
+    """A search leaves zero-bubble schedules out of its T > 1 shapes (the runtime refuses them at T > 1, so a plan
+    chosen for T > 1 must not need them); every recomputation choice runs split, so none is refused."""
+    from partitioner.recompute import CHOICES
+    from partitioner.request import PlanRequest
     from partitioner.shapes import shapes_for
-    from partitioner.tensor_parallel import TP_RECOMPUTE
+    from partitioner.tensor_parallel import not_run_split
 
-    g = synthetic.chain(6, seed=0)
-    split = Problem(g, ProblemSettings(2, memory_limit=1e12, recompute="auto", recompute_choices=TP_RECOMPUTE))
-    whole = Problem(g, ProblemSettings(2, memory_limit=1e12, recompute="auto"))
-    assert "selective" in whole.choices[0] and split.choices == [TP_RECOMPUTE, TP_RECOMPUTE]
     shapes = shapes_for(8, 16, schedules=("1f1b", "zb-h1"), tensor_parallel=(1, 2))
     assert {s.schedule for s in shapes if s.tensor_parallel == 1 and s.stages > 1} == {"1f1b", "zb-h1"}
     assert {s.schedule for s in shapes if s.tensor_parallel == 2} == {"1f1b"}
+    assert not_run_split(compiled=False, schedules=["1f1b", "interleaved", "gpipe"]) is None
+    assert "zb-h1" in not_run_split(compiled=False, schedules=["1f1b", "zb-h1"])
+    assert "compile=True" in not_run_split(compiled=True, schedules=["1f1b"])
+    for choice in ("auto", *CHOICES):  # asked for at T > 1: planned, not refused
+        assert PlanRequest(stages=2, data_parallel=2, tensor_parallel=2, recompute=choice).recompute == choice
 
 
-@pytest.mark.parametrize("option", [{"schedule": "zb-h1"}, {"recompute": "selective"}])
+def test_recompute_auto_chooses_selective_and_offload_for_split_stages() -> None:
+    """At T = 2 under a memory limit the first stage meets only by recomputing, auto takes selective recomputation
+    (no host link) or offloading (the cluster's host link): the planner weighs every choice at T > 1 (it weighed
+    none and full only)."""
+    b = build("gpt:size=tiny,batch=64", seed=0)
+    common = dict(stages=2, device_profile="h100-sxm", timing="analytic", tensor_parallel=2, recompute="auto",
+                  memory_limit=3.3e6)
+    assert plan(b.model, b.example_args, **common).recompute == ["selective", "none"]
+    assert plan(b.model, b.example_args, cluster="h100-sxm", **common).recompute == ["offload", "none"]
+
+
+@pytest.mark.parametrize("option", [{"schedule": "zb-h1"}, {"compile": True}])
 def test_a_request_for_what_split_stages_do_not_run_is_refused_before_planning(option: dict) -> None:
     from partitioner.errors import OptionError
     from partitioner.request import PlanRequest
 
     with pytest.raises(OptionError, match=r"tensor_parallel=2 does not run with .* yet"):
-        PlanRequest(stages=2, data_parallel=2, tensor_parallel=2, **option)
+        PlanRequest.build(stages=2, data_parallel=2, tensor_parallel=2, **option)
 
 
 def test_split_stages_sharded_over_the_replicas_hold_their_share_of_the_split_state(plans) -> None:
