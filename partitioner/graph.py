@@ -9,7 +9,7 @@ from typing import Any
 
 import networkx as nx
 
-__all__ = ["OpGraph", "NODE_FIELDS", "GRAPH_SCHEMA_VERSION", "OUTPUT_OP"]
+__all__ = ["OpGraph", "NODE_FIELDS", "GRAPH_SCHEMA_VERSION", "OUTPUT_OP", "MATMUL_FX", "SELECTIVE_FWD", "is_matmul"]
 
 GRAPH_SCHEMA_VERSION = 1
 
@@ -48,13 +48,26 @@ NODE_FIELDS: dict[str, str] = {
 #: optional: a graph without them is priced by the op's output and saved bytes alone.
 KERNEL_FIELDS = ("kernel_bytes", "kernel_saved_bytes", "kernel_output_bytes")
 
+#: A folded group's fx nodes that are matmul-like (what selective recomputation keeps) and the forward seconds of
+#: its other ops (what it reruns): an op's own FLOPs say so for an op, not for a group (:func:`is_matmul`).
+MATMUL_FX = "matmul_fx"
+SELECTIVE_FWD = "selective_fwd"
+
 #: Per-microbatch times a node may carry besides fwd and bwd (all in seconds, all scale with the microbatch and add
 #: up over a coarsened group): the weight-gradient part of bwd (split-backward schedules) and a tensor-parallel
 #: priced graph's collectives (partitioner/tensor_parallel.py TP_COST_FIELDS).
-OPTIONAL_TIMES = ("bwd_w", "tp_fwd_comm", "tp_bwd_comm", "tp_whole_fwd", "tp_whole_bwd")
+OPTIONAL_TIMES = ("bwd_w", "tp_fwd_comm", "tp_bwd_comm", "tp_whole_fwd", "tp_whole_bwd", SELECTIVE_FWD)
 PER_MICROBATCH_TIMES = ("fwd", "bwd", *OPTIONAL_TIMES)
 #: ... and per-microbatch bytes: what a tensor-parallel priced graph's collectives move.
 OPTIONAL_BYTES = ("tp_fwd_bytes", "tp_bwd_bytes")
+
+
+
+def is_matmul(flops: float) -> bool:
+    """Whether an op with this forward FLOP count is matmul-like (docs/memory.md: selective recomputation keeps
+    its output and reruns the others)."""
+    return flops > 0
+
 
 #: ``op`` of the node that stands for the model's output: it costs nothing, and its in-edges
 #: are the values the model returns, which must reach the stage that returns them.
@@ -346,6 +359,10 @@ class OpGraph:
                                  if not set(d["shared_from"]) <= {p for e in datas for p in e["param_names"]}),
                 **{key: sum(d[key] for d in datas) for key in (*OPTIONAL_TIMES, *OPTIONAL_BYTES)
                    if all(key in d for d in datas)},
+                **({MATMUL_FX: tuple(f for d in datas for f in (d[MATMUL_FX] if MATMUL_FX in d else
+                                                                d["fx_nodes"] if is_matmul(d["flops"]) else ())),
+                    SELECTIVE_FWD: sum(d.get(SELECTIVE_FWD, 0.0 if is_matmul(d["flops"]) else d["fwd"])
+                                       for d in datas)} if len(group) > 1 else {}),
                 **({"kernel_bytes": sum(d["kernel_bytes"] for d in datas),
                     "kernel_saved_bytes": sum(d["kernel_saved_bytes"] for d in datas),
                     "kernel_output_bytes": sum(d["kernel_output_bytes"] for d, m in zip(datas, group)

@@ -13,7 +13,7 @@ import numpy as np
 from partitioner.checks import positive, whole
 from partitioner.cluster import Cluster, Link
 from partitioner.errors import InvalidAssignmentError, PlanningError, StageCountError
-from partitioner.graph import KERNEL_FIELDS, OUTPUT_OP, OpGraph
+from partitioner.graph import KERNEL_FIELDS, OUTPUT_OP, SELECTIVE_FWD, OpGraph
 from partitioner.ir import ScheduleKind
 from partitioner.recompute import CHOICES, OFFLOAD, RECOMPUTING, check_mode, op_recompute, peak_recomputing
 from partitioner.schedule import check_active_microbatches, peak_in_flight
@@ -223,7 +223,7 @@ class Problem:
                                 attr("saved_output_bytes") if saved else self.out_bytes,
                                 attr("storage_bytes") if saved else self.out_bytes, exact=saved,
                                 kernel=tuple(attr(k, -1.0) for k in KERNEL_FIELDS),  # type: ignore[arg-type]
-                                host=self.host)
+                                host=self.host, selective_fwd=attr(SELECTIVE_FWD, -1.0))
         self.modules = [str(g.nodes[v].get("module", "") or "") for v in self.order]
         # The model's output node (OpGraph.OUTPUT_OP) is no op: a stage must hold a real one.
         self.is_output = [g.nodes[v].get("op") == OUTPUT_OP for v in self.order]

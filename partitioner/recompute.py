@@ -46,11 +46,12 @@ import numpy as np
 
 from partitioner.cluster import Link
 from partitioner.errors import PlanningError
+from partitioner.graph import is_matmul
 from partitioner.ir import ActionKind, ScheduleKind
 from partitioner.schedule import compute_orders
 from partitioner.walk import peak_held
 
-__all__ = ["CHOICES", "MODES", "OFFLOAD", "RECOMPUTING", "OpRecompute", "check_mode", "is_matmul", "offload_seconds",
+__all__ = ["CHOICES", "MODES", "OFFLOAD", "RECOMPUTING", "OpRecompute", "check_mode", "offload_seconds",
            "op_recompute", "peak_recomputing"]
 
 #: The recomputing choices, fastest first: each recomputes a superset of the one before, so the
@@ -82,11 +83,6 @@ def check_mode(value: str | Sequence[str], stages: int | None = None) -> str | t
     return per_stage
 
 
-def is_matmul(flops: float) -> bool:
-    """Whether an op with this forward FLOP count is matmul-like (see the module docstring)."""
-    return flops > 0
-
-
 @dataclass(frozen=True)
 class OpRecompute:
     """Per op (positions of a Problem's order) and per choice, what a stage holding it pays.
@@ -114,7 +110,7 @@ def offload_seconds(saved: np.ndarray, host: Link) -> np.ndarray:
 
 def op_recompute(fwd: np.ndarray, flops: np.ndarray, saved: np.ndarray, saved_output: np.ndarray,
                  storage: np.ndarray, *, exact: bool, kernel: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
-                 host: Link | None = None) -> OpRecompute:
+                 host: Link | None = None, selective_fwd: np.ndarray | None = None) -> OpRecompute:
     """The per-op terms of every choice.
 
     ``exact``: ``saved``, ``saved_output`` and ``storage`` are the profiler's (autograd's
@@ -126,10 +122,15 @@ def op_recompute(fwd: np.ndarray, flops: np.ndarray, saved: np.ndarray, saved_ou
     (what the runtime caches) and re-creates what its other ops save (an unfused attention's
     softmax and dropout mask); elsewhere it keeps its output whole and what it saves of its own.
     ``host``: the devices' link to host memory, which offloading copies over (None: no host
-    memory apart from the device's, offloading is ``none`` at no cost).
+    memory apart from the device's, offloading is ``none`` at no cost). ``selective_fwd``: per op, the
+    forward seconds selective reruns where the graph records it (a folded group: its ops that are not
+    matmul-like), negative where not.
     """
     matmul = np.array([is_matmul(f) for f in flops], dtype=bool)
     zero = np.zeros_like(fwd)
+    # a folded group is matmul-like when one of its ops is; what selective reruns is its other ops' forward
+    rerun = np.where(matmul, 0.0, fwd) if selective_fwd is None else np.where(selective_fwd >= 0, selective_fwd,
+                                                                               np.where(matmul, 0.0, fwd))
     own_extra = np.maximum(saved - saved_output, 0.0)  # intermediates an op saves beside its output
     sel_kept = storage + own_extra
     sel_remade = zero.copy()
@@ -141,7 +142,7 @@ def op_recompute(fwd: np.ndarray, flops: np.ndarray, saved: np.ndarray, saved_ou
         sel_remade = np.where(known, np.maximum(saved - k_saved, 0.0), sel_remade)
         sel_sent = np.where(known, np.maximum(storage - k_output, 0.0), sel_sent)
     rec = OpRecompute(
-        seconds={"none": zero, "selective": np.where(matmul, 0.0, fwd), "full": fwd.copy()},
+        seconds={"none": zero, "selective": rerun, "full": fwd.copy()},
         kept={"none": saved.copy(), "selective": np.where(matmul, sel_kept, 0.0), "full": zero},
         remade={"none": zero, "selective": np.where(matmul, sel_remade, saved), "full": saved.copy()},
         sent={"none": np.maximum(storage - saved_output, 0.0) if exact else zero,

@@ -12,7 +12,7 @@ from torch import nn
 from partitioner.ir import Edge, Schedule, StageGraph
 from partitioner.plan import Plan
 from partitioner.program import fingerprint
-from partitioner.recompute import is_matmul
+from partitioner.graph import MATMUL_FX, is_matmul
 from partitioner.schedule import make_schedule, with_allreduce
 from runtime.errors import RuntimeConfigError
 from runtime.materialize import names_by_id
@@ -57,7 +57,10 @@ def program_for(plan: Plan, gm: torch.fx.GraphModule, model: nn.Module, data_par
     if got == plan.model.fingerprint:
         fx_to_op = plan.fx_to_op
         nodes = plan.graph.nx.nodes
-        matmul = frozenset(n for n, op in fx_to_op.items() if is_matmul(float(nodes[op].get("flops", 0) or 0)))
+        # a folded group names its matmul-like fx nodes (partitioner.graph.MATMUL_FX); an op is one by its FLOPs
+        matmul = frozenset(n for n, op in fx_to_op.items()
+                           if (n in nodes[op][MATMUL_FX] if MATMUL_FX in nodes[op]
+                               else is_matmul(float(nodes[op].get("flops", 0) or 0))))
         schedule = plan.schedule if plan.schedule.data_parallel == data_parallel else \
             with_allreduce(plan.schedule, data_parallel, sharding=plan.sharding)
         return Program(gm, plan.fx_stage_of, fx_to_op, schedule, state_meta_of(gm), frontend,

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
 from partitioner.blocks import block_graph, block_prefix
 from partitioner.compile import plan_from_graph, profile_model
+from partitioner.cost import evaluate
 from partitioner.graph import OpGraph
 from partitioner.request import PlanRequest
 from partitioner.shapes import search_shapes
@@ -107,3 +109,44 @@ def test_a_shape_refused_on_the_folded_graph_says_at_what_granularity(gpt, monke
                                               memory_limit=1e5), profiled_batch=4, solve_plan=plan_from_graph,
                            model_info=info)
     assert all("each member of blocks one node: no cut inside one weighed" in c.reason for c in folded.candidates)
+
+
+def test_a_folded_layer_reruns_under_selective_what_its_ops_do_and_keeps_their_matmuls(gpt) -> None:
+    """A folded layer has FLOPs, so by its own it would look one matmul: selective would rerun nothing (2.81 ms of
+    rerun on the op graph was 0.16 ms folded). The fold carries what its ops rerun and which of them are matmuls."""
+    from partitioner.graph import MATMUL_FX, SELECTIVE_FWD, is_matmul
+
+    graph, _ = gpt
+    folded = block_graph(graph, min_ops=0)
+    request = PlanRequest(stages=2, microbatches=4, cluster="h100-sxm", recompute="selective", method="dp")
+    coarse = plan_from_graph(folded, request)
+    rerun = sum(graph[v]["fwd"] for v in graph.nx if not is_matmul(graph[v]["flops"]))
+    assert sum(folded[v].get(SELECTIVE_FWD, 0.0 if is_matmul(folded[v]["flops"]) else folded[v]["fwd"])
+               for v in folded.nx) == pytest.approx(rerun, rel=1e-12)
+    # the folded plan's cut priced on the op graph: each stage reruns the same forward seconds
+    stage_of = {v: coarse.fx_stage_of[graph[v]["fx_nodes"][0]] for v in graph.nx}
+    same = evaluate(graph, stage_of, coarse.partition.settings())
+    assert [s.recompute_time for s in coarse.partition.stages] == pytest.approx(
+        [s.recompute_time for s in same.stages], rel=1e-9)
+    assert all(s.recompute_time > 0 for s in same.stages)
+    block = next(v for v in folded.nx if folded[v]["module"] == "blocks.0")
+    matmuls = {f for v in graph.nx if graph[v]["module"].startswith("blocks.0.") and is_matmul(graph[v]["flops"])
+               for f in graph[v]["fx_nodes"]}
+    assert set(folded[block][MATMUL_FX]) == matmuls and 0 < len(matmuls) < len(folded[block]["fx_nodes"])
+
+
+def test_the_runtime_keeps_a_folded_layers_matmuls_not_the_whole_layer() -> None:
+    """The runtime's selective mode keeps the matmul-like fx nodes' outputs: of a folded layer, its matmuls (every
+    op of it looked matmul-like by the group's FLOPs, so everything was kept)."""
+    from partitioner.compile import plan, trace_model
+    from partitioner.graph import is_matmul
+    from runtime.program import program_for
+
+    b = build("gpt:size=tiny,layers=6,batch=4", seed=0)
+    request = PlanRequest.build(device_profile="h100-sxm", timing="analytic")
+    made = plan(b.model, b.example_args, stages=2, microbatches=2, recompute="selective", device_profile="h100-sxm",
+                timing="analytic")
+    folded_plan = dataclasses.replace(made, graph=block_graph(made.graph, min_ops=0))  # the same cut, folded
+    gm = trace_model(b.model, b.example_args, None, request, microbatches=2)
+    kept = program_for(folded_plan, gm, b.model, 1).matmul_nodes
+    assert kept == {f for v in made.graph.nx if is_matmul(made.graph[v]["flops"]) for f in made.graph[v]["fx_nodes"]}
