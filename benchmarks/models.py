@@ -10,12 +10,12 @@ InfiniBand, 80 GB each). For N GPUs and a global batch of sequences of 4,096 tok
 recomputation, and keeps the fastest simulated step that fits. Side by side, priced by the same
 cost model: (a) the best plan without tensor parallelism (``tensor_parallel=1``, the search before
 it), (b) Megatron-LM's style of configuration (Narayanan et al., SC 2021): T = 8 within the node and
-the interleaved 1F1B schedule, its P, D and m the best the search finds in that family (selective
-recomputation and the distributed optimizer are what Megatron adds; smp's split stages run full or
-no recomputation and, where the runtime allows, sharding: the row says which). Predicted MFU is
+the interleaved 1F1B schedule, its P, D, m, sharding (Megatron's distributed optimizer is
+``shard_grad_op``'s optimizer-state part) and recomputation (selective among them) the best the
+search finds in that family: the row says which it chose. Predicted MFU is
 6 x parameters x tokens per step / step time / (N x the profile's bf16 peak). Each plan's proven
-lower bound (no plan of its shape is faster: its busiest rank's share of the compute) and the gap
-to it come from the search. Planning time is what a user waits for ``smp plan`` of the chosen plan:
+lower bound (no plan of its shape is faster, whatever its cut: its busiest rank's share of the
+compute) and the gap to it come from the search. Planning time is what a user waits for ``smp plan`` of the chosen plan:
 the model built on meta, traced, profiled and searched, on this machine.
 """
 
@@ -57,7 +57,7 @@ def summary(search: Any, params: int, tokens: int, peak: float) -> dict[str, Any
             "step_s": step,
             "samples_per_second": best.samples_per_second, "memory_bytes": best.memory,
             "mfu": 6 * params * tokens / step / (search.devices * peak),
-            "lower_bound_s": best.lower_bound, "gap": best.gap, "space_lower_bound_s": search.lower_bound,
+            "lower_bound_s": best.compute_bound, "gap": best.gap, "space_lower_bound_s": search.lower_bound,
             "space_gap": search.gap, "candidates": len(search.candidates),
             "pruned": sum(c.pruned for c in search.candidates)}
 

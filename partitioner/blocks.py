@@ -5,9 +5,11 @@ the same ops; a pipeline cut inside a layer rarely pays (its activations are as 
 layer's output, and the layers are the unit Megatron-LM and torchtitan split by), so the shape
 search solves each shape on the graph with one node per layer — the layer priced once as the sum
 of its ops, not partitioned op by op 80 times. The solvers then see tens of nodes where the trace
-has thousands (the Llama-3-70B trace: 5,343 ops, 84 nodes), which is what lets a search over
-D x P x T x m x schedule finish in seconds. Its lower bounds stay those of the op graph, so the gap
-reported is against any partition, not only the layer-aligned ones (partitioner/shapes.py).
+has thousands (the Llama-3-70B trace with torch's fused attention: 4,861 ops, 86 nodes). Its lower
+bounds stay those of the op graph, so the gap reported is against any partition, not only the
+layer-aligned ones; a shape refused on the folded graph may fit with a cut inside a layer, so its
+bound still counts in the search's (partitioner/shapes.py). A folded layer records what selective
+recomputation reruns and keeps of it (partitioner/graph.py ``selective_fwd``, ``matmul_fx``).
 """
 
 from __future__ import annotations

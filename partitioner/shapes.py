@@ -86,7 +86,10 @@ class Candidate:
     shape: Shape
     global_batch: int
     plan: Plan | None = None
-    lower_bound: float = 0.0  # seconds: no plan of this shape is faster
+    lower_bound: float = 0.0  # seconds: no plan the search makes of this shape is faster (see compute_bound)
+    #: seconds no plan of this shape is faster, whatever its cut (its busiest rank's share of the compute); the
+    #: lower_bound of a shape pruned by its screened partition's critical path is that partition's, above it
+    compute_bound: float = 0.0
     reason: str = ""
     needs: float | None = None  # bytes: the least a plan of this shape needs, when none fits
     final: bool = False  # solved with the full method and objective (a finalist), not only screened
@@ -119,8 +122,9 @@ class Candidate:
 
     @property
     def gap(self) -> float:
-        """step / :attr:`lower_bound` - 1: how far this shape's plan may be from the fastest plan of its shape."""
-        return self.step_time / self.lower_bound - 1 if self.plan is not None and self.lower_bound > 0 else math.inf
+        """step / :attr:`compute_bound` - 1: how far this shape's plan may be from the fastest plan of its shape."""
+        return self.step_time / self.compute_bound - 1 if self.plan is not None and self.compute_bound > 0 \
+            else math.inf
 
     @property
     def pruned(self) -> bool:
@@ -136,6 +140,7 @@ class Candidate:
                 "samples_per_second": self.samples_per_second if p is not None else None,
                 "bubble": p.bubble if p is not None else None, "memory_bytes": self.memory,
                 "proven": self.proven, "recompute": self.recompute, "lower_bound": self.lower_bound,
+                "compute_bound": self.compute_bound,
                 "gap": self.gap if self.gap < math.inf else None,
                 "sharding": p.sharding if p is not None else None,
                 "sharding_weighed": dict(p.sharding_weighed) if p is not None else None,
@@ -154,10 +159,12 @@ class ShapeSearch:
 
     @property
     def lower_bound(self) -> float:
-        """Seconds no plan beats among the shapes that fit: the least of their bounds, those pruned included. A shape
-        found not to fit is out; solved on the graph folded to its blocks (partitioner/blocks.py), that is proven
-        for plans that cut between blocks, not for a cut inside one."""
-        return min((c.lower_bound for c in self.candidates if c.fits or c.pruned), default=math.inf)
+        """Seconds no plan of the shapes weighed beats, whatever its cut: the least of their compute bounds. Only a
+        one-stage shape that no plan fits is left out (it holds the whole model: no cut would fit it); another found
+        not to fit may fit with another cut (finer than the folded graph's layers, partitioner/blocks.py, or off
+        the program order), so it counts."""
+        return min((c.compute_bound for c in self.candidates
+                    if c.fits or c.shape.stages > 1 or c.needs is None), default=math.inf)
 
     @property
     def gap(self) -> float:
@@ -260,7 +267,7 @@ def search_shapes(
     # each shape is solved on the graph with one node per repeated block (partitioner/blocks.py), when it has them
     coarse: dict[tuple[int, int], OpGraph] = {(profiled_batch, 1): block_graph(graph)}
     shapes = shapes_for(devices, global_batch, schedules=request.schedules, stages=request.stages,
-                        microbatches=request.microbatch_counts, max_stages=len(coarse[profiled_batch, 1]),
+                        microbatches=request.microbatch_counts, max_stages=len(graph),
                         tensor_parallel=tensor_parallel)
     if not shapes:
         raise PlanError(f"no shape of {devices} devices splits a global batch of {global_batch} evenly: use a global "
@@ -309,9 +316,11 @@ def search_shapes(
 
     # each T's work per tp rank on the profiled microbatch: scaled by each shape's microbatch below
     base = {t: _work(graph_of(profiled_batch, t), training) for t in sorted({s.tensor_parallel for s in shapes})}
-    candidates = [Candidate(shape, global_batch, lower_bound=_step_lower_bound(
-        shape, base[shape.tensor_parallel], speed,
-        global_batch / (shape.data_parallel * shape.microbatches) / profiled_batch)) for shape in shapes]
+    candidates = []
+    for shape in shapes:
+        bound = _step_lower_bound(shape, base[shape.tensor_parallel], speed,
+                                  global_batch / (shape.data_parallel * shape.microbatches) / profiled_batch)
+        candidates.append(Candidate(shape, global_batch, lower_bound=bound, compute_bound=bound))
     # Screen every shape with the fast exact-bottleneck DP, then solve the finalists as plan() would.
     two_phase = request.method == "auto" and request.objective == "step_time"
     # Screened plans' schedules are not validated (a search builds hundreds; the simulator
@@ -345,9 +354,15 @@ def search_shapes(
         micro = global_batch // (cand.shape.data_parallel * cand.shape.microbatches)
         if own_graph(micro) is not None:
             # profiled at its own size: the scaled graph's bound does not hold for it, its own does
-            cand.lower_bound = _step_lower_bound(cand.shape, _work(graph_of(micro, cand.shape.tensor_parallel),
-                                                                   training), speed, 1.0)
-        if cand.lower_bound >= best:
+            cand.lower_bound = cand.compute_bound = _step_lower_bound(
+                cand.shape, _work(graph_of(micro, cand.shape.tensor_parallel), training), speed, 1.0)
+        folded = coarse[profiled_batch, 1]
+        per_rank = request.virtual_stages if ScheduleKind.parse(cand.shape.schedule).interleaved else 1
+        if folded is not graph and cand.shape.stages * per_rank > len(folded):
+            cand.reason = (f"not weighed: {cand.shape.stages * per_rank} stages are more than the {len(folded)} "
+                           f"nodes the graph folds to (each member of {folded.meta['blocks']} one, "
+                           "partitioner/blocks.py): a stage boundary inside a layer would be needed")
+        elif cand.lower_bound >= best:
             cand.reason = f"pruned: its lower bound {cand.lower_bound:.4g} s is no better than {best:.4g} s"
         else:
             # A partition whose step cannot come within the finalists' slack of the best found is

@@ -181,7 +181,7 @@ def test_cli_plan_devices_prints_the_candidates_and_reports_the_shape() -> None:
     assert res.exit_code == 0, res.output
     assert "candidates weighed" in res.stdout and "replicas x stages" in res.stdout
     assert "--devices 4: a global batch of 16" in res.stdout
-    assert "no shape that fits steps in under" in res.stdout and "the chosen step is within" in res.stdout
+    assert "no plan of these shapes steps in under" in res.stdout and "the chosen step is within" in res.stdout
     top = runner.invoke(app, [*args, "--top", "2"])
     rows = [line for line in top.stdout.splitlines() if line.lstrip().startswith(("1 x ", "2 x ", "4 x "))]
     weighed = int(top.stdout.split("candidates weighed (")[1].split(",")[0])

@@ -244,9 +244,8 @@ def plan_cmd(
         if more:
             con.print(f"... and {more} more (--top 0 shows every one, --json lists them)")
         if search.lower_bound < float("inf"):
-            con.print(f"no shape that fits steps in under {format_time(search.lower_bound)} (the least of their "
-                      f"bounds: the busiest rank's share of the compute); the chosen step is within "
-                      f"{search.gap:.1%} of it")
+            con.print(f"no plan of these shapes steps in under {format_time(search.lower_bound)}, whatever its cut "
+                      f"(the busiest rank's share of the compute); the chosen step is within {search.gap:.1%} of it")
         con.print()
     print_plan(p, files=files, note=note)
 
