@@ -124,7 +124,9 @@ def main(argv: list[str] | None = None) -> None:
     if a.from_results:
         rows = json.loads(RESULTS.read_text())
     else:
-        rows = [run(name) for name in (a.models or list(MODELS))]
+        fresh = {name: run(name) for name in (a.models or list(MODELS))}
+        kept = {r["model"]: r for r in json.loads(RESULTS.read_text())} if RESULTS.exists() else {}
+        rows = [fresh.get(name) or kept[name] for name in MODELS if name in fresh or name in kept]  # others kept
         RESULTS.write_text(json.dumps(rows, indent=1) + "\n")
     text = table(rows)
     print(text)
