@@ -62,6 +62,22 @@ def summary(search: Any, params: int, tokens: int, peak: float) -> dict[str, Any
             "pruned": sum(c.pruned for c in search.candidates)}
 
 
+def layer_costs(search: Any) -> dict[str, dict[str, float]]:
+    """One layer's seconds per sample (forward, backward, and of them the tensor-parallel collectives) at each T
+    the search has a plan for, read off that plan's folded graph (the middle layer of the repeated blocks)."""
+    out: dict[str, dict[str, float]] = {}
+    for c in search.candidates:
+        t = str(c.shape.tensor_parallel)
+        if c.plan is None or t in out or not c.plan.graph.meta.get("blocks"):
+            continue
+        graph = c.plan.graph
+        layers = [v for v in graph.topological_order() if graph[v]["module"].startswith(graph.meta["blocks"] + ".")]
+        node = graph[layers[len(layers) // 2]]
+        per_sample = search.global_batch // (c.shape.data_parallel * c.shape.microbatches)
+        out[t] = {key: node.get(key, 0.0) / per_sample for key in ("fwd", "bwd", "tp_fwd_comm", "tp_bwd_comm")}
+    return out
+
+
 def run(name: str) -> dict[str, Any]:
     """Plan ``name`` three ways (chosen, without T, Megatron-style) and time the chosen one's planning."""
     from partitioner.compile import plan_shapes
@@ -84,6 +100,7 @@ def run(name: str) -> dict[str, Any]:
         tokens = batch * built.example_args[0].shape[1]
         row["params"], row["tokens"] = params, tokens
         row[label] = summary(search, params, tokens, peak)
+        row.setdefault("layer_seconds", {}).update(layer_costs(search))
         if row[label] is not None:
             row[label]["planning_s"] = seconds
         else:
