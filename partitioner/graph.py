@@ -54,13 +54,13 @@ MATMUL_FX = "matmul_fx"
 SELECTIVE_FWD = "selective_fwd"
 
 #: Per-microbatch times a node may carry besides fwd and bwd (all in seconds, all scale with the microbatch and add
-#: up over a coarsened group): the weight-gradient part of bwd (split-backward schedules) and a tensor-parallel
-#: priced graph's collectives (partitioner/tensor_parallel.py TP_COST_FIELDS).
+#: up over a coarsened group): the weight-gradient part of bwd (split-backward schedules), a tensor-parallel
+#: priced graph's collectives and unsplit times (partitioner/tensor_parallel.py TP_COST_FIELDS), and what a folded
+#: group reruns under selective recomputation.
 OPTIONAL_TIMES = ("bwd_w", "tp_fwd_comm", "tp_bwd_comm", "tp_whole_fwd", "tp_whole_bwd", SELECTIVE_FWD)
 PER_MICROBATCH_TIMES = ("fwd", "bwd", *OPTIONAL_TIMES)
 #: ... and per-microbatch bytes: what a tensor-parallel priced graph's collectives move.
 OPTIONAL_BYTES = ("tp_fwd_bytes", "tp_bwd_bytes")
-
 
 
 def is_matmul(flops: float) -> bool:
