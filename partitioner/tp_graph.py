@@ -3,6 +3,7 @@ sequence); its head counts rewritten to each rank's share."""
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from collections.abc import Mapping, Sequence
@@ -306,6 +307,10 @@ class _SequenceFlow:
                     self.whole_reads.setdefault(f"{node.target}.{name}", []).append(node.name)
 
     def _shape(self, node: Any) -> tuple[int, ...] | None:
+        """A value's global shape; a get_attr's, the attribute's own (the runtime's shapes leave them out)."""
+        if isinstance(node, fx.Node) and node.op == "get_attr":
+            attribute = functools.reduce(getattr, str(node.target).split("."), self.gm)
+            return tuple(attribute.shape) if isinstance(attribute, torch.Tensor) else None
         return _shape(self.meta, node)
 
     # ------------------------------------------------------------------ the flow

@@ -70,7 +70,7 @@ def tp_worker(rank: int, world: int, *, spec: str, stages: int, tp: int, out: st
     loss = pipe.step(x[rows], target=y[rows]).detach()
     params = dict(pipe.named_parameters())
     res = {"loss": loss, "tp_rank": pipe.tp_rank, "pp_rank": pipe.pp_rank, "dp_rank": pipe.dp_rank,
-           "recompute": list(pipe.plan.recompute),
+           "recompute": list(pipe.plan.recompute), "sequence_parallel": pipe.plan.sequence_parallel,
            "grads": {n: whole(p.grad).clone() for n, p in params.items() if p.grad is not None},
            "held": {n: local(p).numel() for n, p in params.items()}, "whole": {n: numel[n] for n in params},
            "split": sorted(n for n, p in params.items() if split_over_tp(p)),
