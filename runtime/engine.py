@@ -69,8 +69,8 @@ class Engine:
     ``compile_backend``: the stage programs run compiled with it (runtime/compiled.py); None: eagerly.
 
     ``tensor_parallel`` (:class:`runtime.tensor_parallel.TensorParallel`): the stage programs run on
-    this rank's shares of the plan's modules; a split cut value crosses as this rank's shard. With sequence
-    parallelism the gradients ops on sequence shards made partial are summed over the tp ranks at the step's end.
+    this rank's shares of the plan's modules; a split cut value crosses as this rank's shard (sequence parallelism:
+    :class:`runtime.tensor_parallel.SequenceGrads`).
     """
 
     def __init__(self, program: Program, ownership: Ownership, *, rank: int = 0, comm: Comm | None = None,
@@ -113,8 +113,7 @@ class Engine:
             self.tp_acts, replaced = tensor_parallel.split_stages(program, list(self.split.stages.values()),
                                                                   example_flat, device, precision)
             ownership.rekey(replaced)
-        self.sequence_grads = SequenceGrads(self.tp_acts.sequence_params, tensor_parallel.mesh) \
-            if tensor_parallel is not None and self.tp_acts.sequence_params else None
+        self.sequence_grads = SequenceGrads.of(self.tp_acts, tensor_parallel)
         # split over "tp" first, then sharded over "dp" of the same mesh: FSDP2 shards TP's DTensors (torchtitan's
         # 2-D order; the other way round, parallelize_module would meet FSDP's DTensors)
         self.shards: StageShards | None = None

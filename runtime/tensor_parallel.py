@@ -345,6 +345,12 @@ class SequenceGrads:
         self.names = sorted(names)
         self.group = mesh.get_group()
 
+    @classmethod
+    def of(cls, acts: SplitActivations | None, tp: TensorParallel | None) -> SequenceGrads | None:
+        """The sums a tensor-parallel engine's step ends with (None without parameters that need them)."""
+        return cls(sorted(acts.sequence_params), tp.mesh) if acts is not None and tp is not None and \
+            acts.sequence_params else None
+
     def _params(self, ownership: Ownership) -> list[nn.Parameter]:
         """This rank's parameters of ``names`` (the same on every tp rank of its stages), each once."""
         seen: dict[int, nn.Parameter] = {}
