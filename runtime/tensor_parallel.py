@@ -76,9 +76,9 @@ def tp_plan_for(model: nn.Module, given: Mapping[str, Any] | None, request: Plan
 
 
 def settled(t: torch.Tensor) -> torch.Tensor:
-    """A stage's output as a plain tensor: a rowwise module's output is DTensor's asynchronous all-reduce still
-    in flight (a wrapper without storage), which a cut sends and the meter counts; its clone waits for it and
-    stays on the autograd graph."""
+    """A stage's output (or a sequence gather's or scatter's input) as a plain tensor: a rowwise module's output is
+    DTensor's asynchronous all-reduce (or reduce-scatter) still in flight (a wrapper without storage), which a cut
+    sends and the meter counts; its clone waits for it and stays on the autograd graph."""
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
     return t.clone() if isinstance(t, AsyncCollectiveTensor) else t
@@ -267,7 +267,7 @@ class _SequenceGather(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        whole = DTensor.from_local(x, self.mesh, [Shard(SEQUENCE_DIM)], run_check=False).redistribute(
+        whole = DTensor.from_local(settled(x), self.mesh, [Shard(SEQUENCE_DIM)], run_check=False).redistribute(
             self.mesh, [Replicate()])
         return whole if self.colwise else whole.to_local()
 
@@ -282,7 +282,7 @@ class _SequenceScatter(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        return DTensor.from_local(x, self.mesh, [Replicate()], run_check=False).redistribute(
+        return DTensor.from_local(settled(x), self.mesh, [Replicate()], run_check=False).redistribute(
             self.mesh, [Shard(SEQUENCE_DIM)]).to_local()
 
 
