@@ -26,6 +26,7 @@ from partitioner.sharding import SHARDING_MODES, state_bytes
 from partitioner.solve import solve
 from partitioner.tensor_parallel import (TensorParallelSplit, global_shapes, price_tensor_parallel,
                                          tensor_parallel_split, tp_link)
+from partitioner.tp_graph import SequenceParallelError
 from partitioner.trace import trace
 from partitioner.units import format_bytes
 
@@ -79,10 +80,37 @@ def plan(
     graph, model_info = profile_model(model, args, kwargs, request, microbatches=request.microbatches, graph=graph,
                                       progress=progress, traced=gm)
     if request.tensor_parallel > 1:
-        split = tensor_parallel_split(model, gm, _micro_inputs(gm, args, kwargs, request.microbatches),
-                                      request.tensor_parallel, tp_plan)
-        graph = price_tensor_parallel(graph, split, tp_link(cluster, request.tensor_parallel))
+        split = _tp_split(model, gm, _micro_inputs(gm, args, kwargs, request.microbatches), request.tensor_parallel,
+                          tp_plan, request.sequence_parallel)
+        graph = _priced(graph, split, tp_link(cluster, request.tensor_parallel))
+    elif request.sequence_parallel is True:
+        raise PlanError("sequence_parallel=True splits the sequence between the modules tensor parallelism splits: "
+                        "pass tensor_parallel=T > 1 too, or drop it")
     return plan_from_graph(graph, request, model_info=model_info)
+
+
+def _tp_split(model: nn.Module, gm: fx.GraphModule, flat_inputs: list[Any], size: int,
+              tp_plan: Mapping[str, Any] | None, sequence_parallel: bool | str, *,
+              shapes: Mapping[str, Any] | None = None) -> TensorParallelSplit:
+    """What ``size`` tp ranks split of ``gm``, with sequence parallelism as ``sequence_parallel`` says: True
+    requires it (its SequenceParallelError says why not), "auto" runs it where the program allows it (a sequence
+    ``size`` divides, a rowwise output [batch, sequence, features]: Megatron-LM's choice wherever it can, since it
+    moves the same bytes as the all-reduces it replaces and runs the norms and residual adds on 1/T of the
+    sequence), else without."""
+    shapes = global_shapes(gm, flat_inputs) if shapes is None else shapes
+    if sequence_parallel is not False:
+        try:
+            return tensor_parallel_split(model, gm, flat_inputs, size, tp_plan, shapes=shapes, sequence_parallel=True)
+        except SequenceParallelError:
+            if sequence_parallel is True:
+                raise
+    return tensor_parallel_split(model, gm, flat_inputs, size, tp_plan, shapes=shapes)
+
+
+def _priced(graph: OpGraph, split: TensorParallelSplit, link: Any) -> OpGraph:
+    """``graph`` priced per tp rank of ``split``; its meta records whether the plan runs sequence parallelism."""
+    priced = price_tensor_parallel(graph, split, link)
+    return OpGraph(priced.nx, {**priced.meta, "sequence_parallel": split.activations.sequence_parallel})
 
 
 def plan_shapes(
@@ -133,7 +161,7 @@ def plan_shapes(
     link = {t: tp_link(resolved, t) for t in degrees}
 
     def price_tp(g: OpGraph, t: int) -> OpGraph:
-        return price_tensor_parallel(g, splits[t], link[t])
+        return _priced(g, splits[t], link[t])
 
     def profiled(micro: int) -> OpGraph | None:
         """Measured times do not scale with the microbatch (per-op overheads, caches): a size the sample
@@ -175,7 +203,7 @@ def _tp_degrees(model: nn.Module, gm: fx.GraphModule, flat_inputs: list[Any], re
             try:
                 if shapes is None:
                     shapes = global_shapes(gm, flat_inputs)  # one fake run serves every T
-                splits[t] = tensor_parallel_split(model, gm, flat_inputs, t, tp_plan, shapes=shapes)
+                splits[t] = _tp_split(model, gm, flat_inputs, t, tp_plan, request.sequence_parallel, shapes=shapes)
             except PlanningError as err:  # TensorParallelError: heads, features, no tp plan
                 if not auto:
                     raise
@@ -293,6 +321,11 @@ def plan_from_graph(
         raise PlanError(f"the graph is priced for tensor_parallel={graph.meta.get('tensor_parallel', 1)}, the request "
                         f"asks for {request.tensor_parallel}: plan the model itself (smp.plan(model, ..., "
                         "tensor_parallel=T) prices T; partitioner/tensor_parallel.py)")
+    sequence_parallel = bool(graph.meta.get("sequence_parallel", False))
+    if request.tensor_parallel > 1 and request.sequence_parallel not in ("auto", sequence_parallel):
+        raise PlanError(f"the graph is priced with sequence_parallel={sequence_parallel}, the request asks for "
+                        f"{request.sequence_parallel}: plan the model itself (smp.plan(model, ..., "
+                        "sequence_parallel=...) prices it)")
     if request.placement is None and data_parallel > 1 and request.cluster is not None:
         plans, bounds = [], []
         for how in PLACEMENTS:
@@ -345,7 +378,7 @@ def plan_from_graph(
         model_info = _model_info_from_graph(graph, microbatches, training, request.profiling.name)
     return Plan(model=model_info, graph=graph, partition=part, schedule=sched,
                 simulated=simulate_partition(sched, part, dp_link, graph), placement=placement, dp_link=dp_link,
-                tensor_parallel=request.tensor_parallel)
+                tensor_parallel=request.tensor_parallel, sequence_parallel=sequence_parallel)
 
 
 def pipeline_step_bound(part: Partition, kind: ScheduleKind, microbatches: int) -> float | None:

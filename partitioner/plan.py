@@ -100,7 +100,9 @@ class Plan:
     the link its gradient all-reduces are priced on. ``sharding_weighed``: when the planner chose the
     sharding (``sharding="auto"``), each mode's verdict (chosen, slower, does not fit, not weighed).
     ``tensor_parallel`` (T): each stage's modules split over T ranks (runtime/tensor_parallel.py), the
-    world D x P x T; recorded as asked, the prices are still those of T = 1.
+    world D x P x T; recorded as asked, the prices are still those of T = 1. ``sequence_parallel``: between
+    the split modules the ops run on each tp rank's chunk of the sequence (partitioner/tp_graph.py), as the
+    runtime runs the plan.
     """
 
     model: ModelInfo
@@ -114,6 +116,7 @@ class Plan:
     dp_link: Link | None = None  # what a stage's replicas all-reduce its gradients over (data_parallel > 1)
     sharding_weighed: dict[str, str] = field(default_factory=dict)
     tensor_parallel: int = 1  # ranks each stage's modules are split over (T); the world is D x P x T
+    sequence_parallel: bool = False  # the rowwise outputs reduce-scattered on the sequence (T > 1 only)
 
     # ---------------------------------------------------------------- views
 
@@ -249,6 +252,10 @@ class Plan:
         if isinstance(self.tensor_parallel, bool) or not isinstance(self.tensor_parallel, int) \
                 or self.tensor_parallel < 1:
             raise PlanError(f"{where}: tensor_parallel is {self.tensor_parallel!r}, not a whole number >= 1; "
+                            "re-create it with `smp plan`")
+        if not isinstance(self.sequence_parallel, bool) or (self.sequence_parallel and self.tensor_parallel == 1):
+            raise PlanError(f"{where}: sequence_parallel is {self.sequence_parallel!r} at tensor_parallel="
+                            f"{self.tensor_parallel} (True or False, and False without tensor parallelism); "
                             "re-create it with `smp plan`")
         nodes = {str(n) for n in self.graph.nx}
         assigned = set(part.stage_of)
@@ -392,13 +399,14 @@ class Plan:
                 "active_microbatches": self.active_microbatches,
                 "sharding": self.sharding,
                 "tensor_parallel": self.tensor_parallel,
+                "sequence_parallel": self.sequence_parallel,
             },
             "partition": self.partition.to_dict(),
             "schedule": self.schedule.to_dict(),
             "replicas": {"placement": self.placement,
                          "link": self.dp_link.to_dict() if self.dp_link is not None else None,
                          "sharding_weighed": dict(self.sharding_weighed),
-                         "tensor_parallel": self.tensor_parallel},
+                         "tensor_parallel": self.tensor_parallel, "sequence_parallel": self.sequence_parallel},
             "simulated": self.simulated.to_dict(),
             "graph": self.graph.to_dict(),
         }
@@ -433,6 +441,7 @@ class Plan:
                 sharding_weighed={str(k): str(v) for k, v in
                                   (data.get("replicas", {}).get("sharding_weighed") or {}).items()},
                 tensor_parallel=data.get("replicas", {}).get("tensor_parallel", 1),  # older files: none; check() refuses 2.5
+                sequence_parallel=data.get("replicas", {}).get("sequence_parallel", False),
             )
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
             missing = f"missing field {err}" if isinstance(err, KeyError) else f"{type(err).__name__}: {err}"

@@ -82,7 +82,9 @@ class PlanRequest:
     ``recompute`` ("auto", "none", "selective", "full", "offload"), at most ``active_microbatches`` in
     flight (gpipe, 1f1b), ``data_parallel`` replicas laid out by ``placement`` (None: both
     tried, the faster kept), each stage's modules split over ``tensor_parallel`` ranks (T; recorded in
-    the plan, run by runtime/tensor_parallel.py, priced by partitioner/tensor_parallel.py). A search instead:
+    the plan, run by runtime/tensor_parallel.py, priced by partitioner/tensor_parallel.py), with
+    ``sequence_parallel`` (True: required; False: off; "auto": on at T > 1 where the program allows it, its rowwise
+    outputs reduce-scattered on the sequence; partitioner/tp_graph.py). A search instead:
     ``devices`` (N; D x P x T x m weighed for ``global_batch`` samples a step; T fixed, or "auto": weighed),
     ``microbatches="auto"`` or a tuple of counts, ``schedule`` "auto" or a tuple of kinds. The solver: ``cluster`` (a Cluster, a profile name or a file),
     ``memory_limit`` (bytes per device), ``method``, ``time_limit`` (seconds), ``objective``,
@@ -99,6 +101,7 @@ class PlanRequest:
     active_microbatches: int | None = None
     data_parallel: int = 1
     tensor_parallel: int | str = 1
+    sequence_parallel: bool | str = "auto"
     placement: str | None = None
     devices: int | None = None
     global_batch: int | None = None
@@ -122,6 +125,9 @@ class PlanRequest:
                                 "degree, a whole number (e.g. tensor_parallel=2)")
         else:
             object.__setattr__(self, "tensor_parallel", whole(self.tensor_parallel, "tensor_parallel"))
+        if not isinstance(self.sequence_parallel, bool) and self.sequence_parallel != "auto":
+            raise OptionError(f"sequence_parallel takes True, False or 'auto', got {self.sequence_parallel!r}",
+                              "sequence_parallel")
         for name, optional in (("stages", True), ("virtual_stages", False), ("data_parallel", False),
                                ("devices", True), ("global_batch", True),
                                ("active_microbatches", True)):

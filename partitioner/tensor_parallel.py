@@ -101,14 +101,16 @@ class TensorParallelSplit:
 
 def tensor_parallel_split(model: nn.Module, gm: fx.GraphModule, flat_inputs: Sequence[Any], size: int,
                           tp_plan: Mapping[str, Any] | None = None, *,
-                          shapes: Mapping[str, Any] | None = None) -> TensorParallelSplit:
+                          shapes: Mapping[str, Any] | None = None,
+                          sequence_parallel: bool = False) -> TensorParallelSplit:
     """What ``size`` tp ranks split of ``gm`` (``model`` traced, run on ``flat_inputs``: one microbatch), by
     ``tp_plan`` (default the model's own, partitioner/tp_plan.py): the runtime's own checks and split-activation
     pass, so a T the model cannot split (heads, features) is refused here as it would be there. ``shapes``: the
-    values' :func:`global_shapes`, when already known (they do not depend on T)."""
+    values' :func:`global_shapes`, when already known (they do not depend on T). ``sequence_parallel``: with
+    sequence parallelism (the activations' ``sequence`` fields; a SequenceParallelError where it cannot run)."""
     modules = module_splits(model, resolve_tp_plan(model, tp_plan), size)
     shapes = global_shapes(gm, flat_inputs) if shapes is None else shapes
-    acts = split_activations(gm, modules, shapes, size)
+    acts = split_activations(gm, modules, shapes, size, sequence_parallel)
     op_module: dict[str, str] = {}
     inputs: dict[str, tuple[str, bool]] = {}
     for node in gm.graph.nodes:

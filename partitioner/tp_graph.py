@@ -1,7 +1,9 @@
-"""Which activations of a traced program tensor parallelism splits; its head counts rewritten to each rank's share."""
+"""Which activations of a traced program tensor parallelism splits (on features, or with sequence parallelism on the
+sequence); its head counts rewritten to each rank's share."""
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from collections.abc import Mapping, Sequence
@@ -14,8 +16,8 @@ from torch import nn
 
 from partitioner.errors import PlanError
 
-__all__ = ["TensorParallelError", "ModuleSplit", "SplitActivations", "split_activations", "rewrite_stage",
-           "planned_module"]
+__all__ = ["TensorParallelError", "SequenceParallelError", "ModuleSplit", "Gather", "Scatter", "SplitActivations",
+           "split_activations", "rewrite_stage", "planned_module", "SEQUENCE_DIM"]
 
 
 class ShapedLeaf(Protocol):
@@ -35,6 +37,36 @@ class ShapedValue(Protocol):
 
 class TensorParallelError(PlanError):
     """The tensor-parallel plan cannot run on this model: the message names the module or op and the count."""
+
+
+class SequenceParallelError(TensorParallelError):
+    """Sequence parallelism cannot run on this program (the sequence length, an op): tensor parallelism without it
+    can ("auto" then plans it off)."""
+
+
+#: The dim sequence parallelism splits: a rowwise output [batch, sequence, features] (torchtitan's Shard(1)).
+SEQUENCE_DIM = 1
+
+
+@dataclass(frozen=True)
+class Gather:
+    """A sequence-split ``value`` all-gathered on the sequence for ``readers`` (fx node names; "output": the model
+    output). ``colwise``: the readers are the plan's colwise modules, handed the gathered value as one DTensor (their
+    input gradients' partial sums add up, then one reduce-scatter); else the readers run on the whole value on every
+    tp rank (the backward keeps this rank's chunk of its gradient)."""
+
+    value: str
+    readers: tuple[str, ...]
+    colwise: bool
+
+
+@dataclass(frozen=True)
+class Scatter:
+    """A whole ``value`` (with the full sequence) cut to this rank's chunk of the sequence for ``readers``, ops on
+    sequence shards (the backward all-gathers its gradient)."""
+
+    value: str
+    readers: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -57,7 +89,7 @@ _ELEMENTWISE_MODULES = (nn.Dropout, nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmo
 _ELEMENTWISE = frozenset({
     "add", "sub", "mul", "truediv", "div", "neg", "pow", "gelu", "relu", "silu", "tanh", "sigmoid", "exp", "rsqrt",
     "sqrt", "cos", "sin", "dropout", "contiguous", "float", "half", "bfloat16", "to", "type_as", "clone",
-    "masked_fill", "add_", "mul_", "iadd", "imul",
+    "masked_fill", "add_", "mul_", "iadd", "imul", "alias",
 })
 _VIEWS = frozenset({"view", "reshape", "_unsafe_view"})
 _TRANSPOSES = frozenset({"transpose", "permute"})
@@ -72,11 +104,30 @@ _SLICES = frozenset({"slice", "narrow"})
 @dataclass
 class SplitActivations:
     """Per fx value of a traced program: the dim its tensor is split on over the tp ranks (None: whole; a tuple
-    value: one entry per leaf), and each view's shape arguments rewritten to this rank's share (by node name)."""
+    value: one entry per leaf), and each view's shape arguments rewritten to this rank's share (by node name).
+
+    With sequence parallelism (empty without): ``sequence``, the values split on the sequence (``split`` says dim 1
+    for them too), not on features; ``rowwise_scatter``, the rowwise module ops whose output is reduce-scattered
+    on the sequence instead of all-reduced; ``gathers`` and ``scatters``, where the sequence shards end and begin;
+    ``sequence_params``, the parameters (qualified names) that ops on sequence shards read whole, whose gradients
+    are each rank's partial sums (all-reduced over the tp ranks after the backward); ``sequence_sizes``, the size
+    reads of a sequence-split value's sequence dim (``x.size(1)``: the shard's, scaled back to the whole).
+    """
 
     tp_size: int
     split: dict[str, Any] = field(default_factory=dict)
     rewrites: dict[str, tuple[int, int]] = field(default_factory=dict)  # view -> (which size, its local value)
+    sequence: set[str] = field(default_factory=set)
+    rowwise_scatter: set[str] = field(default_factory=set)
+    gathers: list[Gather] = field(default_factory=list)
+    scatters: list[Scatter] = field(default_factory=list)
+    sequence_params: set[str] = field(default_factory=set)
+    sequence_sizes: set[str] = field(default_factory=set)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether any rowwise output is split on the sequence (sequence parallelism runs)."""
+        return bool(self.rowwise_scatter)
 
     def local_shape(self, value: str, leaf: int, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The shape of one tensor leaf of ``value`` on a tp rank (what a cut sends): the split dim's share."""
@@ -126,10 +177,16 @@ def _where(node: fx.Node) -> str:
 
 
 def split_activations(gm: fx.GraphModule, styles: Mapping[str, ModuleSplit], meta: Mapping[str, ShapedValue],
-                      tp_size: int) -> SplitActivations:
+                      tp_size: int, sequence_parallel: bool = False) -> SplitActivations:
     """Follow the split activations of ``gm`` (the whole traced program, every stage) from the modules of
     ``styles`` (by qualified name), with every value's global shape in ``meta``; the view and expand shapes
     that name a split dim's size as a constant (a head count fx baked in) are rewritten to its share.
+
+    ``sequence_parallel``: each rowwise output [batch, sequence, features] is reduce-scattered on the sequence
+    instead of all-reduced, and the ops after it that act on each position alone (elementwise ops, norms over the
+    features) run on the sequence shards, up to the next colwise modules (one all-gather for all of them) or any
+    other reader (an all-gather to the whole value) (:class:`_SequenceFlow`). Refused with
+    :class:`SequenceParallelError` when it cannot run (a sequence length ``tp_size`` does not divide).
 
     Refuses, naming the op or module and the count, what would compute wrongly on shards: a head count or
     feature count ``tp_size`` does not divide, a rowwise module reading a whole tensor, an op smp does not know
@@ -137,23 +194,34 @@ def split_activations(gm: fx.GraphModule, styles: Mapping[str, ModuleSplit], met
     """
     acts = SplitActivations(tp_size)
     split = acts.split
+    flow = _SequenceFlow(gm, meta, acts) if sequence_parallel else None
     parts: dict[str, int] = {}  # values that are a fused module's output (or its chunks' source)
     for node in gm.graph.nodes:
-        if node.op in ("placeholder", "get_attr"):
+        if node.op == "get_attr":
+            if flow is not None:
+                flow.note_attribute(node)
             continue
+        if node.op == "placeholder":
+            continue
+        if flow is not None and flow.reads_sequence(node):
+            if node.op != "output" and planned_module(node) not in styles and flow.follow(node):
+                continue  # runs on the sequence shards
+            flow.gather_for(node, styles.get(planned_module(node) or ""))  # the whole value (or a colwise DTensor)
+        if flow is not None:
+            flow.note_whole(node)
         if node.op == "output":
-            bad = [a.name for a in node.all_input_nodes if split.get(a.name) is not None]
+            bad = [a.name for a in node.all_input_nodes if split.get(a.name) is not None and a.name not in acts.sequence]
             if bad:
                 raise TensorParallelError(f"the model's output {bad[0]} is split over the tp ranks: end the "
                                           "tensor-parallel region before the output (a rowwise module, or "
                                           "'colwise_rep' for the last projection)")
             continue
-        ins = [a for a in node.all_input_nodes if split.get(a.name) is not None]
+        ins = [a for a in node.all_input_nodes if split.get(a.name) is not None and a.name not in acts.sequence]
         module = planned_module(node)
         if module in styles:
             style = styles[module]
             x = node.args[0] if node.args else None
-            dim = split.get(x.name) if isinstance(x, fx.Node) else None
+            dim = split.get(x.name) if isinstance(x, fx.Node) and x.name not in acts.sequence else None
             shape = _shape(meta, x)
             if style.reads_split and (dim is None or shape is None or dim != len(shape) - 1):
                 raise TensorParallelError(
@@ -167,11 +235,215 @@ def split_activations(gm: fx.GraphModule, styles: Mapping[str, ModuleSplit], met
                 split[node.name] = len(out) - 1
                 if style.parts > 1:
                     parts[node.name] = style.parts
+            if style.rowwise and flow is not None:
+                flow.rowwise_output(node, module)
             continue
         if not ins:
             continue
         _follow(node, ins, gm, meta, acts, parts)
+    if flow is not None:
+        flow.finish()
     return acts
+
+
+#: Reductions that keep the sequence dim when they reduce only dims after it (RMSNorm's mean over the features).
+_REDUCTIONS = frozenset({"mean", "sum", "var", "std", "amax", "amin"})
+#: Norms over the last dim, as functions (their weight and bias are read whole).
+_NORMS = frozenset({"layer_norm", "rms_norm"})
+#: Norm modules over the last dim (and any module class named ...RMSNorm with a 1-D weight: Hugging Face's).
+_NORM_MODULES = (nn.LayerNorm, nn.RMSNorm)
+
+
+def _drops(node: fx.Node) -> bool:
+    """Whether a dropout function draws a mask (each tp rank would draw the same one for its chunk of the
+    sequence): its probability is not 0 (or not known) and it is not told it is not training."""
+    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+    training = node.args[2] if len(node.args) > 2 else node.kwargs.get("training", node.kwargs.get("train", True))
+    return training is not False and not (isinstance(p, (int, float)) and p == 0)
+
+
+class _SequenceFlow:
+    """Sequence parallelism's part of :func:`split_activations`: which values are split on the sequence, where they
+    are gathered and scattered, which parameters their ops read whole (the fields of ``acts`` it fills)."""
+
+    def __init__(self, gm: fx.GraphModule, meta: Mapping[str, ShapedValue], acts: SplitActivations) -> None:
+        self.gm = gm
+        self.meta = meta
+        self.acts = acts
+        self.gathers: dict[tuple[str, bool], list[str]] = {}  # (value, colwise) -> readers
+        self.scatters: dict[str, list[str]] = {}
+        self.grads: set[str] = set()  # values that get a gradient (from a parameter, through any op)
+        self.params: dict[str, str] = {}  # get_attr node -> the parameter it reads
+        self.whole_reads: dict[str, list[str]] = {}  # parameter -> ops reading it other than on sequence shards
+        self.shard_reads: set[str] = set()  # parameters read by ops on sequence shards
+
+    # ------------------------------------------------------------------ what a node reads
+
+    def note_attribute(self, node: fx.Node) -> None:
+        """A get_attr: a parameter's gets a gradient."""
+        try:
+            param = self.gm.get_parameter(str(node.target))
+        except AttributeError:
+            return
+        if param.requires_grad:
+            self.params[node.name] = str(node.target)
+            self.grads.add(node.name)
+
+    def reads_sequence(self, node: fx.Node) -> bool:
+        return any(a.name in self.acts.sequence for a in node.all_input_nodes)
+
+    def note_whole(self, node: fx.Node) -> None:
+        """``node`` runs on whole values: what gets a gradient through it, and the parameters it reads whole."""
+        if any(a.name in self.grads for a in node.all_input_nodes):
+            self.grads.add(node.name)
+        for a in node.all_input_nodes:
+            if a.name in self.params:
+                self.whole_reads.setdefault(self.params[a.name], []).append(node.name)
+        if node.op == "call_module":
+            module = self.gm.get_submodule(str(node.target))
+            for name, p in module.named_parameters():
+                if p.requires_grad:
+                    self.grads.add(node.name)
+                    self.whole_reads.setdefault(f"{node.target}.{name}", []).append(node.name)
+
+    def _shape(self, node: Any) -> tuple[int, ...] | None:
+        """A value's global shape; a get_attr's, the attribute's own (the runtime's shapes leave them out)."""
+        if isinstance(node, fx.Node) and node.op == "get_attr":
+            attribute = functools.reduce(getattr, str(node.target).split("."), self.gm)
+            return tuple(attribute.shape) if isinstance(attribute, torch.Tensor) else None
+        return _shape(self.meta, node)
+
+    # ------------------------------------------------------------------ the flow
+
+    def rowwise_output(self, node: fx.Node, module: str) -> None:
+        """A rowwise module's output [batch, sequence, features] is reduce-scattered on the sequence."""
+        out = self._shape(node)
+        if out is None or len(out) != 3:
+            return
+        t = self.acts.tp_size
+        if out[SEQUENCE_DIM] % t:
+            raise SequenceParallelError(
+                f"sequence parallelism splits the sequence (dim {SEQUENCE_DIM} of module {module}'s output "
+                f"{list(out)}, S = {out[SEQUENCE_DIM]}) over tensor_parallel={t} ranks, which does not divide it: "
+                f"use a sequence length divisible by {t}, or sequence_parallel=False")
+        self.acts.split[node.name] = SEQUENCE_DIM
+        self.acts.sequence.add(node.name)
+        self.acts.rowwise_scatter.add(node.name)
+
+    def follow(self, node: fx.Node) -> bool:
+        """Whether ``node`` (no planned module) runs on the sequence shards it reads; if so its output is split on
+        the sequence (or it is a size read), the whole operands with the sequence are scattered for it, and the
+        parameters it reads whole noted."""
+        name = _op_name(node)
+        if name == "dim":
+            return True
+        if name == "size":
+            at = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+            src = self._shape(node.args[0])
+            if at is None or src is None:
+                return False  # the whole torch.Size: read off the whole value
+            if int(at) % len(src) == SEQUENCE_DIM:
+                self.acts.sequence_sizes.add(node.name)
+            return True
+        out = self._shape(node)
+        if out is None or len(out) <= SEQUENCE_DIM:
+            return False
+        if any(self.acts.split.get(a.name) is not None and a.name not in self.acts.sequence
+               for a in node.all_input_nodes):
+            raise SequenceParallelError(f"{_where(node)} ({name}) combines a value split on the sequence with one "
+                                        "split on features")
+        if node.op == "call_module":
+            module = self.gm.get_submodule(str(node.target))
+            if isinstance(module, _ELEMENTWISE_MODULES) and not getattr(module, "p", 0):  # (a Dropout drawing masks
+                # would draw the same one on each rank for its chunk: it runs whole)
+                return self._runs_on_shards(node, out, [])
+            if self._is_norm_module(module):
+                return self._runs_on_shards(node, out, [], params=[
+                    f"{node.target}.{n}" for n, p in module.named_parameters() if p.requires_grad])
+            return False  # a module smp does not know: on the whole value
+        if name in _ELEMENTWISE and not (name == "dropout" and _drops(node)):
+            return self._runs_on_shards(node, out, node.all_input_nodes)
+        x = node.args[0] if node.args else None
+        if not isinstance(x, fx.Node) or x.name not in self.acts.sequence:
+            return False
+        if name in _REDUCTIONS:
+            dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+            dims = [dims] if isinstance(dims, int) else list(dims or [])
+            ndim = len(self._shape(x) or ())
+            if dims and all(int(d) % ndim > SEQUENCE_DIM for d in dims):
+                return self._runs_on_shards(node, out, [x])
+            return False
+        if name in _NORMS:
+            normalized = node.args[1] if len(node.args) > 1 else node.kwargs.get("normalized_shape")
+            if normalized is None or len(normalized) != 1:
+                return False
+            return self._runs_on_shards(node, out, node.all_input_nodes)
+        return False
+
+    @staticmethod
+    def _is_norm_module(module: nn.Module) -> bool:
+        """A norm over the last dim: LayerNorm or RMSNorm of one dim, or a module class named ...RMSNorm whose
+        weight is 1-D (Hugging Face's LlamaRMSNorm and its kin)."""
+        if isinstance(module, _NORM_MODULES):
+            return len(module.normalized_shape) == 1
+        weight = getattr(module, "weight", None)
+        return type(module).__name__.endswith("RMSNorm") and isinstance(weight, torch.Tensor) and weight.dim() == 1
+
+    def _runs_on_shards(self, node: fx.Node, out: tuple[int, ...], operands: Sequence[fx.Node],
+                        params: Sequence[str] = ()) -> bool:
+        """``node`` on its sequence-split inputs and whole ``operands``: each whole operand either broadcasts along
+        the sequence (a norm weight [H]: a parameter, or nothing that gets a gradient, whose gradient would be
+        each rank's partial sum) or has the whole sequence in the same place (then its chunk is scattered)."""
+        scatter, read = [], list(params)
+        for a in operands:
+            shape = self._shape(a)
+            if shape is None:
+                continue
+            if a.name in self.acts.sequence:
+                if len(shape) != len(out):
+                    return False
+                continue
+            at = SEQUENCE_DIM - (len(out) - len(shape))
+            if 0 <= at < len(shape) and shape[at] != 1:
+                if len(shape) != len(out) or shape[at] != out[SEQUENCE_DIM]:
+                    return False
+                scatter.append(a.name)
+            elif a.name in self.params:
+                read.append(self.params[a.name])
+            elif a.name in self.grads:
+                return False  # a computed whole operand's gradient would be partial: the op runs whole
+        for value in scatter:
+            self.scatters.setdefault(value, []).append(node.name)
+        self.shard_reads.update(read)
+        if any(a.name in self.grads for a in node.all_input_nodes) or read:
+            self.grads.add(node.name)
+        self.acts.split[node.name] = SEQUENCE_DIM
+        self.acts.sequence.add(node.name)
+        return True
+
+    def gather_for(self, node: fx.Node, style: ModuleSplit | None) -> None:
+        """``node`` reads its sequence-split inputs whole: gathered for it (one gather for every colwise reader of
+        a value)."""
+        colwise = style is not None and not style.rowwise
+        for a in node.all_input_nodes:
+            if a.name in self.acts.sequence:
+                self.gathers.setdefault((a.name, colwise), []).append(node.name)
+
+    def finish(self) -> None:
+        """The gathers and scatters in program order; the parameters ops on sequence shards read, each of which
+        must be read by none other (its gradient would be a whole one plus partial ones)."""
+        acts = self.acts
+        if not acts.rowwise_scatter:
+            raise SequenceParallelError("sequence parallelism splits rowwise outputs [batch, sequence, features] on "
+                                        "the sequence, and no rowwise module of the tp plan makes one")
+        both = sorted(p for p in self.shard_reads if p in self.whole_reads)
+        if both:
+            raise SequenceParallelError(f"parameter {both[0]} is read by ops on sequence shards and by "
+                                        f"{self.whole_reads[both[0]][0]} on whole values: its gradient cannot be "
+                                        "summed over the tp ranks")
+        acts.gathers = [Gather(v, tuple(r), colwise) for (v, colwise), r in self.gathers.items()]
+        acts.scatters = [Scatter(v, tuple(r)) for v, r in self.scatters.items()]
+        acts.sequence_params = set(self.shard_reads)
 
 
 def _follow(node: fx.Node, ins: Sequence[fx.Node], gm: fx.GraphModule, meta: Mapping[str, ShapedValue],

@@ -25,7 +25,7 @@ from runtime.offload import kept_storages, offloading
 from runtime.program import Ownership, Program
 from runtime.recompute import forward_for_recompute, recompute
 from runtime.sharding import StageShards, local
-from runtime.tensor_parallel import TensorParallel, settled
+from runtime.tensor_parallel import SequenceGrads, TensorParallel, settled
 from runtime.tied import sum_tied_grads
 from runtime.split import OUTPUT_KEY, SplitError, SplitProgram, ValueMeta, propagate_meta, split_program
 from runtime.stash import EdgeKey, Stash, StashMeter
@@ -69,7 +69,8 @@ class Engine:
     ``compile_backend``: the stage programs run compiled with it (runtime/compiled.py); None: eagerly.
 
     ``tensor_parallel`` (:class:`runtime.tensor_parallel.TensorParallel`): the stage programs run on
-    this rank's shares of the plan's modules; a split cut value crosses as this rank's shard.
+    this rank's shares of the plan's modules; a split cut value crosses as this rank's shard (sequence parallelism:
+    :class:`runtime.tensor_parallel.SequenceGrads`).
     """
 
     def __init__(self, program: Program, ownership: Ownership, *, rank: int = 0, comm: Comm | None = None,
@@ -112,6 +113,7 @@ class Engine:
             self.tp_acts, replaced = tensor_parallel.split_stages(program, list(self.split.stages.values()),
                                                                   example_flat, device, precision)
             ownership.rekey(replaced)
+        self.sequence_grads = SequenceGrads.of(self.tp_acts, tensor_parallel)
         # split over "tp" first, then sharded over "dp" of the same mesh: FSDP2 shards TP's DTensors (torchtitan's
         # 2-D order; the other way round, parallelize_module would meet FSDP's DTensors)
         self.shards: StageShards | None = None
@@ -249,9 +251,11 @@ class Engine:
         assert self.comm is not None
         st = _RankState(self, self.rank, self.comm, meta, micro_flat, targets, loss_fn, training)
         try:
-            for a in schedule.actions[self.rank]:
-                st.do(a)
-            st.finish()
+            with self.sequence_grads.summed(self.ownership, self.comm) if self.sequence_grads is not None and \
+                    training else contextlib.nullcontext():
+                for a in schedule.actions[self.rank]:
+                    st.do(a)
+                st.finish()
             loss = self._share_loss(meta, st.mean_loss()) if training else None
             if training:
                 sum_tied_grads(self.comm, self.ownership, self.rank, lambda j: self._special_tag(meta, 1 + j))

@@ -104,6 +104,8 @@ class PipelinedModel(PipelineState):
 
     Tensor parallel: ``tensor_parallel=T`` splits each stage's modules over T consecutive ranks (world D x P x T)
     by ``tp_plan`` (default the model's own); ``tp_rank``, ``tp_size``: docs/runtime.md#tensor-parallelism.
+    ``sequence_parallel`` (default "auto": where the program allows it; True, False) runs the ops between the
+    split modules on each tp rank's chunk of the sequence, as the plan records (``plan.sequence_parallel``).
     The tp groups are innermost: in the placements above each "rank" is a block of T consecutive ranks.
     Every tp rank of a replica passes the same batch (a sampler sharding over ``dp_rank``, not the world).
 
@@ -261,6 +263,7 @@ class PipelinedModel(PipelineState):
         program = self._program(mode)
         if self._tp is not None:
             refuse_plan(self._plan)  # type: ignore[arg-type]
+            self._tp.sequence_parallel = self._plan.sequence_parallel  # type: ignore[union-attr]
         sharded = self._plan.sharding != "none" and self.distributed  # type: ignore[union-attr]
         train = self._engines.get(True) or (self._build_engine(True) if sharded and not mode else None)
         engine = Engine(program, setup.ownership, rank=self.pp_rank, comm=setup.comm, device=setup.device,

@@ -19,7 +19,8 @@ def plan_facts(plan: Plan) -> dict[str, Any]:
     return {"stages": plan.pipeline_ranks, "microbatches": plan.microbatches, "schedule": plan.schedule_name,
             "active_microbatches": plan.active_microbatches, "data_parallel": plan.data_parallel,
             "virtual_stages": plan.virtual_stages, "recompute": tuple(plan.recompute), "sharding": plan.sharding,
-            "compile": plan.model.compiled, "tensor_parallel": plan.tensor_parallel}
+            "compile": plan.model.compiled, "tensor_parallel": plan.tensor_parallel,
+            "sequence_parallel": plan.sequence_parallel}
 
 
 def given_options(request: PlanRequest | None, planning: Mapping[str, Any]) -> dict[str, Any]:
@@ -44,7 +45,7 @@ def check_agrees(plan: Plan, request: PlanRequest, given: Mapping[str, Any]) -> 
         value, fixed = request.profiling.compile if name == "compile" else getattr(request, name), facts[name]
         if name == "recompute":
             agrees = value == "auto" or all(c == value for c in fixed)
-        elif name == "sharding":
+        elif name in ("sharding", "sequence_parallel"):
             agrees = value in ("auto", fixed)
         elif name == "virtual_stages":
             agrees = not ScheduleKind.parse(plan.schedule_name).interleaved or value == fixed

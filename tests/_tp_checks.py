@@ -59,7 +59,8 @@ def tp_worker(rank: int, world: int, *, spec: str, stages: int, tp: int, out: st
     """One rank of (world / stages / tp) replicas of a ``stages`` x ``tp`` pipeline: one step on its replica's
     rows; the loss, every gradient gathered whole, and how much of each split weight it holds; the global
     gradient norm; after an SGD step the state dict (rank 0) and the eval-mode output, saved to ``checkpoint_to``
-    too."""
+    too; whether the plan runs sequence parallelism, and how many of its gathers and scatters this rank's stage
+    programs hold."""
     b = build(spec, seed=0)
     numel = {n: p.numel() for n, p in b.model.named_parameters()}
     pipe = partition(b.model, stages=stages, tensor_parallel=tp, microbatches=microbatches, loss_fn=b.loss_fn,
@@ -69,7 +70,11 @@ def tp_worker(rank: int, world: int, *, spec: str, stages: int, tp: int, out: st
     rows = slice(pipe.dp_rank * share, (pipe.dp_rank + 1) * share)
     loss = pipe.step(x[rows], target=y[rows]).detach()
     params = dict(pipe.named_parameters())
+    stage_programs = [sp.gm for sp in pipe._engines[True].split.stages.values()]  # this rank's, as split
     res = {"loss": loss, "tp_rank": pipe.tp_rank, "pp_rank": pipe.pp_rank, "dp_rank": pipe.dp_rank,
+           "sequence_parallel": pipe.plan.sequence_parallel,
+           "sequence_collectives": sum(n.op == "call_module" and str(n.target).startswith("smp_sequence_")
+                                       for gm in stage_programs for n in gm.graph.nodes),
            "recompute": list(pipe.plan.recompute),
            "grads": {n: whole(p.grad).clone() for n, p in params.items() if p.grad is not None},
            "held": {n: local(p).numel() for n, p in params.items()}, "whole": {n: numel[n] for n in params},

@@ -30,10 +30,15 @@ def _max_relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
 
 
-def _check_exact(ranks: list[dict], spec: str, pieces: int, tp: int, label: str, sharded_over: int = 1) -> float:
+def _check_exact(ranks: list[dict], spec: str, pieces: int, tp: int, label: str, sharded_over: int = 1,
+                 sequence_parallel: bool = True) -> float:
     """Every rank's loss and gathered gradients equal the one-process step (fp32, relative 1e-5); each rank holds
     1/tp of each split weight, and the whole of the others (each 1/``sharded_over`` of that: sharded over the
-    replicas). Returns the largest relative gradient error."""
+    replicas). The plan runs ``sequence_parallel`` (the default "auto" runs it on these models), its stage programs
+    holding the gathers and scatters. Returns the largest relative gradient error."""
+    assert all(r["sequence_parallel"] is sequence_parallel for r in ranks), f"{label}: sequence_parallel"
+    collectives = sum(r["sequence_collectives"] for r in ranks)
+    assert collectives > 0 if sequence_parallel else collectives == 0, f"{label}: {collectives} gathers/scatters"
     ref = reference_step(spec, pieces)
     worst = 0.0
     seen: set[str] = set()
@@ -70,6 +75,13 @@ def test_zoo_gpt_at_tp2_pp2_trains_as_one_process(tmp_path: Path) -> None:
     assert sorted((r["pp_rank"], r["tp_rank"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert [r["tp_rank"] for r in ranks] == [0, 1, 0, 1]  # a stage's tp ranks are consecutive
     _check_exact(ranks, GPT, 2, 2, "gpt tp2 x pp2")
+
+
+@pytest.mark.slow
+def test_zoo_gpt_at_tp2_pp2_without_sequence_parallelism_trains_as_one_process(tmp_path: Path) -> None:
+    """sequence_parallel=False: every rowwise output all-reduced whole, the norms run whole on each tp rank."""
+    ranks = _run(tmp_path, GPT, world=4, stages=2, tp=2, sequence_parallel=False)
+    _check_exact(ranks, GPT, 2, 2, "gpt tp2 x pp2, no sequence parallelism", sequence_parallel=False)
 
 
 @pytest.mark.slow

@@ -176,6 +176,11 @@ def plan_cmd(
         "--tensor-parallel", help="split each stage's modules over T ranks by the model's tp plan (world D x P x "
                                   "T), priced per tp rank (docs/cost-model.md#tensor-parallelism); auto: weigh T in "
                                   "1, 2, 4, 8 within a node \\[default: auto with --devices, else 1]")] = None,
+    sequence_parallel: Annotated[Optional[bool], typer.Option(
+        "--sequence-parallel/--no-sequence-parallel",
+        help="with --tensor-parallel: run the ops between the split modules (norms, residual adds) on each tp rank's "
+             "chunk of the sequence, the rowwise all-reduces becoming reduce-scatters and all-gathers "
+             "(docs/runtime.md#sequence-parallelism) \\[default: where the model allows it]")] = None,
     objective: Annotated[str, typer.Option(
         "--objective", help="step_time (the fastest simulated step among the bottleneck-optimal plan and the "
                             "peer baselines, refined) or bottleneck (the plan minimising the slowest stage, "
@@ -217,7 +222,8 @@ def plan_cmd(
                        global_batch=global_batch, microbatches=m, schedule=sched, memory_limit=limit, method=meth,
                        time_limit=time_limit, virtual_stages=virtual_stages, objective=objective,
                        recompute=recompute, active_microbatches=active_microbatches, sharding=sharding,
-                       tensor_parallel=_tensor_parallel(tensor_parallel, devices))
+                       tensor_parallel=_tensor_parallel(tensor_parallel, devices),
+                       sequence_parallel="auto" if sequence_parallel is None else sequence_parallel)
     if searching:
         search, note = _search_plans(model, request, batch_size=batch_size, seq_len=seq_len, meta=meta,
                                      show_progress=not json_out)
