@@ -82,7 +82,7 @@ def plan(
     if request.tensor_parallel > 1:
         split = _tp_split(model, gm, _micro_inputs(gm, args, kwargs, request.microbatches), request.tensor_parallel,
                           tp_plan, request.sequence_parallel)
-        graph = _priced(graph, split, tp_link(cluster, request.tensor_parallel))
+        graph = price_tensor_parallel(graph, split, tp_link(cluster, request.tensor_parallel))
     elif request.sequence_parallel is True:
         raise PlanError("sequence_parallel=True splits the sequence between the modules tensor parallelism splits: "
                         "pass tensor_parallel=T > 1 too, or drop it")
@@ -105,12 +105,6 @@ def _tp_split(model: nn.Module, gm: fx.GraphModule, flat_inputs: list[Any], size
             if sequence_parallel is True:
                 raise
     return tensor_parallel_split(model, gm, flat_inputs, size, tp_plan, shapes=shapes)
-
-
-def _priced(graph: OpGraph, split: TensorParallelSplit, link: Any) -> OpGraph:
-    """``graph`` priced per tp rank of ``split``; its meta records whether the plan runs sequence parallelism."""
-    priced = price_tensor_parallel(graph, split, link)
-    return OpGraph(priced.nx, {**priced.meta, "sequence_parallel": split.activations.sequence_parallel})
 
 
 def plan_shapes(
@@ -161,7 +155,7 @@ def plan_shapes(
     link = {t: tp_link(resolved, t) for t in degrees}
 
     def price_tp(g: OpGraph, t: int) -> OpGraph:
-        return _priced(g, splits[t], link[t])
+        return price_tensor_parallel(g, splits[t], link[t])
 
     def profiled(micro: int) -> OpGraph | None:
         """Measured times do not scale with the microbatch (per-op overheads, caches): a size the sample

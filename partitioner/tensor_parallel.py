@@ -61,9 +61,10 @@ _COMPUTE_FIELDS = ("fwd", "bwd", "bwd_w", "flops")
 
 @dataclass(frozen=True)
 class _Shaped:
-    """One leaf of a traced value: its shape (None for a constant)."""
+    """One leaf of a traced value: its shape (None for a constant) and its elements' bytes."""
 
     shape: tuple[int, ...] | None
+    itemsize: int = 0
 
     @property
     def is_tensor(self) -> bool:
@@ -78,6 +79,10 @@ class _Value:
     def numel(self) -> int:
         return sum(math.prod(leaf.shape) for leaf in self.leaves if leaf.shape is not None)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(leaf.shape) * leaf.itemsize for leaf in self.leaves if leaf.shape is not None)
+
 
 @dataclass(frozen=True)
 class TensorParallelSplit:
@@ -90,6 +95,7 @@ class TensorParallelSplit:
     split_params: Mapping[str, float]  # module -> share of its parameters' elements split (a rowwise bias is whole)
     activations: SplitActivations
     numel: Mapping[str, int]  # fx value -> its elements (whole)
+    nbytes: Mapping[str, int]  # fx value -> its bytes (whole)
     op_module: Mapping[str, str]  # fx node -> the plan's module it runs
     inputs: Mapping[str, tuple[str, bool]]  # a planned op -> (the value it reads, whether that gets a gradient)
     reads: Mapping[str, tuple[str, ...]]  # fx node -> the fx values it reads
@@ -129,6 +135,7 @@ def tensor_parallel_split(model: nn.Module, gm: fx.GraphModule, flat_inputs: Seq
         split_params[name] = (weight + (0 if how.rowwise else bias)) / (weight + bias)
     reads = {n.name: tuple(a.name for a in n.all_input_nodes) for n in gm.graph.nodes}
     return TensorParallelSplit(size, modules, split_params, acts, {k: v.numel for k, v in shapes.items()},
+                               {k: v.nbytes for k, v in shapes.items()},
                                op_module, inputs, reads)
 
 
@@ -148,8 +155,9 @@ def global_shapes(gm: fx.GraphModule, flat_inputs: Sequence[Any]) -> dict[str, A
     class Recorder(fx.Interpreter):
         def run_node(self, node: fx.Node) -> Any:
             out = super().run_node(node)
-            seen[node.name] = _Value(tuple(_Shaped(tuple(int(d) for d in x.shape) if isinstance(x, torch.Tensor)
-                                                   else None) for x in pytree.tree_leaves(out)))
+            seen[node.name] = _Value(tuple(_Shaped(tuple(int(d) for d in x.shape), x.element_size())
+                                           if isinstance(x, torch.Tensor) else _Shaped(None)
+                                           for x in pytree.tree_leaves(out)))
             return out
 
     class Holder(nn.Module):
@@ -187,9 +195,15 @@ def price_tensor_parallel(graph: OpGraph, split: TensorParallelSplit, link: Link
     """``graph`` (profiled whole, one microbatch) priced per tp rank of ``split``: the plan's modules and the ops
     on split activations run 1/T of the compute; a split value's bytes (and what it saves) are 1/T; the plan's
     modules hold 1/T of their split parameters; each rowwise output's all-reduce (forward) and each colwise input
-    gradient's all-reduce (backward), ring collectives on ``link``, join the op's time. A new graph (the profiled
-    one is the T = 1 price); its meta records T."""
+    gradient's all-reduce (backward), ring collectives on ``link``, join the op's time. With sequence
+    parallelism (``split.activations.sequence``) a rowwise output is reduce-scattered over the sequence instead
+    (its gradient all-gathered), the ops on sequence shards run 1/T, and each gather or scatter between them and
+    whole readers is charged to its first reader's op (:func:`_sequence_collectives`). A new graph (the
+    profiled one is the T = 1 price); its meta records T and whether sequence parallelism runs."""
     t = split.size
+    acts = split.activations
+    whole_reads = {(reader, g.value) for g in acts.gathers if not g.colwise for reader in g.readers}
+    between = _sequence_collectives(split, link)
     out = graph.nx.copy()
     for name, data in out.nodes(data=True):
         data.update(tp_fwd_comm=0.0, tp_bwd_comm=0.0, tp_fwd_bytes=0, tp_bwd_bytes=0, tp_whole_fwd=data["fwd"],
@@ -199,7 +213,9 @@ def price_tensor_parallel(graph: OpGraph, split: TensorParallelSplit, link: Link
         fx_nodes = tuple(data["fx_nodes"])
         module = next((split.op_module[n] for n in fx_nodes if n in split.op_module), None)
         split_out = any(split.is_split(n) for n in fx_nodes)
-        reads_split = any(split.is_split(v) for n in fx_nodes for v in split.reads.get(n, ()))
+        # a reader of a whole gather reads the gathered (whole) value: it runs whole
+        reads_split = any(split.is_split(v) and (n, v) not in whole_reads for n in fx_nodes
+                          for v in split.reads.get(n, ()))
         whole_out = data["out_bytes"]
         if module is not None or split_out or reads_split:
             for f in _COMPUTE_FIELDS:
@@ -209,26 +225,67 @@ def price_tensor_parallel(graph: OpGraph, split: TensorParallelSplit, link: Link
             for f in _ACTIVATION_FIELDS:
                 if f in data:
                     data[f] = type(data[f])(data[f] / t)
-        if module is None:
-            continue
-        how = split.modules[module]
-        data["params"] = int(round(data["params"] * (1 - split.split_params[module] * (t - 1) / t)))
-        op = next(n for n in fx_nodes if n in split.op_module)
-        # bytes per element: the profiled output's (its dtype), over the value's elements
-        per_element = whole_out / split.numel[op] if split.numel.get(op) else 0.0
-        x, grad = split.inputs.get(op, ("", False))
-        in_bytes = split.numel.get(x, 0) * per_element
-        fwd, bwd = 0.0, 0.0
-        if how.rowwise:
-            data["tp_fwd_bytes"], fwd = whole_out, link.allreduce_seconds(whole_out, t)
-            if grad and not how.reads_split:  # rowwise_rep: each rank's slice of the whole input's gradient gathered
-                data["tp_bwd_bytes"], bwd = int(in_bytes), link.allgather_seconds(in_bytes, t)
-        else:
-            if not how.makes_split:  # colwise_rep: the output gathered whole
-                data["tp_fwd_bytes"], fwd = whole_out, link.allgather_seconds(whole_out, t)
-            if grad:
-                data["tp_bwd_bytes"], bwd = int(in_bytes), link.allreduce_seconds(in_bytes, t)
-        data["tp_fwd_comm"], data["tp_bwd_comm"] = fwd, bwd
-        data["fwd"] += fwd
-        data["bwd"] += bwd
-    return OpGraph(out, {**graph.meta, "tensor_parallel": t})
+        comm = [0.0, 0.0, 0, 0]  # forward seconds, backward seconds, forward bytes, backward bytes
+        for n in fx_nodes:
+            for i, v in enumerate(between.get(n, ())):
+                comm[i] += v
+        if module is not None:
+            op = next(n for n in fx_nodes if n in split.op_module)
+            for i, v in enumerate(_module_collectives(split, split.modules[module], op, whole_out, link)):
+                comm[i] += v
+            data["params"] = int(round(data["params"] * (1 - split.split_params[module] * (t - 1) / t)))
+        data["tp_fwd_comm"], data["tp_bwd_comm"] = comm[0], comm[1]
+        data["tp_fwd_bytes"], data["tp_bwd_bytes"] = int(comm[2]), int(comm[3])
+        data["fwd"] += comm[0]
+        data["bwd"] += comm[1]
+    return OpGraph(out, {**graph.meta, "tensor_parallel": t, "sequence_parallel": acts.sequence_parallel})
+
+
+def _module_collectives(split: TensorParallelSplit, how: ModuleSplit, op: str, whole_out: float,
+                        link: Link) -> tuple[float, float, float, float]:
+    """A planned module's own collectives (forward and backward seconds, their bytes): a rowwise output
+    all-reduced (reduce-scattered over the sequence under sequence parallelism, its gradient then all-gathered),
+    a colwise input's gradient all-reduced (not when the input is a sequence gather's: that gather's
+    reduce-scatter sums it), a colwise_rep output all-gathered."""
+    t = split.size
+    acts = split.activations
+    # bytes per element: the profiled output's (its dtype), over the value's elements
+    per_element = whole_out / split.numel[op] if split.numel.get(op) else 0.0
+    x, grad = split.inputs.get(op, ("", False))
+    in_bytes = split.numel.get(x, 0) * per_element
+    if how.rowwise:
+        if op in acts.rowwise_scatter:
+            return (link.reduce_scatter_seconds(whole_out, t), link.allgather_seconds(whole_out, t), whole_out,
+                    whole_out)
+        if grad and not how.reads_split:  # rowwise_rep: each rank's slice of the whole input's gradient gathered
+            return link.allreduce_seconds(whole_out, t), link.allgather_seconds(in_bytes, t), whole_out, in_bytes
+        return link.allreduce_seconds(whole_out, t), 0.0, whole_out, 0.0
+    fwd, fwd_bytes = (0.0, 0.0) if how.makes_split else (link.allgather_seconds(whole_out, t), whole_out)
+    if grad and x not in acts.sequence:
+        return fwd, link.allreduce_seconds(in_bytes, t), fwd_bytes, in_bytes
+    return fwd, 0.0, fwd_bytes, 0.0
+
+
+def _sequence_collectives(split: TensorParallelSplit, link: Link) -> dict[str, tuple[float, float, float, float]]:
+    """Sequence parallelism's collectives between ops, by the fx node of the first reader that pays them (forward
+    and backward seconds, their bytes): a gather (forward all-gather of a sequence shard; backward, for colwise
+    readers, a reduce-scatter of their summed partial gradients, for whole readers nothing: each takes its
+    chunk) and a scatter (forward each rank's chunk, free; backward an all-gather of the gradient)."""
+    t = split.size
+    acts = split.activations
+    paid: dict[str, tuple[float, float, float, float]] = {}
+    order = {name: i for i, name in enumerate(split.reads)}  # program order: the first reader runs it
+
+    def charge(reader: str, fwd: float, bwd: float, fwd_bytes: float, bwd_bytes: float) -> None:
+        old = paid.get(reader, (0.0, 0.0, 0.0, 0.0))
+        paid[reader] = (old[0] + fwd, old[1] + bwd, old[2] + fwd_bytes, old[3] + bwd_bytes)
+
+    for g in acts.gathers:
+        nbytes = split.nbytes.get(g.value, 0)
+        back = link.reduce_scatter_seconds(nbytes, t) if g.colwise else 0.0
+        charge(min(g.readers, key=order.__getitem__), link.allgather_seconds(nbytes, t), back, nbytes,
+               nbytes if g.colwise else 0)
+    for s in acts.scatters:
+        nbytes = split.nbytes.get(s.value, 0)
+        charge(min(s.readers, key=order.__getitem__), 0.0, link.allgather_seconds(nbytes, t), 0, nbytes)
+    return paid

@@ -253,3 +253,53 @@ def test_a_split_plan_is_not_resimulated_on_another_cluster_but_on_its_own_it_is
         two.resimulate(cluster=Cluster.load("a100-sxm", devices=8))
     again = two.resimulate(microbatches=two.microbatches)
     assert again.step_time == pytest.approx(two.step_time, rel=1e-9) and again.tensor_parallel == 2
+
+
+def test_sequence_parallelism_reduce_scatters_rowwise_outputs_gathers_once_per_colwise_group_and_splits_the_norms(
+        plans) -> None:
+    """With sequence parallelism (the default where the program allows it) the zoo GPT's second block runs its
+    LayerNorms, dropouts and residual adds on half the sequence; each rowwise output is reduce-scattered (its
+    gradient all-gathered) instead of all-reduced; each colwise group's input is all-gathered once, paid by its first
+    reader (forward all-gather, backward reduce-scatter), its other readers paying nothing; the LM head reads the
+    final norm gathered whole and runs whole. Same bytes on the wire per block, less compute and memory."""
+    one, off, _ = plans
+    b = build(GPT, seed=0)
+    on = plan(b.model, b.example_args, stages=2, device_profile="h100-sxm", cluster="h100-sxm", timing="analytic",
+              tensor_parallel=2)
+    assert (on.sequence_parallel, off.sequence_parallel) == (True, False)
+    link = Cluster.load("h100-sxm", devices=8).links[0]
+
+    def half_ring(nbytes: float) -> float:  # an all-gather or reduce-scatter among 2 ranks
+        return nbytes / 2 / link.bandwidth + link.latency
+
+    by_module = {on.graph[v]["module"]: v for v in on.graph.topological_order()}
+    for module in ("blocks.1.attn.out", "blocks.1.proj"):  # rowwise
+        whole, share = one.graph[by_module[module]], on.graph[by_module[module]]
+        assert share["tp_fwd_comm"] == pytest.approx(half_ring(whole["out_bytes"]), rel=1e-12)
+        assert share["tp_bwd_comm"] == pytest.approx(half_ring(whole["out_bytes"]), rel=1e-12)
+        assert share["out_bytes"] == whole["out_bytes"] // 2  # a sequence shard
+    for first, other, norm in (("blocks.1.attn.kv", "blocks.1.attn.q", "blocks.1.ln1"),
+                               ("blocks.1.fc", None, "blocks.1.ln2")):
+        gathered = one.graph[by_module[norm]]["out_bytes"]
+        payer = on.graph[by_module[first]]
+        assert (payer["tp_fwd_bytes"], payer["tp_bwd_bytes"]) == (gathered, gathered)
+        assert payer["tp_fwd_comm"] == pytest.approx(half_ring(gathered), rel=1e-12)
+        assert payer["tp_bwd_comm"] == pytest.approx(half_ring(gathered), rel=1e-12)  # no all-reduce of its own
+        if other is not None:
+            assert on.graph[by_module[other]]["tp_fwd_comm"] == on.graph[by_module[other]]["tp_bwd_comm"] == 0
+    for v in on.graph.nx:  # the ops between the rowwise and the next colwise modules: half the sequence
+        a, d = one.graph[v], on.graph[v]
+        if a["module"].startswith("blocks.1") and a["op"] in ("LayerNorm", "Dropout", "add") or a["module"] == "ln_f":
+            assert (d["fwd"], d["bwd"], d["out_bytes"]) == pytest.approx((a["fwd"] / 2, a["bwd"] / 2,
+                                                                          a["out_bytes"] // 2), rel=1e-12), v
+    head, head_whole = on.graph[by_module["lm_head"]], one.graph[by_module["lm_head"]]
+    assert head["fwd"] - head["tp_fwd_comm"] == pytest.approx(head_whole["fwd"], rel=1e-12)  # whole, on every rank
+    assert head["tp_fwd_comm"] == pytest.approx(half_ring(one.graph[by_module["ln_f"]]["out_bytes"]), rel=1e-12)
+    block = [v for v in on.graph.nx if on.graph[v]["module"].startswith("blocks.1")]
+    # forward: two reduce-scatters and two all-gathers move what two all-reduces did; backward: two of each
+    # instead of three all-reduces (q's, kv's and fc's input gradients)
+    comm = {key: (sum(on.graph[v][key] for v in block), sum(off.graph[v][key] for v in block))
+            for key in ("tp_fwd_comm", "tp_bwd_comm")}
+    assert comm["tp_fwd_comm"][0] == pytest.approx(comm["tp_fwd_comm"][1], rel=1e-12)
+    assert comm["tp_bwd_comm"][0] == pytest.approx(comm["tp_bwd_comm"][1] * 2 / 3, rel=1e-12)
+    assert on.step_time < off.step_time and max(on.rank_memory) < max(off.rank_memory)
