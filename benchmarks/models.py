@@ -62,20 +62,68 @@ def summary(search: Any, params: int, tokens: int, peak: float) -> dict[str, Any
             "pruned": sum(c.pruned for c in search.candidates)}
 
 
-def layer_costs(search: Any) -> dict[str, dict[str, float]]:
-    """One layer's seconds per sample (forward, backward, and of them the tensor-parallel collectives) at each T
-    the search has a plan for, read off that plan's folded graph (the middle layer of the repeated blocks)."""
-    out: dict[str, dict[str, float]] = {}
-    for c in search.candidates:
-        t = str(c.shape.tensor_parallel)
-        if c.plan is None or t in out or not c.plan.graph.meta.get("blocks"):
-            continue
-        graph = c.plan.graph
-        layers = [v for v in graph.topological_order() if graph[v]["module"].startswith(graph.meta["blocks"] + ".")]
-        node = graph[layers[len(layers) // 2]]
-        per_sample = search.global_batch // (c.shape.data_parallel * c.shape.microbatches)
-        out[t] = {key: node.get(key, 0.0) / per_sample for key in ("fwd", "bwd", "tp_fwd_comm", "tp_bwd_comm")}
+def nearest_to_fitting(search: Any) -> dict[str, Any]:
+    """When no shape fits: the one needing least memory (its shape, bytes and reason), else the first refused."""
+    needing = [c for c in search.candidates if c.needs is not None]
+    c = min(needing, key=lambda c: c.needs) if needing else search.candidates[0]
+    return {"nearest_shape": str(c.shape), "needs_bytes": c.needs, "reason": c.reason}
+
+
+def layer_prices(spec: str) -> dict[str, dict[str, float]]:
+    """One layer's seconds per sample (forward, backward, and of them the tensor-parallel collectives) whole and at
+    T = 2, 4, 8 without and with sequence parallelism ("8+sp"): the middle layer of the model's profiled graph,
+    priced per tp rank on a node's link as the search prices it."""
+    from partitioner.cluster import Cluster
+    from partitioner.compile import profile_model, trace_model
+    from partitioner.program import flatten_inputs
+    from partitioner.request import PlanRequest
+    from partitioner.tensor_parallel import global_shapes, price_tensor_parallel, tensor_parallel_split, tp_link
+    from smp.models import build
+
+    built = build(spec + ",batch=1", seed=0, meta=True)
+    request = PlanRequest.build(device_profile=PROFILE, dtype="bf16")
+    gm = trace_model(built.model, built.example_args, None, request, microbatches=1)
+    graph, _ = profile_model(built.model, built.example_args, None, request, microbatches=1, traced=gm)
+    flat = flatten_inputs(gm, built.example_args, {})
+    shapes = global_shapes(gm, flat)
+    node = Cluster.load(PROFILE, devices=8)
+    middle = f"model.layers.{built.model.config.num_hidden_layers // 2}"
+    layer = [v for v in graph.nx if graph[v]["module"] == middle or graph[v]["module"].startswith(middle + ".")]
+
+    def costs(priced: Any) -> dict[str, float]:
+        return {key: sum(priced[v].get(key, 0.0) for v in layer) for key in ("fwd", "bwd", "tp_fwd_comm",
+                                                                            "tp_bwd_comm")}
+
+    out = {"1": costs(graph)}
+    for t in (2, 4, 8):
+        for sequence in (False, True):
+            split = tensor_parallel_split(built.model, gm, flat, t, shapes=shapes, sequence_parallel=sequence)
+            out[f"{t}+sp" if sequence else str(t)] = costs(price_tensor_parallel(graph, split, tp_link(node, t)))
     return out
+
+
+def layer_table(rows: list[dict[str, Any]]) -> str:
+    """What T buys one layer of each model, without and with sequence parallelism (from :func:`layer_prices`)."""
+    lines = ["| model | T | one layer, forward + backward, per rank (without SP) | of it collectives | speed-up | "
+             "with sequence parallelism | of it collectives | speed-up |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        prices = r.get("layer_seconds", {})
+        if "1" not in prices:
+            continue
+        whole = prices["1"]["fwd"] + prices["1"]["bwd"]
+        lines.append(f"| {r['model']} | 1 | {whole * 1e3:.1f} ms | | | | | |")
+        for t in ("2", "4", "8"):
+            cells = []
+            for key in (t, f"{t}+sp"):
+                c = prices.get(key)
+                if c is None:
+                    cells += ["", "", ""]
+                    continue
+                step = c["fwd"] + c["bwd"]
+                cells += [f"{step * 1e3:.1f} ms", f"{(c['tp_fwd_comm'] + c['tp_bwd_comm']) * 1e3:.1f} ms",
+                          f"{whole / step:.1f}x"]
+            lines.append(f"| {r['model']} | {t} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def run(name: str) -> dict[str, Any]:
@@ -100,12 +148,12 @@ def run(name: str) -> dict[str, Any]:
         tokens = batch * built.example_args[0].shape[1]
         row["params"], row["tokens"] = params, tokens
         row[label] = summary(search, params, tokens, peak)
-        row.setdefault("layer_seconds", {}).update(layer_costs(search))
         if row[label] is not None:
             row[label]["planning_s"] = seconds
         else:
-            row[label] = {"planning_s": seconds, "reason": search.candidates[0].reason}
+            row[label] = {"planning_s": seconds, **nearest_to_fitting(search)}
         print(json.dumps({label: row[label]}), flush=True)
+    row["layer_seconds"] = layer_prices(spec)
     print(json.dumps(row), flush=True)
     return row
 
@@ -120,8 +168,9 @@ def table(rows: list[dict[str, Any]]) -> str:
                              ("megatron_style", "(b) Megatron-style")):
             c = r[label]
             if "step_s" not in c:
-                lines.append(f"| {r['model']} | {r['devices']} | {title} | none fits ({c['reason'][:80]}) | | | | | | "
-                             f"{c['planning_s']:.0f} s | |")
+                nearest = f"nearest: {c['nearest_shape']}, " if c.get("nearest_shape") else ""
+                lines.append(f"| {r['model']} | {r['devices']} | {title} | none fits ({nearest}{c['reason'][:80]}) "
+                             f"| | | | | | {c['planning_s']:.0f} s | |")
                 continue
             ratio = "" if label == "chosen" or "step_s" not in chosen else f"{c['step_s'] / chosen['step_s']:.2f}x"
             lines.append(
@@ -145,7 +194,8 @@ def main(argv: list[str] | None = None) -> None:
         kept = {r["model"]: r for r in json.loads(RESULTS.read_text())} if RESULTS.exists() else {}
         rows = [fresh.get(name) or kept[name] for name in MODELS if name in fresh or name in kept]  # others kept
         RESULTS.write_text(json.dumps(rows, indent=1) + "\n")
-    text = table(rows)
+    text = table(rows) + "\n\nOne layer of each model on a 4,096-token sample, priced per tp rank (the middle layer; " \
+        "`layer_seconds` in the results):\n\n" + layer_table(rows)
     print(text)
     if a.write is not None:
         write_section(a.write, SECTION, "`.venv/bin/python benchmarks/models.py --write docs/benchmarks.md` (written "
