@@ -15,29 +15,54 @@ __all__ = ["TP_STYLES", "resolve_tp_plan", "check_tp_plan", "module_splits"]
 #: The style names a tp plan takes (Hugging Face's words): colwise/rowwise pairs; "_rep": the output (colwise) or
 #: the input (rowwise) whole; "fused_colwise:N": a Linear that is N projections side by side (a fused k/v).
 TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "fused_colwise:N")
+#: Hugging Face's other names of the same styles (transformers 5: an LM head's "colwise_gather_output").
+STYLE_ALIASES = {"colwise_gather_output": "colwise_rep", "rowwise_split_input": "rowwise_rep"}
 
 
 def resolve_tp_plan(model: nn.Module, tp_plan: Mapping[str, Any] | None) -> dict[str, Any]:
     """The tp plan (module-name pattern -> style) for ``model``: ``tp_plan`` when given, else a Hugging Face
-    model's ``config.base_model_tp_plan`` (its names relative to the base model, put under its prefix), else the
-    model's own ``tp_plan`` (smp's zoo models). A clear error when there is none."""
+    model's ``config.base_model_tp_plan`` (its names relative to the base model, put under its prefix) with its
+    class's own entries (:func:`_head_plan`: the LM head), else the model's own ``tp_plan`` (smp's zoo models). A
+    clear error when there is none."""
     if tp_plan is not None:
         if not isinstance(tp_plan, Mapping) or not tp_plan:
             raise TensorParallelError(f"tp_plan takes a dict of module-name patterns to styles, got {tp_plan!r}")
-        return dict(tp_plan)
+        return _canonical(tp_plan)
     config = getattr(model, "config", None)
     base = getattr(config, "base_model_tp_plan", None)
     if base:
         prefix = getattr(model, "base_model_prefix", "")
         under = prefix and hasattr(model, prefix) and getattr(model, prefix) is not model
-        return {f"{prefix}.{k}" if under else k: v for k, v in base.items()}
+        plan = {f"{prefix}.{k}" if under else k: v for k, v in base.items()}
+        return _canonical({**plan, **_head_plan(model)})
     own = getattr(model, "tp_plan", None)
     if isinstance(own, Mapping) and own:
-        return dict(own)
+        return _canonical(own)
     raise TensorParallelError(f"tensor_parallel needs a tp plan for {type(model).__name__}, which has none (no "
                               "config.base_model_tp_plan, no tp_plan): pass tp_plan={pattern: style} with styles "
                               f"{', '.join(TP_STYLES)} (e.g. {{'layers.*.attn.q': 'colwise', 'layers.*.attn.out': "
                               "'rowwise'}})")
+
+
+def _canonical(plan: Mapping[str, Any]) -> dict[str, Any]:
+    """The plan with Hugging Face's other style names (:data:`STYLE_ALIASES`) as smp's."""
+    return {k: STYLE_ALIASES.get(v.strip().lower(), v) if isinstance(v, str) else v for k, v in plan.items()}
+
+
+def _head_plan(model: nn.Module) -> dict[str, Any]:
+    """A Hugging Face model class's own plan entries beyond its base model's (``_tp_plan``: an LM head's
+    "colwise_gather_output", names relative to the model), as Hugging Face's tensor parallelism applies them;
+    a module whose weight is tied to another (an LM head sharing the embedding) is left whole, which is
+    Hugging Face's choice too where it cannot split a tied weight."""
+    head = getattr(type(model), "_tp_plan", None)
+    if not isinstance(head, Mapping):
+        return {}
+    owners: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        owners[id(p)] = owners.get(id(p), 0) + 1
+    modules = dict(model.named_modules())
+    return {name: style for name, style in head.items() if name in modules and
+            all(owners.get(id(p), 0) == 1 for p in modules[name].parameters())}
 
 
 def _matches(pattern: str, name: str) -> bool:

@@ -329,13 +329,13 @@ LLAMA = "hf-llama:size=tiny,kv_heads=2,batch=4"  # grouped-query attention: 4 qu
 @pytest.mark.slow
 def test_hf_llama_with_grouped_kv_heads_at_tp2_pp2_trains_as_one_process(tmp_path: Path) -> None:
     """Traced by torch.export (its linears are aten ops on the weights, made module calls again for DTensor); the
-    tp plan is the config's base_model_tp_plan."""
+    tp plan is the config's base_model_tp_plan and the class's own (the LM head, "colwise_gather_output")."""
     pytest.importorskip("transformers")
     ranks = _run(tmp_path, LLAMA, world=4, stages=2, tp=2)
     assert {n for r in ranks for n in r["split"]} == {
         f"model.layers.{i}.{m}.weight" for i in range(2) for m in (
             "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-            "mlp.up_proj", "mlp.down_proj")}
+            "mlp.up_proj", "mlp.down_proj")} | {"lm_head.weight"}
     _check_exact(ranks, LLAMA, 2, 2, "llama tp2 x pp2")
 
 
@@ -384,3 +384,20 @@ def test_a_device_search_with_a_given_tensor_parallel_degree_lays_out_d_x_p_x_t_
                     cluster="h100-sxm", timing="analytic")
     assert plan.tensor_parallel == 2
     assert plan.data_parallel * plan.pipeline_ranks * plan.tensor_parallel == 4
+
+
+def test_a_hugging_face_models_lm_head_is_split_by_its_class_plan_unless_tied_to_the_embedding() -> None:
+    """Hugging Face's own tensor parallelism applies the model class's ``_tp_plan`` too (the LM head,
+    "colwise_gather_output": smp's colwise_rep), which left whole ran the vocabulary projection whole on every tp
+    rank; a head tied to the embedding stays whole (a tied weight is not split)."""
+    transformers = pytest.importorskip("transformers")
+    from partitioner.tp_plan import resolve_tp_plan
+
+    def llama(tied: bool) -> Any:
+        config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+        return transformers.LlamaForCausalLM(config)
+
+    assert resolve_tp_plan(llama(False), None)["lm_head"] == "colwise_rep"
+    assert "lm_head" not in resolve_tp_plan(llama(True), None)
+    assert resolve_tp_plan(llama(False), {"lm_head": "colwise_gather_output"}) == {"lm_head": "colwise_rep"}
