@@ -225,10 +225,12 @@ def price_tensor_parallel(graph: OpGraph, split: TensorParallelSplit, link: Link
             for f in _ACTIVATION_FIELDS:
                 if f in data:
                     data[f] = type(data[f])(data[f] / t)
-        comm = [0.0, 0.0, 0, 0]  # forward seconds, backward seconds, forward bytes, backward bytes
+        comm = [0.0, 0.0, 0, 0, 0]  # forward seconds, backward seconds, forward bytes, backward bytes, kept bytes
         for n in fx_nodes:
             for i, v in enumerate(between.get(n, ())):
                 comm[i] += v
+        if comm[4]:  # a gathered value its readers keep whole for their backward (a colwise Linear's input)
+            data["saved_bytes"] = data.get("saved_bytes", 0) + int(comm[4])
         if module is not None:
             op = next(n for n in fx_nodes if n in split.op_module)
             for i, v in enumerate(_module_collectives(split, split.modules[module], op, whole_out, link)):
@@ -254,38 +256,40 @@ def _module_collectives(split: TensorParallelSplit, how: ModuleSplit, op: str, w
     x, grad = split.inputs.get(op, ("", False))
     in_bytes = split.numel.get(x, 0) * per_element
     if how.rowwise:
-        if op in acts.rowwise_scatter:
-            return (link.reduce_scatter_seconds(whole_out, t), link.allgather_seconds(whole_out, t), whole_out,
-                    whole_out)
+        # on the sequence: a reduce-scatter, whose backward all-gathers the output's gradient; else an all-reduce
+        fwd, bwd, bwd_bytes = (link.reduce_scatter_seconds(whole_out, t), link.allgather_seconds(whole_out, t),
+                               whole_out) if op in acts.rowwise_scatter else (link.allreduce_seconds(whole_out, t),
+                                                                              0.0, 0.0)
         if grad and not how.reads_split:  # rowwise_rep: each rank's slice of the whole input's gradient gathered
-            return link.allreduce_seconds(whole_out, t), link.allgather_seconds(in_bytes, t), whole_out, in_bytes
-        return link.allreduce_seconds(whole_out, t), 0.0, whole_out, 0.0
+            bwd, bwd_bytes = bwd + link.allgather_seconds(in_bytes, t), bwd_bytes + in_bytes
+        return fwd, bwd, whole_out, bwd_bytes
     fwd, fwd_bytes = (0.0, 0.0) if how.makes_split else (link.allgather_seconds(whole_out, t), whole_out)
     if grad and x not in acts.sequence:
         return fwd, link.allreduce_seconds(in_bytes, t), fwd_bytes, in_bytes
     return fwd, 0.0, fwd_bytes, 0.0
 
 
-def _sequence_collectives(split: TensorParallelSplit, link: Link) -> dict[str, tuple[float, float, float, float]]:
+def _sequence_collectives(split: TensorParallelSplit, link: Link
+                          ) -> dict[str, tuple[float, float, float, float, float]]:
     """Sequence parallelism's collectives between ops, by the fx node of the first reader that pays them (forward
-    and backward seconds, their bytes): a gather (forward all-gather of a sequence shard; backward, for colwise
-    readers, a reduce-scatter of their summed partial gradients, for whole readers nothing: each takes its
-    chunk) and a scatter (forward each rank's chunk, free; backward an all-gather of the gradient)."""
+    and backward seconds, their bytes, and the bytes its readers keep beyond the shard): a gather (forward
+    all-gather of a sequence shard, which its readers keep whole for their backward; backward, for colwise
+    readers, a reduce-scatter of their summed partial gradients, for whole readers nothing: each takes its chunk)
+    and a scatter (forward each rank's chunk, free; backward an all-gather of the gradient)."""
     t = split.size
     acts = split.activations
-    paid: dict[str, tuple[float, float, float, float]] = {}
+    paid: dict[str, tuple[float, ...]] = {}
     order = {name: i for i, name in enumerate(split.reads)}  # program order: the first reader runs it
 
-    def charge(reader: str, fwd: float, bwd: float, fwd_bytes: float, bwd_bytes: float) -> None:
-        old = paid.get(reader, (0.0, 0.0, 0.0, 0.0))
-        paid[reader] = (old[0] + fwd, old[1] + bwd, old[2] + fwd_bytes, old[3] + bwd_bytes)
+    def charge(reader: str, *costs: float) -> None:
+        paid[reader] = tuple(a + b for a, b in zip(paid.get(reader, (0.0,) * 5), costs))
 
     for g in acts.gathers:
         nbytes = split.nbytes.get(g.value, 0)
         back = link.reduce_scatter_seconds(nbytes, t) if g.colwise else 0.0
         charge(min(g.readers, key=order.__getitem__), link.allgather_seconds(nbytes, t), back, nbytes,
-               nbytes if g.colwise else 0)
+               nbytes if g.colwise else 0, nbytes - nbytes // t)
     for s in acts.scatters:
         nbytes = split.nbytes.get(s.value, 0)
-        charge(min(s.readers, key=order.__getitem__), 0.0, link.allgather_seconds(nbytes, t), 0, nbytes)
-    return paid
+        charge(min(s.readers, key=order.__getitem__), 0.0, link.allgather_seconds(nbytes, t), 0, nbytes, 0)
+    return paid  # type: ignore[return-value]

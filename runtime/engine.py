@@ -25,7 +25,7 @@ from runtime.offload import kept_storages, offloading
 from runtime.program import Ownership, Program
 from runtime.recompute import forward_for_recompute, recompute
 from runtime.sharding import StageShards, local
-from runtime.tensor_parallel import SequenceGrads, TensorParallel, settled
+from runtime.tensor_parallel import SequenceGrads, TensorParallel, check_sequence_length, settled
 from runtime.tied import sum_tied_grads
 from runtime.split import OUTPUT_KEY, SplitError, SplitProgram, ValueMeta, propagate_meta, split_program
 from runtime.stash import EdgeKey, Stash, StashMeter
@@ -107,8 +107,7 @@ class Engine:
         except SplitError as err:
             raise RuntimeConfigError(str(err)) from None
         self.out_rank = self.s2r[self.split.output_stage]
-        self.tp = tensor_parallel
-        self.tp_acts = None  # which values are split over the tp ranks
+        self.tp, self.tp_acts = tensor_parallel, None  # tp_acts: which values are split over the tp ranks
         if tensor_parallel is not None:
             self.tp_acts, replaced = tensor_parallel.split_stages(program, list(self.split.stages.values()),
                                                                   example_flat, device, precision)
@@ -171,7 +170,8 @@ class Engine:
                 f"this model was traced with torch.export, which fixes the shapes: it runs microbatches of input "
                 f"shapes {[k[0] for k in self._traced_key]}, not {[k[0] for k in key]}. Keep the batch shape fixed "
                 "(e.g. DataLoader(drop_last=True), pad sequences), or make a new PipelinedModel for the new shape.")
-        wanted = set(self.split.value_src)
+        acts = self.tp_acts
+        wanted = set(self.split.value_src) | (acts.rowwise_scatter if acts is not None else set())
         try:  # under the stages' autocast: a value made in bf16 crosses the link in bf16
             with self.precision.autocast(self.device), \
                     self.tp.hooks_off() if self.tp is not None else contextlib.nullcontext():
@@ -187,8 +187,8 @@ class Engine:
                 raise RuntimeConfigError(
                     f"value {name} is made on stage {src} and read on stage {dst}, but the plan has no edge for it: "
                     "the plan does not describe this program; re-plan")
+        check_sequence_length(acts, values)
         per_edge: dict[EdgeKey, list[tuple[tuple[int, ...], torch.dtype]]] = {}
-        acts = self.tp_acts
         for k in self.edges:  # a split value crosses as this rank's shard
             per_edge[k] = [(acts.local_shape(v, i, leaf.shape) if acts is not None else leaf.shape, leaf.dtype)
                            for v in self.split.edge_values.get(k, ())

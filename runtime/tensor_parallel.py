@@ -28,7 +28,7 @@ from runtime.sharding import local
 from runtime.split import OUTPUT_KEY, StageProgram, ValueMeta, propagate_meta
 
 __all__ = ["TensorParallel", "TensorParallelRefused", "split_over_tp", "refuse_plan",
-           "tp_plan_for", "settled", "insert_sequence_collectives", "SequenceGrads"]
+           "tp_plan_for", "settled", "insert_sequence_collectives", "SequenceGrads", "check_sequence_length"]
 
 
 class TensorParallelRefused(TensorParallelError, RuntimeConfigError):
@@ -378,3 +378,18 @@ class SequenceGrads:
         for p, old in zip(params, before):
             if old is not None:
                 p.grad = old + p.grad if p.grad is not None else old
+
+
+def check_sequence_length(acts: SplitActivations | None, values: Mapping[str, ValueMeta]) -> None:
+    """A microbatch of another shape than the traced one (an fx-traced program runs new shapes) must have a
+    sequence length the tp ranks divide when sequence parallelism runs: each rank's shard is 1/T of it (DTensor's
+    gathers, the cut buffers); refused before any collective, naming S and T. (None: no tensor parallelism.)"""
+    for name in sorted(acts.rowwise_scatter if acts is not None else ()):
+        leaves = values[name].leaves if name in values else ()
+        shape = leaves[0].shape if leaves and leaves[0].is_tensor else None
+        if shape is not None and len(shape) > SEQUENCE_DIM and shape[SEQUENCE_DIM] % acts.tp_size:
+            raise RuntimeConfigError(
+                f"this pipeline runs sequence parallelism over {acts.tp_size} tp ranks, which split the sequence, "
+                f"and this microbatch's sequence is {shape[SEQUENCE_DIM]} long ({name}: {list(shape)}), which "
+                f"{acts.tp_size} does not divide: pad the sequences to a multiple of {acts.tp_size}, or plan with "
+                "sequence_parallel=False")

@@ -302,4 +302,5 @@ def test_sequence_parallelism_reduce_scatters_rowwise_outputs_gathers_once_per_c
             for key in ("tp_fwd_comm", "tp_bwd_comm")}
     assert comm["tp_fwd_comm"][0] == pytest.approx(comm["tp_fwd_comm"][1], rel=1e-12)
     assert comm["tp_bwd_comm"][0] == pytest.approx(comm["tp_bwd_comm"][1] * 2 / 3, rel=1e-12)
-    assert on.step_time < off.step_time and max(on.rank_memory) < max(off.rank_memory)
+    # (each plan cuts elsewhere: the ranks' memory together, not the fullest's)
+    assert on.step_time < off.step_time and sum(on.rank_memory) < sum(off.rank_memory)
