@@ -304,3 +304,31 @@ def test_sequence_parallelism_reduce_scatters_rowwise_outputs_gathers_once_per_c
     assert comm["tp_bwd_comm"][0] == pytest.approx(comm["tp_bwd_comm"][1] * 2 / 3, rel=1e-12)
     # (each plan cuts elsewhere: the ranks' memory together, not the fullest's)
     assert on.step_time < off.step_time and sum(on.rank_memory) < sum(off.rank_memory)
+
+
+def test_a_rowwise_rep_input_gradient_is_gathered_with_sequence_parallelism_too() -> None:
+    """rowwise_rep reads a whole input, whose gradient each rank holds a slice of (all-gathered in the backward);
+    under sequence parallelism its output is reduce-scattered instead, and that gather stayed out of the price."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Mixer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.ln, self.c = nn.Linear(32, 128), nn.Linear(128, 32), nn.LayerNorm(32), nn.Linear(32, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.b(F.gelu(self.a(x)))  # b reads a's whole output, which gets a gradient
+            return self.c(self.ln(h) + h)
+
+    torch.manual_seed(0)
+    model, x = Mixer(), torch.randn(4, 8, 32)
+    bwd = {}
+    for sp in (False, True):
+        p = plan(model, (x,), stages=1, microbatches=2, timing="analytic", tensor_parallel=2,
+                 tp_plan={"b": "rowwise_rep"}, sequence_parallel=sp, cluster="h100-sxm")
+        assert p.sequence_parallel is sp
+        bwd[sp] = p.graph["b"]["tp_bwd_bytes"]
+    whole_in, whole_out = 2 * 8 * 128 * 4, 2 * 8 * 32 * 4  # one microbatch of 2: a's output, b's output (fp32)
+    assert (bwd[False], bwd[True]) == (whole_in, whole_in + whole_out)  # with SP, + b's output gradient gathered
