@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -98,13 +99,16 @@ def _tp_split(model: nn.Module, gm: fx.GraphModule, flat_inputs: list[Any], size
     moves the same bytes as the all-reduces it replaces and runs the norms and residual adds on 1/T of the
     sequence), else without."""
     shapes = global_shapes(gm, flat_inputs) if shapes is None else shapes
+    why_not = None
     if sequence_parallel is not False:
         try:
             return tensor_parallel_split(model, gm, flat_inputs, size, tp_plan, shapes=shapes, sequence_parallel=True)
-        except SequenceParallelError:
+        except SequenceParallelError as err:
             if sequence_parallel is True:
                 raise
-    return tensor_parallel_split(model, gm, flat_inputs, size, tp_plan, shapes=shapes)
+            why_not = " ".join(str(err).split())  # "auto" plans without it and says why (the plan's summary)
+    split = tensor_parallel_split(model, gm, flat_inputs, size, tp_plan, shapes=shapes)
+    return dataclasses.replace(split, sequence_off=why_not)
 
 
 def plan_shapes(

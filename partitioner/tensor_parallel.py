@@ -99,6 +99,7 @@ class TensorParallelSplit:
     op_module: Mapping[str, str]  # fx node -> the plan's module it runs
     inputs: Mapping[str, tuple[str, bool]]  # a planned op -> (the value it reads, whether that gets a gradient)
     reads: Mapping[str, tuple[str, ...]]  # fx node -> the fx values it reads
+    sequence_off: str | None = None  # why sequence parallelism does not run, when "auto" asked for it
 
     def is_split(self, value: str) -> bool:
         dim = self.activations.split.get(value)
@@ -240,7 +241,8 @@ def price_tensor_parallel(graph: OpGraph, split: TensorParallelSplit, link: Link
         data["tp_fwd_bytes"], data["tp_bwd_bytes"] = int(comm[2]), int(comm[3])
         data["fwd"] += comm[0]
         data["bwd"] += comm[1]
-    return OpGraph(out, {**graph.meta, "tensor_parallel": t, "sequence_parallel": acts.sequence_parallel})
+    off = {"sequence_parallel_off": split.sequence_off} if split.sequence_off else {}
+    return OpGraph(out, {**graph.meta, "tensor_parallel": t, "sequence_parallel": acts.sequence_parallel, **off})
 
 
 def _module_collectives(split: TensorParallelSplit, how: ModuleSplit, op: str, whole_out: float,

@@ -98,7 +98,12 @@ def test_a_sequence_length_t_does_not_divide_is_refused_when_required_and_left_o
     plan = dict(stages=2, microbatches=2, timing="analytic")
     with pytest.raises(PlanError, match=r"S = 30\) over tensor_parallel=4"):
         smp.plan(b.model, b.example_args, tensor_parallel=4, sequence_parallel=True, **plan)
-    assert not smp.plan(b.model, b.example_args, tensor_parallel=4, **plan).sequence_parallel  # auto: off
+    off = smp.plan(b.model, b.example_args, tensor_parallel=4, **plan)
+    assert not off.sequence_parallel  # auto: off, and the plan says why (its summary prints it)
+    assert "S = 30) over tensor_parallel=4 ranks, which does not divide" in off.graph.meta["sequence_parallel_off"]
+    from smp.cli.render import plan_header
+
+    assert "sequence parallel off: sequence parallelism splits the sequence" in plan_header(off)
     on = smp.plan(b.model, b.example_args, tensor_parallel=2, **plan)  # 30 splits in 2
     assert on.sequence_parallel
     assert smp.Plan.load(on.save(tmp_path / "plan.json")).sequence_parallel

@@ -440,6 +440,10 @@ def plan_header(plan) -> str:
              f"stages on {plan.pipeline_ranks} ranks x {plan.data_parallel} replicas = {plan.num_ranks} ranks "
              f"({plan.placement}, sharding {plan.sharding})")
     cap = f" (at most {plan.active_microbatches} in flight)" if plan.active_microbatches is not None else ""
+    if plan.tensor_parallel > 1:
+        off = plan.graph.meta.get("sequence_parallel_off")
+        where += (f", each split over {plan.tensor_parallel} tensor-parallel ranks (sequence parallel "
+                  f"{'on' if plan.sequence_parallel else 'off: ' + off if off else 'off'})")
     return (f"[bold]{spec_name(m.name)}[/]: {len(plan.graph)} ops{params} → {plan.num_stages} "
             f"{where} · {plan.schedule_name}{cap} · {mb}{' per replica' if plan.data_parallel > 1 else ''}\n"
             f"timing {how} · cluster {cl} · memory limit {format_bytes(limit)}")
