@@ -257,6 +257,11 @@ class Plan:
             raise PlanError(f"{where}: sequence_parallel is {self.sequence_parallel!r} at tensor_parallel="
                             f"{self.tensor_parallel} (True or False, and False without tensor parallelism); "
                             "re-create it with `smp plan`")
+        priced = (self.graph.meta.get("tensor_parallel", 1), bool(self.graph.meta.get("sequence_parallel", False)))
+        if priced != (self.tensor_parallel, self.sequence_parallel):
+            raise PlanError(f"{where}: it runs tensor_parallel={self.tensor_parallel}, sequence_parallel="
+                            f"{self.sequence_parallel} on a graph priced for tensor_parallel={priced[0]}, "
+                            f"sequence_parallel={priced[1]}; re-create it with `smp plan`")
         nodes = {str(n) for n in self.graph.nx}
         assigned = set(part.stage_of)
         if nodes != assigned:

@@ -132,6 +132,10 @@ def test_sequence_parallel_is_a_checked_option_and_a_plan_fact() -> None:
     with pytest.raises(PlanError, match="sequence_parallel is True at tensor_parallel=1"):
         smp.Plan.from_dict(data)
     data["replicas"]["tensor_parallel"] = 2
+    with pytest.raises(PlanError, match="runs tensor_parallel=2, sequence_parallel=True on a graph priced for "
+                       "tensor_parallel=1, sequence_parallel=False"):  # (review: an edited file ran it unpriced)
+        smp.Plan.from_dict(data)
+    data["graph"]["meta"].update(tensor_parallel=2, sequence_parallel=True)
     plan = smp.Plan.from_dict(data)
     assert plan.sequence_parallel
     check_agrees(plan, PlanRequest(sequence_parallel="auto"), {"sequence_parallel": "auto"})
