@@ -185,6 +185,9 @@ def test_tensor_parallel_is_a_checked_request_field_and_a_plan_fact() -> None:
     data = old.to_dict()
     assert data["replicas"]["tensor_parallel"] == 1 and data["summary"]["tensor_parallel"] == 1
     data["replicas"]["tensor_parallel"] = 2
+    with pytest.raises(PlanError, match="runs tensor_parallel=2, .* on a graph priced for tensor_parallel=1"):
+        smp.Plan.from_dict(data)
+    data["graph"]["meta"]["tensor_parallel"] = 2
     assert smp.Plan.from_dict(data).tensor_parallel == 2
     data["replicas"]["tensor_parallel"] = 0
     with pytest.raises(PlanError, match="tensor_parallel is 0"):
