@@ -69,6 +69,38 @@ class StageTerms(NamedTuple):
     working: float = 0.0  # bytes held only while the stage computes (sharding's gathered parameters, whole gradients)
 
 
+class _StageArrays(NamedTuple):
+    """:class:`StageTerms`' fields over all the stages (``choice`` a list, the others arrays)."""
+
+    choice: list[str]
+    time: np.ndarray
+    memory: np.ndarray
+    kept: np.ndarray
+    remade: np.ndarray
+    recompute_time: np.ndarray
+    workspace: np.ndarray
+    working: np.ndarray
+
+
+def _option_groups(options: Sequence[tuple[str, ...]]) -> list[tuple[tuple[str, ...], np.ndarray]]:
+    """The stages grouped by their allowed recomputation choices: (choices, the stages' indices), in first-seen
+    order."""
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for s, opts in enumerate(options):
+        groups.setdefault(tuple(opts), []).append(s)
+    return [(opts, np.array(stages, dtype=np.int64)) for opts, stages in groups.items()]
+
+
+def _distinct(values: np.ndarray, bound: int) -> np.ndarray:
+    """``np.unique(values)`` for integers in [0, ``bound``): marked in a table when it is small (a tenth of
+    np.unique's time on the few hundred values a plan sends)."""
+    if bound > 1 << 16:
+        return np.unique(values)
+    seen = np.zeros(bound, dtype=bool)
+    seen[values] = True
+    return np.flatnonzero(seen)
+
+
 def host_link(cluster: Cluster) -> Link | None:
     """The link offloading copies over: the slowest of the devices' host links (one price for every stage);
     None when some device has none (its memory is host memory: nothing to offload to)."""
@@ -269,11 +301,20 @@ class Problem:
         self.step_workspace = self.held * self.step_workspace_per_held
         self.step_mem = state_mem + self.step_workspace
         self._first_reader, self._later_readers = _shared_readers(g, self.order)
+        self._shared_names = [name for name in dict.fromkeys(n for _, names in self._later_readers for n in names)
+                              if name in self._first_reader]
         if settings.memory_limit is not None:
             self.mem_limit: list[float | None] = [float(settings.memory_limit)] * stages
         else:
             self.mem_limit = [d.memory for d in self.cluster.devices]
         self.recompute_mode, self.choices = self._stage_choices(settings.recompute)
+        # the same, as arrays over the stages (what _stage_arrays reads)
+        self._in_flight = np.array(self.in_flight, dtype=float)
+        self._recomputing = np.array(self.recomputing, dtype=float)
+        self._unlimited = np.array([lim is None for lim in self.mem_limit])
+        self._limit_with_tolerance = np.array([math.inf if lim is None else lim * (1 + 1e-12) for lim in self.mem_limit])
+        self._option_groups = _option_groups(self.choices)
+        self._columns: dict[tuple[str, ...], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         # Per op, the least time it costs on any stage (recomputation included): what bounds may count.
         union = sorted({c for opts in self.choices for c in opts}, key=CHOICES.index)
         self.least_work = self.work + np.min([self.rec.seconds[c] for c in union], axis=0)
@@ -309,8 +350,8 @@ class Problem:
     def stage_costs(self, assign: Sequence[int], choices: Sequence[str] | None = None
                     ) -> tuple[list[float], list[float]]:
         """Per-stage time and memory of ``assign`` (stage per position); no validity checks."""
-        terms = self.stage_report(assign, choices)
-        return [t.time for t in terms], [t.memory for t in terms]
+        terms = self._stage_arrays(assign, choices)
+        return terms.time.tolist(), terms.memory.tolist()
 
     def stage_report(self, assign: Sequence[int], choices: Sequence[str] | None = None) -> list[StageTerms]:
         """Each stage's time and memory under its recomputation choice.
@@ -320,53 +361,80 @@ class Problem:
         recomputing choice that fits (they come fastest first), or offloading where it fits
         and is strictly faster; the one needing least memory when none fits.
         """
+        a = self._stage_arrays(assign, choices)
+        return [StageTerms(*row) for row in zip(a.choice, *(x.tolist() for x in a[1:]))]
+
+    def _stage_arrays(self, assign: Sequence[int], choices: Sequence[str] | None) -> _StageArrays:
+        """:meth:`stage_report` as arrays over the stages: numpy, as every plan a search prices comes through here
+        (tens of thousands at 64 stages); each stage's arithmetic is the scalar one, element by element."""
         p = self.p
         a = np.asarray(assign, dtype=np.int64)
-        options = self.choices if choices is None else [(c,) for c in check_mode(choices, p)]
-        used = {c for opts in options for c in opts}
-        speed, infl, rinfl = self.speed, self.in_flight, self.recomputing
-        comp = np.bincount(a, weights=self.work, minlength=p)
-        fixed = np.bincount(a, weights=self.fixed_mem, minlength=p)
-        workspace = np.bincount(a, weights=self.step_workspace, minlength=p)
-        working = np.bincount(a, weights=self.working, minlength=p) if self.working_per_held else np.zeros(p)
-        per = {c: (np.bincount(a, weights=self.rec.kept[c], minlength=p),
-                   np.bincount(a, weights=self.rec.remade[c], minlength=p),
-                   np.bincount(a, weights=self.rec.seconds[c], minlength=p)) for c in used}
+        groups = self._option_groups if choices is None else _option_groups([(c,) for c in check_mode(choices, p)])
+        used = sorted({c for opts, _ in groups for c in opts}, key=CHOICES.index)
+        speed = self.speed
+        columns, received, _ = self._choice_columns(tuple(used))
+        # every op's columns summed per stage: one bincount each (sums op by op, in order)
+        sums = np.array([np.bincount(a, weights=column, minlength=p) for column in columns])
+        comp, fixed, workspace = sums[0], sums[1], sums[2]
+        working = sums[3] if self.working_per_held else np.zeros(p)
+        c = len(used)
+        kept, remade, seconds = sums[4:4 + c], sums[4 + c:4 + 2 * c], sums[4 + 2 * c:]
         # One transfer per (producer, consuming stage) pair, paid by both ends: the pairs of
-        # the edges that leave their producer's stage, deduplicated (numpy: this runs for
-        # every plan a search prices).
+        # the edges that leave their producer's stage, deduplicated.
         eu, ev = self._sending_edges()
         src, dst = a[eu], a[ev]
         crossing = dst != src
-        pairs = np.unique(eu[crossing] * p + dst[crossing])
+        pairs = _distinct(eu[crossing] * p + dst[crossing], self.n * p)
         senders, to = pairs // p, pairs % p
         frm = a[senders]
         nbytes = self.out_bytes[senders]
         cost = self.directions * (nbytes / self.bw[frm, to] + self.lat[frm, to])
         t = comp / speed + np.bincount(frm, weights=cost, minlength=p) + np.bincount(to, weights=cost, minlength=p)
         recv = np.bincount(to, weights=nbytes, minlength=p)
-        sent = self.kept_for_sending(a, np.unique(senders), used)
-        out = []
-        for s in range(p):
-            fitting: StageTerms | None = None  # the fastest choice that fits (see above)
-            pick: StageTerms | None = None  # else the one needing least memory
-            for c in options[s]:
-                kept_s, remade_s, seconds_s = per[c]
-                kept = float(kept_s[s]) + (recv[s] if self.rec.received[c] else 0.0) + sent[c][s]
-                remade = float(remade_s[s])
-                # fixed holds the working copies: at the step only the workspace comes on top of the state
-                memory = float(fixed[s]) + max(infl[s] * kept + rinfl[s] * remade,
-                                               float(workspace[s]) - float(working[s]))
-                rec_t = float(seconds_s[s]) / speed[s]
-                term = StageTerms(c, float(t[s] + rec_t), float(memory), float(kept), remade, rec_t,
-                                  float(workspace[s]), float(working[s]))
-                if self.mem_limit[s] is None or memory <= self.mem_limit[s] * (1 + 1e-12):
-                    if fitting is None or c == OFFLOAD and term.time < fitting.time:
-                        fitting = term
-                elif pick is None or memory < pick.memory:
-                    pick = term
-            out.append(fitting or pick)
-        return out
+        # (pairs are sorted, so their senders are too: distinct where they change)
+        views = senders[np.concatenate(([True], senders[1:] != senders[:-1]))] if len(senders) else senders
+        sent = self._kept_for_sending(a, views, tuple(used))
+        # every stage under every choice weighed (rows: choices in ``used``), element by element as one stage's
+        kept = np.where(received[:, None], kept + recv, kept) + sent
+        rec_t = seconds / speed
+        time = t + rec_t
+        # fixed holds the working copies: at the step only the workspace comes on top of the state
+        memory = fixed + np.maximum(self._in_flight * kept + self._recomputing * remade, workspace - working)
+        which = np.empty(p, dtype=np.int64)  # each stage's choice, as its row in ``used``
+        for opts, stages in groups:
+            every = len(stages) == p  # (the usual case: no stage picked out)
+            fitting = np.full(len(stages), -1)  # the fastest choice that fits (see stage_report)
+            fitting_time = np.zeros(len(stages))
+            least = np.full(len(stages), -1)  # else the one needing least memory
+            least_memory = np.zeros(len(stages))
+            unlimited = self._unlimited if every else self._unlimited[stages]
+            limit = self._limit_with_tolerance if every else self._limit_with_tolerance[stages]
+            for choice in opts:
+                k = used.index(choice)
+                k_time, k_memory = (time[k], memory[k]) if every else (time[k, stages], memory[k, stages])
+                fits = unlimited | (k_memory <= limit)
+                take = fits & ((fitting < 0) | ((k_time < fitting_time) if choice == OFFLOAD else False))
+                fitting[take], fitting_time[take] = k, k_time[take]
+                smaller = ~fits & ((least < 0) | (k_memory < least_memory))
+                least[smaller], least_memory[smaller] = k, k_memory[smaller]
+            which[stages] = np.where(fitting >= 0, fitting, least)
+        on = np.arange(p)
+        return _StageArrays([used[k] for k in which.tolist()], time[which, on], memory[which, on], kept[which, on],
+                            remade[which, on], rec_t[which, on], workspace, working)
+
+    def _choice_columns(self, used: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rows over the ops: work, fixed memory, step workspace, working copies, then kept, remade and
+        recomputation seconds under each of ``used``; whether each choice keeps what it receives; rows of the
+        bytes each op keeps for sending under each), built once per set of choices."""
+        got = self._columns.get(used)
+        if got is None:
+            rec = self.rec
+            columns = np.array([self.work, self.fixed_mem, self.step_workspace, self.working,
+                                *(rec.kept[c] for c in used), *(rec.remade[c] for c in used),
+                                *(rec.seconds[c] for c in used)], dtype=float)
+            sent = np.array([rec.sent[c] for c in used], dtype=float).reshape(len(used), self.n)
+            got = self._columns[used] = (columns, np.array([bool(rec.received[c]) for c in used]), sent)
+        return got
 
     def shared_counted_twice(self, assign: Sequence[int]) -> np.ndarray:
         """Per stage, the shared parameter bytes ``held`` counts again for a later reader on a stage that
@@ -375,7 +443,8 @@ class Problem:
         A reader of several shared parameters is let off only when the stage holds all of
         them (its ``shared_bytes`` is one sum): conservative otherwise."""
         twice = np.zeros(self.p)
-        holding = {name: {assign[i]} for name, i in self._first_reader.items()}
+        # only the parameters some later reader shares (a model has thousands of others)
+        holding = {name: {assign[self._first_reader[name]]} for name in self._shared_names}
         for i, names in self._later_readers:
             s = assign[i]
             if all(s in holding.get(name, ()) for name in names):
@@ -393,19 +462,23 @@ class Problem:
         return self._edges
 
     def kept_for_sending(self, assign: Sequence[int], sent: Iterable[int],
-                         choices: Iterable[str] = ("none",)) -> dict[str, list[float]]:
+                         choices: Iterable[str] = ("none",)) -> dict[str, np.ndarray]:
         """Per choice and stage, the bytes a stage keeps because it sends them (the backward's roots) beyond
         what the choice keeps anyway.
 
         Each storage once: several sent views of one tensor keep one storage, and a view of
         a tensor received from an earlier stage keeps nothing more (the received copy is counted).
         """
-        a = np.asarray(assign, dtype=np.int64)
-        views = np.fromiter(sent, dtype=np.int64)
+        choices = tuple(choices)
+        kept = self._kept_for_sending(np.asarray(assign, dtype=np.int64), np.fromiter(sent, dtype=np.int64), choices)
+        return dict(zip(choices, kept))
+
+    def _kept_for_sending(self, a: np.ndarray, views: np.ndarray, choices: tuple[str, ...]) -> np.ndarray:
+        """:meth:`kept_for_sending` as one array (``choices`` x stages)."""
         roots = self._roots[views]
-        kept = np.unique(roots[a[roots] == a[views]])  # storages sent by a view on their own stage
-        return {c: np.bincount(a[kept], weights=np.asarray(self.rec.sent[c], dtype=float)[kept],
-                               minlength=self.p).tolist() for c in choices}
+        kept = _distinct(roots[a[roots] == a[views]], self.n)  # storages sent by a view on their own stage
+        per_op = self._choice_columns(choices)[2]
+        return np.array([np.bincount(a[kept], weights=column[kept], minlength=self.p) for column in per_op])
 
     def bottleneck(self, assign: Sequence[int]) -> float:
         return max(self.stage_costs(assign)[0])

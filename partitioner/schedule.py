@@ -405,14 +405,16 @@ def make_schedule(kind: ScheduleKind | str, graph: StageGraph | int, num_microba
             with _templates_lock:
                 _templates[key] = (template, True)
         return sched
-    if kind is ScheduleKind.INTERLEAVED:
+    if data_parallel > 1:  # one replica's programs (a template too: each sharding mode and the refinement share it)
+        sched = with_allreduce(make_schedule(kind, g, num_microbatches, num_ranks=num_ranks,
+                                             active_microbatches=active_microbatches, check=check),
+                               data_parallel, sharding=sharding)
+    elif kind is ScheduleKind.INTERLEAVED:
         sched = interleaved_1f1b(g, num_microbatches, ranks, check=check)  # type: ignore[arg-type]
     elif kind in CAPPABLE:
         sched = SCHEDULES[kind](g, num_microbatches, active_microbatches=active_microbatches, check=check)
     else:
         sched = SCHEDULES[kind](g, num_microbatches, check=check)
-    if data_parallel > 1:
-        sched = with_allreduce(sched, data_parallel, sharding=sharding)
     with _templates_lock:
         _templates[key] = (sched, check)
         while len(_templates) > TEMPLATES_KEPT:

@@ -49,7 +49,7 @@ from partitioner.ir import ScheduleKind, ScheduleError
 from partitioner.plan import ModelInfo, Plan
 from partitioner.request import PlanRequest, check_stages_divide
 from partitioner.tensor_parallel import runs_split
-from partitioner.walk import validate
+from partitioner.walk import gc_spaced, validate
 
 __all__ = ["Shape", "Candidate", "ShapeSearch", "search_shapes", "shapes_for"]
 
@@ -228,6 +228,9 @@ def shapes_for(devices: int, global_batch: int, *, schedules: Sequence[str], sta
     return out
 
 
+# Python's cyclic collector run less often (partitioner/walk.py): a search builds and drops schedules and walks of
+# 10^5-10^6 objects each, which set off full collections over everything it holds, a quarter of its time.
+@gc_spaced(1_000_000)
 def search_shapes(
     graph: OpGraph,
     request: PlanRequest,

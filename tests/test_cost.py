@@ -204,3 +204,83 @@ def test_vectorised_pricing_matches_the_transfer_loop(n, p, rng):
     for s, term in enumerate(report):
         assert term.time == pytest.approx(compute[s] + t[s], rel=1e-12, abs=1e-18)
         assert sent[s] == pytest.approx(kept[s], rel=1e-12, abs=1e-9)
+
+
+def _reference_report(prob, assign, choices=None):
+    """stage_report's per-stage rule, one stage and one choice at a time (the loop before it was vectorised over the
+    stages): among a stage's allowed choices the first that fits its memory limit, or offloading where it fits and
+    is strictly faster; the one needing least memory when none fits."""
+    import numpy as np
+
+    from partitioner.problem import StageTerms
+    from partitioner.recompute import OFFLOAD, check_mode
+
+    p = prob.p
+    a = np.asarray(assign, dtype=np.int64)
+    options = prob.choices if choices is None else [(c,) for c in check_mode(choices, p)]
+    used = {c for opts in options for c in opts}
+    comp = np.bincount(a, weights=prob.work, minlength=p)
+    fixed = np.bincount(a, weights=prob.fixed_mem, minlength=p)
+    workspace = np.bincount(a, weights=prob.step_workspace, minlength=p)
+    working = np.bincount(a, weights=prob.working, minlength=p)
+    _, recv, _ = _reference_comm(prob, assign)
+    edges = [(u, v) for u, succ in enumerate(prob.succ) if prob.out_bytes[u] > 0 for v in succ]
+    eu, ev = np.array([u for u, _ in edges], dtype=np.int64), np.array([v for _, v in edges], dtype=np.int64)
+    crossing = a[ev] != a[eu]
+    pairs = np.unique(eu[crossing] * p + a[ev][crossing])
+    senders, to = pairs // p, pairs % p
+    frm = a[senders]
+    cost = prob.directions * (prob.out_bytes[senders] / prob.bw[frm, to] + prob.lat[frm, to])
+    t = comp / prob.speed + np.bincount(frm, weights=cost, minlength=p) + np.bincount(to, weights=cost, minlength=p)
+    sent = prob.kept_for_sending(assign, set(senders.tolist()), used)
+    out = []
+    for s in range(p):
+        fitting = pick = None
+        for c in options[s]:
+            kept = float(np.bincount(a, weights=prob.rec.kept[c], minlength=p)[s]) \
+                + (recv[s] if prob.rec.received[c] else 0.0) + float(sent[c][s])
+            remade = float(np.bincount(a, weights=prob.rec.remade[c], minlength=p)[s])
+            memory = float(fixed[s]) + max(prob.in_flight[s] * kept + prob.recomputing[s] * remade,
+                                           float(workspace[s]) - float(working[s]))
+            rec_t = float(np.bincount(a, weights=prob.rec.seconds[c], minlength=p)[s]) / prob.speed[s]
+            term = StageTerms(c, float(t[s] + rec_t), memory, kept, remade, rec_t,
+                              float(workspace[s]), float(working[s]))
+            if prob.mem_limit[s] is None or memory <= prob.mem_limit[s] * (1 + 1e-12):
+                if fitting is None or c == OFFLOAD and term.time < fitting.time:
+                    fitting = term
+            elif pick is None or memory < pick.memory:
+                pick = term
+        out.append(fitting or pick)
+    return out
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(st.integers(5, 12), st.integers(2, 5), st.sampled_from([None, 0.05, 0.15, 0.3, 0.6]), st.booleans(),
+       st.randoms(use_true_random=False))
+def test_each_stage_takes_the_choice_the_per_stage_rule_takes(n, p, limit, given_choices, rng):
+    # stage_report weighs every stage's recomputation choices at once (numpy); the per-stage loop it replaced
+    # is the reference: the same choice and the same terms on every stage, under memory limits that leave
+    # some stages recomputing, some offloading (a host link) and some over the limit.
+    from partitioner.problem import Problem
+    from partitioner.recompute import CHOICES
+
+    g = nx.DiGraph()
+    for i in range(n):
+        g.add_node(f"v{i}", fwd=rng.random() * 1e-2, bwd=rng.random() * 2e-2, params=rng.choice([0, 1e5, 1e6]),
+                   flops=rng.choice([0, 1e9]), out_bytes=rng.choice([0, 1e6, 1e7, 4e7]), index=i)
+        for j in range(i):
+            if rng.random() < 0.35:
+                g.add_edge(f"v{j}", f"v{i}")
+        preds = list(g.predecessors(f"v{i}"))
+        if preds and rng.random() < 0.3:
+            g.nodes[f"v{i}"]["view_of"] = rng.choice(preds)
+    cluster = Cluster.load("h100-sxm", devices=p)
+    total = sum(4 * d["params"] + 8 * d["out_bytes"] for _, d in g.nodes(data=True))
+    prob = Problem(g, p, cluster=cluster, microbatches=4, recompute="auto",
+                   memory_limit=None if limit is None else max(limit * total, 1.0))
+    assign = sorted(rng.randrange(p) for _ in range(n))
+    choices = [rng.choice(CHOICES) for _ in range(p)] if given_choices else None
+    assert prob.stage_report(assign, choices) == _reference_report(prob, assign, choices)
+    times, memory = prob.stage_costs(assign, choices)
+    assert (times, memory) == ([t.time for t in _reference_report(prob, assign, choices)],
+                               [t.memory for t in _reference_report(prob, assign, choices)])

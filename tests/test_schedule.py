@@ -536,3 +536,38 @@ def test_interleaved_stages_share_their_rank_s_device_memory() -> None:
         plan(b.model, b.example_args, cluster=Cluster.uniform(2, bandwidth=1e11, memory=device), **common)
     fits = plan(b.model, b.example_args, cluster=Cluster.uniform(2, bandwidth=1e11, memory=1.2 * device), **common)
     assert max(fits.rank_memory) <= 1.2 * device
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved", "zb-h1"])
+def test_each_sharding_mode_gets_its_own_collectives_on_one_replica_s_programs(kind: str) -> None:
+    # make_schedule builds a replicated schedule on one replica's (a template too, shared by every mode and
+    # replica count): each mode's programs must be the generator's with that mode's collectives, whatever
+    # mode or count came before it from the cache (zb-h1 splits the backward: unsharded only).
+    import partitioner.schedule as schedule_module
+
+    ranks = {"num_ranks": 2} if kind == "interleaved" else {}
+    graph = StageGraph.chain(4)
+    schedule_module._templates.clear()
+    made = [(mode, dp, make_schedule(kind, graph, 6, data_parallel=dp, sharding=mode, **ranks))
+            for dp in (2, 3) for mode in (("none",) if kind == "zb-h1" else ("none", "shard_grad_op", "full_shard"))]
+    for mode, dp, sched in made:
+        own = SCHEDULES[ScheduleKind.parse(kind)](graph, 6, *ranks.values())
+        assert sched.actions == with_allreduce(own, dp, sharding=mode).actions
+        assert (sched.data_parallel, sched.sharding) == (dp, mode)
+    assert make_schedule(kind, graph, 6, **ranks).actions == SCHEDULES[ScheduleKind.parse(kind)](graph, 6,
+                                                                                                 *ranks.values()).actions
+
+
+def test_the_collector_runs_less_often_inside_a_spaced_block_and_as_before_after_it() -> None:
+    # gc_spaced (the shape search runs under it) raises the young generation's threshold for its block only,
+    # collects cycles still, and gives the thresholds back, also when the block raises.
+    import gc
+
+    from partitioner.walk import gc_spaced
+
+    before = gc.get_threshold()
+    with pytest.raises(RuntimeError):
+        with gc_spaced(1_000_000):
+            assert gc.get_threshold() == (1_000_000, *before[1:])
+            raise RuntimeError
+    assert gc.get_threshold() == before

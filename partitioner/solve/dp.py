@@ -251,16 +251,18 @@ def _branch_and_bound(prob: Problem, allowed: np.ndarray, assign0: list[int], va
     """Exact search over cut positions; returns (assign, value, finished). ``completion``
     (:func:`_completion_bounds`) bounds the stages not placed yet."""
     n, p, k = prob.n, prob.p, prob.directions
-    work, speed = prob.work, prob.speed
-    ob = prob.out_bytes
+    # Python lists, not arrays: the search reads them one element at a time (same values, same arithmetic)
+    speed = prob.speed.tolist()
+    ob = prob.out_bytes.tolist()
     mc = [s[-1] if s else -1 for s in prob.succ]
-    cw = _prefix(work).tolist()
-    speed_left = np.cumsum(speed[::-1])[::-1].tolist()  # Σ speed over stages s..p-1
+    cw = _prefix(prob.work).tolist()
+    speed_left = np.cumsum(prob.speed[::-1])[::-1].tolist()  # Σ speed over stages s..p-1
     cf = _prefix(prob.fixed_mem).tolist()
     cstep = _prefix(prob.step_mem).tolist()
     sums = {c: (ck.tolist(), cr.tolist(), cs.tolist()) for c, (ck, cr, cs, _) in _choice_sums(prob).items()}
     lim = [math.inf if x is None else x * (1 + 1e-12) for x in prob.mem_limit]
-    bw, lat = prob.bw, prob.lat
+    bw, lat = prob.bw.tolist(), prob.lat.tolist()
+    needed: dict[int, list[int]] = {}  # frontier -> the positions before it whose output is read at or after it
     best_assign, best_val = list(assign0), value0
     assign = [0] * n
     exact = [0.0] * p
@@ -290,7 +292,7 @@ def _branch_and_bound(prob: Problem, allowed: np.ndarray, assign0: list[int], va
             for u in prob.pred[v]:
                 a = assign[u]
                 if a < s and ob[u] > 0 and (u, s) not in sent:
-                    c = k * (ob[u] / bw[a, s] + lat[a, s])
+                    c = k * (ob[u] / bw[a][s] + lat[a][s])
                     sent.add((u, s))
                     exact[a] += c
                     exact[s] += c
@@ -307,10 +309,12 @@ def _branch_and_bound(prob: Problem, allowed: np.ndarray, assign0: list[int], va
     def bound(s_next: int, frontier: int) -> float:
         """Max over placed stages of exact cost + one more copy of each still-needed tensor."""
         extra = [0.0] * s_next
-        for u in range(frontier):
-            if mc[u] >= frontier and ob[u] > 0:
-                a = assign[u]
-                extra[a] += k * (ob[u] / bw[a, s_next] + lat[a, s_next])
+        live = needed.get(frontier)
+        if live is None:
+            live = needed[frontier] = [u for u in range(frontier) if mc[u] >= frontier and ob[u] > 0]
+        for u in live:
+            a = assign[u]
+            extra[a] += k * (ob[u] / bw[a][s_next] + lat[a][s_next])
         return max(exact[a] + extra[a] for a in range(s_next))
 
     def search(s: int, i: int) -> None:
