@@ -1,6 +1,7 @@
 """The cost model, checked by hand on small graphs."""
 
 import json
+from typing import Any
 
 import networkx as nx
 import pytest
@@ -182,15 +183,7 @@ def test_vectorised_pricing_matches_the_transfer_loop(n, p, rng):
     # recomputation: every sent storage counts, so the storages kept are compared too).
     from partitioner.problem import Problem
 
-    g = nx.DiGraph()
-    for i in range(n):
-        g.add_node(f"v{i}", fwd=rng.random() * 1e-3, out_bytes=rng.choice([0, 1e3, 1e6, 4e6]), index=i)
-        for j in range(i):
-            if rng.random() < 0.35:
-                g.add_edge(f"v{j}", f"v{i}")
-        preds = list(g.predecessors(f"v{i}"))
-        if preds and rng.random() < 0.3:
-            g.nodes[f"v{i}"]["view_of"] = rng.choice(preds)
+    g = _random_dag(rng, n, lambda: dict(fwd=rng.random() * 1e-3, out_bytes=rng.choice([0, 1e3, 1e6, 4e6])))
     cluster = Cluster.heterogeneous([rng.choice([0.5, 1.0, 2.0]) for _ in range(p)],
                                     bandwidths=[rng.choice([1e9, 1e10, 1e11]) for _ in range(p - 1)],
                                     latencies=[rng.choice([0.0, 1e-5]) for _ in range(p - 1)])
@@ -264,16 +257,9 @@ def test_each_stage_takes_the_choice_the_per_stage_rule_takes(n, p, limit, given
     from partitioner.problem import Problem
     from partitioner.recompute import CHOICES
 
-    g = nx.DiGraph()
-    for i in range(n):
-        g.add_node(f"v{i}", fwd=rng.random() * 1e-2, bwd=rng.random() * 2e-2, params=rng.choice([0, 1e5, 1e6]),
-                   flops=rng.choice([0, 1e9]), out_bytes=rng.choice([0, 1e6, 1e7, 4e7]), index=i)
-        for j in range(i):
-            if rng.random() < 0.35:
-                g.add_edge(f"v{j}", f"v{i}")
-        preds = list(g.predecessors(f"v{i}"))
-        if preds and rng.random() < 0.3:
-            g.nodes[f"v{i}"]["view_of"] = rng.choice(preds)
+    g = _random_dag(rng, n, lambda: dict(fwd=rng.random() * 1e-2, bwd=rng.random() * 2e-2,
+                                         params=rng.choice([0, 1e5, 1e6]), flops=rng.choice([0, 1e9]),
+                                         out_bytes=rng.choice([0, 1e6, 1e7, 4e7])))
     cluster = Cluster.load("h100-sxm", devices=p)
     total = sum(4 * d["params"] + 8 * d["out_bytes"] for _, d in g.nodes(data=True))
     prob = Problem(g, p, cluster=cluster, microbatches=4, recompute="auto",
@@ -284,3 +270,18 @@ def test_each_stage_takes_the_choice_the_per_stage_rule_takes(n, p, limit, given
     times, memory = prob.stage_costs(assign, choices)
     assert (times, memory) == ([t.time for t in _reference_report(prob, assign, choices)],
                                [t.memory for t in _reference_report(prob, assign, choices)])
+
+
+def _random_dag(rng: Any, n: int, costs: Any) -> nx.DiGraph:
+    """n ops in index order with ``costs()`` each, an edge from each earlier op with probability 0.35, and some ops
+    views of one of their inputs' storage (the random graphs the pricing references are checked on)."""
+    g = nx.DiGraph()
+    for i in range(n):
+        g.add_node(f"v{i}", index=i, **costs())
+        for j in range(i):
+            if rng.random() < 0.35:
+                g.add_edge(f"v{j}", f"v{i}")
+        preds = list(g.predecessors(f"v{i}"))
+        if preds and rng.random() < 0.3:
+            g.nodes[f"v{i}"]["view_of"] = rng.choice(preds)
+    return g
