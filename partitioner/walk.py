@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -66,18 +67,30 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+_gc_lock = threading.Lock()
+_gc_blocks: list[tuple[int, int, int]] = []  # the thresholds before the first of the blocks now open (any thread)
+
+
 @contextlib.contextmanager
 def gc_spaced(allocations: int) -> Iterator[None]:
     """Python's cyclic garbage collector run less often in a block: a young collection every ``allocations``
     container allocations (700 by default), so the full collections over everything the process holds come
     that much less often too; cycles are still collected, so memory stays bounded. The thresholds are back
-    when the block ends."""
-    before = gc.get_threshold()
-    gc.set_threshold(max(before[0], allocations), *before[1:])
+    when the last open block ends (blocks overlapping in threads, searches run at once, end in any order); a
+    collector the user turned off (threshold 0) stays off."""
+    with _gc_lock:
+        if not _gc_blocks:
+            before = gc.get_threshold()
+            if before[0]:
+                gc.set_threshold(max(before[0], allocations), *before[1:])
+        _gc_blocks.append(_gc_blocks[0] if _gc_blocks else before)
     try:
         yield
     finally:
-        gc.set_threshold(*before)
+        with _gc_lock:
+            first = _gc_blocks.pop()
+            if not _gc_blocks:
+                gc.set_threshold(*first)
 
 
 def _key_action(key: tuple) -> Action:

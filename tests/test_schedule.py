@@ -571,3 +571,41 @@ def test_the_collector_runs_less_often_inside_a_spaced_block_and_as_before_after
             assert gc.get_threshold() == (1_000_000, *before[1:])
             raise RuntimeError
     assert gc.get_threshold() == before
+
+
+def test_spaced_blocks_overlapping_in_threads_give_the_thresholds_back_and_a_disabled_collector_stays_off() -> None:
+    # Two searches at once in threads: A enters, B enters, A leaves, B leaves. Each block restored what it saw on
+    # entry, so B put back A's raised threshold for good (review). A threshold of 0 (collector off) stays 0.
+    import gc
+    import threading
+
+    from partitioner.walk import gc_spaced
+
+    before = gc.get_threshold()
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    def first() -> None:
+        with gc_spaced(1_000_000):
+            a_in.set()
+            b_in.wait(10)
+        a_out.set()
+
+    def second() -> None:
+        a_in.wait(10)
+        with gc_spaced(1_000_000):
+            b_in.set()
+            a_out.wait(10)
+            assert gc.get_threshold()[0] == 1_000_000  # still spaced while a block is open
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert gc.get_threshold() == before
+    try:
+        gc.set_threshold(0, *before[1:])
+        with gc_spaced(1_000_000):
+            assert gc.get_threshold()[0] == 0
+    finally:
+        gc.set_threshold(*before)
