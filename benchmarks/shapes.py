@@ -92,7 +92,8 @@ def run(name: str, spec: str, done: dict[tuple[str, int], dict[str, Any]],
 
 
 def _rule_best(chosen: Any, stages: int) -> dict[str, Any] | None:
-    """The rule's fastest shape (``stages`` per pipeline) among those the search weighed, or None when none fits.
+    """The rule's fastest shape (``stages`` per pipeline) among those the search weighed, or None when none fits
+    (``not_weighed`` with the reason when the search weighed none of them: more stages than a folded graph's blocks).
 
     A pruned shape is known by its lower bound alone: when one is below the fastest
     plan's step, the rule's best step is at least that bound ("bound": True)."""
@@ -101,6 +102,8 @@ def _rule_best(chosen: Any, stages: int) -> dict[str, Any] | None:
     top = min(fitting, key=lambda c: c.step_time) if fitting else None
     below = [c for c in mine if c.pruned and (top is None or c.lower_bound < top.step_time)]
     if top is None and not below:
+        if mine and all(c.reason.startswith("not weighed") for c in mine):  # finer than a folded graph's blocks
+            return {"not_weighed": mine[0].reason}
         return None
     by = min(below, key=lambda c: c.lower_bound) if below else top
     step = by.lower_bound if below else top.step_time
@@ -121,6 +124,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             other = r[rule]
             if other is None:
                 return "does not fit"
+            if "not_weighed" in other:
+                return f"not weighed ({other['not_weighed'].split(': ', 1)[-1].split(' (')[0]})"
             at_least = "≥ " if other.get("bound") else ""
             return f"{at_least}{c['samples_per_second'] / other['samples_per_second']:.2f}x ({other['shape']})"
 
