@@ -271,8 +271,7 @@ def _module_collectives(split: TensorParallelSplit, how: ModuleSplit, op: str, w
     return fwd, 0.0, fwd_bytes, 0.0
 
 
-def _sequence_collectives(split: TensorParallelSplit, link: Link
-                          ) -> dict[str, tuple[float, float, float, float, float]]:
+def _sequence_collectives(split: TensorParallelSplit, link: Link) -> dict[str, tuple[float, ...]]:
     """Sequence parallelism's collectives between ops, by the fx node of the first reader that pays them (forward
     and backward seconds, their bytes, and the bytes its readers keep beyond the shard): a gather (forward
     all-gather of a sequence shard, which its readers keep whole for their backward; backward, for colwise
@@ -294,4 +293,4 @@ def _sequence_collectives(split: TensorParallelSplit, link: Link
     for s in acts.scatters:
         nbytes = split.nbytes.get(s.value, 0)
         charge(min(s.readers, key=order.__getitem__), 0.0, link.allgather_seconds(nbytes, t), 0, nbytes, 0)
-    return paid  # type: ignore[return-value]
+    return paid

@@ -68,7 +68,7 @@ def gc_paused() -> Iterator[None]:
 
 
 _gc_lock = threading.Lock()
-_gc_blocks: list[tuple[int, int, int]] = []  # the thresholds before the first of the blocks now open (any thread)
+_gc_open: list[tuple[int, int, int]] = []  # while spaced blocks are open (any thread): the thresholds before them
 
 
 @contextlib.contextmanager
@@ -79,17 +79,17 @@ def gc_spaced(allocations: int) -> Iterator[None]:
     when the last open block ends (blocks overlapping in threads, searches run at once, end in any order); a
     collector the user turned off (threshold 0) stays off."""
     with _gc_lock:
-        if not _gc_blocks:
+        if not _gc_open:
             before = gc.get_threshold()
             if before[0]:
                 gc.set_threshold(max(before[0], allocations), *before[1:])
-        _gc_blocks.append(_gc_blocks[0] if _gc_blocks else before)
+        _gc_open.append(_gc_open[0] if _gc_open else before)  # one entry per open block, each the first's
     try:
         yield
     finally:
         with _gc_lock:
-            first = _gc_blocks.pop()
-            if not _gc_blocks:
+            first = _gc_open.pop()
+            if not _gc_open:
                 gc.set_threshold(*first)
 
 
