@@ -26,6 +26,7 @@ from partitioner.checks import whole
 from partitioner.devices import DeviceSpec
 from partitioner.graph import OpGraph
 from partitioner.profile_analytic import analytic_costs
+from partitioner.profile_autocast import autocast_walk, walk_autocast
 from partitioner.profile_measured import (PROFILE_THREADS, OneOpAtATime, SweepTimer, profiling_threads, to_device,
                                          unstable_timing_warning)
 from partitioner.profile_ops import OpCaller, OpCosts, count_kernels, fresh_args, requires_grad, tensor_bytes
@@ -66,7 +67,8 @@ def profile(
     has its weights materialized there (random values), so a model larger than the device
     can still be timed on it. ``timing="analytic"`` counts FLOPs (``torch.utils.flop_counter``) and
     bytes moved and prices them on ``device_profile`` (a name in profiles/ or a path;
-    ``dtype`` prices the ops as if run in, e.g., ``"bf16"``): this plans a GPU cluster from
+    ``dtype="bf16"`` or ``"fp16"`` prices a mixed-precision run: the walk runs under ``torch.autocast``, on
+    fake CPU tensors for a model on meta, ``partitioner.profile_autocast``): this plans a GPU cluster from
     a laptop, and works on a model built on the meta device. ``device`` moves the model
     there for the duration of the call (it is moved back afterwards, its buffers restored).
 
@@ -116,9 +118,14 @@ def profile(
                                      training=training, repeats=repeats, warmup=warmup)
         except TypeError as err:
             raise TraceError(f"the sample inputs do not match the traced model: {err}") from None
-        runner = _OpRunner(gm, walked_on, training=training, timing=timing, spec=spec, dtype=dtype,
-                           repeats=repeats, warmup=warmup, alone=alone)
-        graph = runner.run(inputs, progress)
+        # a low-precision dtype prices a mixed-precision run: the walk runs under autocast, and each op is priced
+        # in the dtype it runs in there (a matmul in bf16, an fp32 reduction in fp32), as a pipeline's own profile is
+        low = walk_autocast(dtype, walked_on) if timing == "analytic" else None
+        walk = autocast_walk(gm, inputs, walked_on, low) if low is not None else contextlib.nullcontext((gm, inputs))
+        with walk as (walked_gm, walked_inputs):
+            runner = _OpRunner(walked_gm, walked_on, training=training, timing=timing, spec=spec,
+                               dtype=None if low is not None else dtype, repeats=repeats, warmup=warmup, alone=alone)
+            graph = runner.run(walked_inputs, progress)
         used_threads = torch.get_num_threads() if timing == "measured" and target.type == "cpu" else None
     info = gm.meta.get("smp_trace")
     spread = runner.timing_spread
@@ -129,6 +136,7 @@ def profile(
         "device": str(target),
         "device_profile": spec.name if spec else None,
         "dtype": dtype,
+        "autocast": dtype if low is not None else None,
         "repeats": repeats if timing == "measured" else None,
         "threads": used_threads,
         "timing_spread": None if spread is None else round(spread, 4),

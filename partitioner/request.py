@@ -45,7 +45,9 @@ class Profiling:
     """How the model is costed: measured op by op on ``device``, or priced analytically on ``device_profile``.
 
     ``timing`` None: analytic for a model on the meta device or when ``device_profile`` is
-    given, else measured. ``name`` labels the plan's model (default: the model's class).
+    given, else measured. ``dtype`` (analytic): the precision priced, ``"bf16"``/``"fp16"`` a
+    mixed-precision run (the ops walked under ``torch.autocast``, docs/memory.md#mixed-precision).
+    ``name`` labels the plan's model (default: the model's class).
     ``compile``: the stages will run compiled with ``torch.compile`` (the runtime does so for a
     plan made with it): analytic prices leave out the per-op dispatch (docs/cost-model.md).
     """

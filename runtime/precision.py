@@ -26,10 +26,12 @@ from typing import Any
 
 import torch
 
+from partitioner.profile_autocast import AUTOCAST_DTYPES
+
 __all__ = ["PRECISIONS", "Precision", "PipelineGradScaler"]
 
 #: What ``precision=`` accepts, and the autocast dtype of each (None: no autocast).
-PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, **AUTOCAST_DTYPES}
 
 
 @dataclass(frozen=True)

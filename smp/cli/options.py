@@ -61,7 +61,8 @@ MetaOpt = Annotated[bool, typer.Option(
     "--meta", help="build the model on the meta device (no memory, no weights) and time it analytically "
                    "(or --timing measured: one op at a time): plans 1B-parameter presets in seconds")]
 DtypeOpt = Annotated[Optional[str], typer.Option(
-    "--dtype", help="analytic timing: price ops as if run in this dtype (fp32, bf16, fp16)")]
+    "--dtype", help="analytic timing: price a run in this precision: fp32, or bf16/fp16 mixed precision "
+    "(the ops walked under torch.autocast: its activations, cut tensors and op times)")]
 RepeatsOpt = Annotated[int, typer.Option("--repeats", help="measured timing: timed runs per op (median)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print machine-readable JSON on stdout, nothing else")]
 TimelineOpt = Annotated[Optional[Path], typer.Option(
