@@ -31,6 +31,7 @@ profiles each microbatch size the sample batch splits into on its own (``graph_f
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -48,6 +49,7 @@ from partitioner.graph import OpGraph
 from partitioner.ir import ScheduleKind, ScheduleError
 from partitioner.plan import ModelInfo, Plan
 from partitioner.request import PlanRequest, check_stages_divide
+from partitioner.solve.dp import dp_search_work
 from partitioner.tensor_parallel import runs_split
 from partitioner.walk import gc_spaced, validate
 
@@ -57,6 +59,10 @@ __all__ = ["Shape", "Candidate", "ShapeSearch", "search_shapes", "shapes_for"]
 FINALIST_SLACK = 0.03
 #: ... at most this many of them (the fastest).
 MAX_FINALISTS = 3
+#: dp's branch-and-bound budget in the screen (a tenth of a full solve's ``DP_SEARCH_WORK``): on the Llama-3-70B
+#: shape search it ran out on most shapes at either budget, and the smaller one left the chosen plan and 113 of 116
+#: candidates' figures unchanged, the other three within 1.2% (docs/optimizer.md); the finalists get the full one.
+SCREEN_DP_WORK = 500_000
 
 
 @dataclass(frozen=True, order=True)
@@ -349,8 +355,9 @@ def search_shapes(
                 cand.reason += f" (solved with each member of {g.meta['blocks']} one node: no cut inside one weighed)"
             cand.needs = getattr(err, "works", None) or getattr(err, "needed", None)
         except ShapePruned as pruned:
-            cand.lower_bound = max(cand.lower_bound, pruned.bound)
-            cand.reason = f"pruned: its critical path alone takes {pruned.bound:.4g} s, {behind}"
+            # a bound on the screened partition, not on the shape (another cut has another critical path): the
+            # shape's proven bound stays its compute bound
+            cand.reason = f"pruned: its screened partition's critical path alone takes {pruned.bound:.4g} s, {behind}"
 
     best = math.inf
     for done, cand in enumerate(sorted(candidates, key=lambda c: (c.lower_bound, c.shape)), 1):
@@ -371,9 +378,10 @@ def search_shapes(
             # A partition whose step cannot come within the finalists' slack of the best found is
             # not scheduled and simulated (most of a screen's time at 64 ranks x 256 microbatches).
             slack = FINALIST_SLACK if two_phase else 0.0
-            solve(cand, screen, check=not two_phase, prune_above=best * (1 + slack),
-                  behind=f"at least {slack:.0%} behind the best step so far ({best:.4g} s)" if slack
-                  else f"no better than the best step so far ({best:.4g} s)")
+            with dp_search_work(SCREEN_DP_WORK) if two_phase else contextlib.nullcontext():
+                solve(cand, screen, check=not two_phase, prune_above=best * (1 + slack),
+                      behind=f"at least {slack:.0%} behind the best step so far ({best:.4g} s)" if slack
+                      else f"no better than the best step so far ({best:.4g} s)")
             best = min(best, cand.step_time)
         if progress is not None:
             progress(done, len(candidates) + (MAX_FINALISTS if two_phase else 0))

@@ -22,7 +22,7 @@ from partitioner.solve.colocate import Blocks, colocation_blocks
 from partitioner.solve.cpsat import cpsat_solve
 from partitioner.solve.cpsat_model import cpsat_size
 from partitioner.solve.crossings import crossing_lower_bound
-from partitioner.solve.dp import DP_SEARCH_WORK, dp_solve, least_memory
+from partitioner.solve.dp import DP_SEARCH_WORK, dp_solve, least_memory, search_work
 from partitioner.solve.groups import GROUPS, group_lower_bound
 from partitioner.solve.ideals import MAX_IDEALS, ideal_dp
 from partitioner.solve.moves import SECOND_TENURE, TABU_TENURE, tabu_phases
@@ -265,7 +265,7 @@ def _run_dp(search: _Search, blocks: Blocks, single: bool, deadline: float) -> N
     if dp.order_optimal:
         search.notes.append(f"dp: optimal over contiguous cuts of the {what}")
     else:
-        search.notes.append(f"dp: search budget ({DP_SEARCH_WORK:,} work units) ran out; the {what}'s "
+        search.notes.append(f"dp: search budget ({search_work():,} work units) ran out; the {what}'s "
                             f"best is >= {dp.order_lower_bound:.6g} s")
     if dp.wall_stopped:
         _note_wall_stop(search, "dp", "this plan and bound")

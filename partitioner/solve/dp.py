@@ -28,8 +28,11 @@ in two steps:
 from __future__ import annotations
 
 import bisect
+import contextlib
+import contextvars
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,7 +42,8 @@ from partitioner.recompute import CHOICES, OFFLOAD
 from partitioner.solve.baselines import BASELINES, baseline_assign, cuts_to_assign, minmax_cuts
 from partitioner.bounds import trivial_lower_bound
 
-__all__ = ["DPResult", "dp_solve", "DP_SEARCH_WORK", "link_prices", "least_memory", "LEAST_MEMORY_CELLS"]
+__all__ = ["DPResult", "dp_solve", "DP_SEARCH_WORK", "dp_search_work", "search_work", "link_prices", "least_memory",
+           "LEAST_MEMORY_CELLS"]
 
 _REL = 1e-12
 
@@ -546,12 +550,31 @@ COPY_SEED_SCALES = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
 #: before pricing was vectorised).
 DP_SEARCH_WORK = 5_000_000
 
+#: The budget :func:`dp_solve` spends when none is passed: DP_SEARCH_WORK, unless a caller set a smaller one for
+#: what it runs within (:func:`dp_search_work`: the shape search's screen).
+_search_work: contextvars.ContextVar[int] = contextvars.ContextVar("dp_search_work", default=DP_SEARCH_WORK)
 
-def dp_solve(prob: Problem, allowed: np.ndarray, *, work: int = DP_SEARCH_WORK,
+
+def search_work() -> int:
+    """The branch and bound's work budget in this context."""
+    return _search_work.get()
+
+
+@contextlib.contextmanager
+def dp_search_work(work: int) -> Iterator[None]:
+    """Within the block (this thread), :func:`dp_solve` spends at most ``work`` units closing its order gap."""
+    token = _search_work.set(work)
+    try:
+        yield
+    finally:
+        _search_work.reset(token)
+
+
+def dp_solve(prob: Problem, allowed: np.ndarray, *, work: int | None = None,
              wall_limit: float = 60.0) -> DPResult | None:
     """Best contiguous cuts of ``prob.order`` cutting only where ``allowed``; None when no cuts fit memory.
 
-    ``work`` bounds the branch and bound deterministically; ``wall_limit`` (seconds) is
+    ``work`` (default :func:`search_work`) bounds the branch and bound deterministically; ``wall_limit`` (seconds) is
     only a safety net, and ``DPResult.wall_stopped`` says when it, not the work, ended
     the search.
     """
@@ -570,7 +593,7 @@ def dp_solve(prob: Problem, allowed: np.ndarray, *, work: int = DP_SEARCH_WORK,
     for seed in aligned:
         if seed[1] < exact * (1 - _REL):
             assign, exact = seed
-    budget = _Budget(work, time.perf_counter() + wall_limit)
+    budget = _Budget(search_work() if work is None else work, time.perf_counter() + wall_limit)
     completion = _completion_bounds(prob, allowed, exact) if math.isfinite(exact) else None
     assign, exact, finished = _branch_and_bound(prob, allowed, assign, exact, value, budget, completion)
     if finished and not math.isfinite(exact):
