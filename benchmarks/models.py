@@ -4,8 +4,9 @@ Run:  .venv/bin/python benchmarks/models.py [--models NAME ...] [--write docs/be
 
 Each model is a Hugging Face ``LlamaForCausalLM`` at Llama 3's published shape (smp's ``hf-llama``
 presets: grouped key/value heads, SwiGLU, torch's fused attention), built on the meta device and
-priced analytically on the ``h100-sxm`` profile in bf16 (8 GPUs per node on NVLink, nodes on
-InfiniBand, 80 GB each). For N GPUs and a global batch of sequences of 4,096 tokens,
+priced analytically on the ``h100-sxm`` profile as a bf16 mixed-precision run (activations, cut
+tensors and op times as ``torch.autocast`` makes them; fp32 master weights; 8 GPUs per node on
+NVLink, nodes on InfiniBand, 80 GB each). For N GPUs and a global batch of sequences of 4,096 tokens,
 ``smp.plan_shapes`` weighs D x P x T x m x schedule (T in 1, 2, 4, 8 within a node), sharding and
 recomputation, and keeps the fastest simulated step that fits. Side by side, priced by the same
 cost model: (a) the best plan without tensor parallelism (``tensor_parallel=1``, the search before
