@@ -14,10 +14,11 @@ plan (over the same microbatch counts) of three rules people use: pure data para
 (P = 1; often it does not fit), pure pipeline (P = N) and "pipeline within a node"
 (P = 8, D = N / 8). Ratios are predicted samples per second, chosen over the rule (above 1:
 the planner's shape is faster). A rule's best is read from the shapes the search weighed:
-where the search pruned some of the rule's shapes (their lower bound on the step was no
-better than a step it had found), no plan of them is faster than that bound, so the ratio
-is at least the one against the bound and reads "≥" (searching them out takes minutes at
-64 GPUs). The planning time is the profile plus the search for N.
+where the search pruned some of the rule's shapes that might beat the rule's best it found
+(a lower bound below that step, or pruned by its screened partition's critical path, which
+bounds that partition, not the shape), the rule is searched on its own (``stages=P``, as a
+user fixing P would) and its best plan is the rule's. The planning time is the profile plus
+the search for N (not the rules' own searches).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,7 +74,13 @@ def run(name: str, spec: str, done: dict[tuple[str, int], dict[str, Any]],
         chosen = search_shapes(graph, PlanRequest(devices=n, global_batch=GLOBAL_BATCH, cluster=cluster),
                                profiled_batch=1, solve_plan=plan_from_graph, model_info=info)
         search_s = time.perf_counter() - t0
-        weighed = {rule: _rule_best(chosen, stages)
+
+        def rule_search(stages: int) -> Any:
+            return search_shapes(graph, PlanRequest(devices=n, global_batch=GLOBAL_BATCH, cluster=cluster,
+                                                    stages=stages),
+                                 profiled_batch=1, solve_plan=plan_from_graph, model_info=info)
+
+        weighed = {rule: _rule_best(chosen, stages, rule_search)
                    for rule, stages in (("data parallel", 1), ("pipeline", n), ("pipeline in a node", min(NODE, n)))}
         best = chosen.candidates[0]
         row: dict[str, Any] = {
@@ -91,24 +99,27 @@ def run(name: str, spec: str, done: dict[tuple[str, int], dict[str, Any]],
     return rows
 
 
-def _rule_best(chosen: Any, stages: int) -> dict[str, Any] | None:
-    """The rule's fastest shape (``stages`` per pipeline) among those the search weighed, or None when none fits
-    (``not_weighed`` with the reason when the search weighed none of them: more stages than a folded graph's blocks).
+def _rule_best(chosen: Any, stages: int, rule_search: Callable[[int], Any]) -> dict[str, Any] | None:
+    """The rule's fastest shape (``stages`` per pipeline), or None when none fits (``not_weighed`` with the reason
+    when the search weighed none of them: more stages than a folded graph's blocks).
 
-    A pruned shape is known by its lower bound alone: when one is below the fastest
-    plan's step, the rule's best step is at least that bound ("bound": True)."""
+    Read from the shapes the search weighed, unless it pruned some of the rule's shapes that might beat the rule's
+    best it found (a compute bound below that step, or pruned by a screened partition's critical path, which
+    bounds that partition, not the shape): then the rule is searched on its own (``rule_search(stages)``, every
+    shape of ``stages`` pipeline ranks, as a user fixing P would), and its best plan is the rule's."""
     mine = [c for c in chosen.candidates if c.shape.stages == stages]
     fitting = [c for c in mine if c.plan is not None]
     top = min(fitting, key=lambda c: c.step_time) if fitting else None
-    below = [c for c in mine if c.pruned and (top is None or c.lower_bound < top.step_time)]
-    if top is None and not below:
+    open_ = [c for c in mine if c.pruned and (top is None or c.lower_bound < top.step_time)]
+    if open_:
+        own = [c for c in rule_search(stages).candidates if c.plan is not None]
+        top = min(own, key=lambda c: c.step_time) if own else None
+    if top is None:
         if mine and all(c.reason.startswith("not weighed") for c in mine):  # finer than a folded graph's blocks
             return {"not_weighed": mine[0].reason}
         return None
-    by = min(below, key=lambda c: c.lower_bound) if below else top
-    step = by.lower_bound if below else top.step_time
-    return {"shape": f"{by.shape.data_parallel}x{by.shape.stages} m={by.shape.microbatches}",
-            "samples_per_second": chosen.global_batch / step, "bound": bool(below)}
+    return {"shape": f"{top.shape.data_parallel}x{top.shape.stages} m={top.shape.microbatches}",
+            "samples_per_second": chosen.global_batch / top.step_time, "searched_alone": bool(open_)}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -126,7 +137,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                 return "does not fit"
             if "not_weighed" in other:
                 return f"not weighed ({other['not_weighed'].split(': ', 1)[-1].split(' (')[0]})"
-            at_least = "≥ " if other.get("bound") else ""
+            at_least = "≥ " if other.get("bound") else ""  # rows recorded before the rule was searched alone
             return f"{at_least}{c['samples_per_second'] / other['samples_per_second']:.2f}x ({other['shape']})"
 
         lines.append(f"| {r['model']} | {r['devices']} | {c['data_parallel']} x {c['stages']}, m={c['microbatches']} "

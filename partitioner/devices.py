@@ -16,7 +16,7 @@ import torch
 from partitioner.errors import ProfileError
 
 __all__ = ["DeviceSpec", "EfficiencyCurve", "Kernel", "KERNEL_KINDS", "load_profile", "find_profile",
-           "list_profiles", "dtype_key", "PROFILE_SCHEMA_VERSION", "PROFILES_DIR"]
+           "list_profiles", "dtype_key", "dtype_name", "DTYPE_NAMES", "DTYPE_ALIASES", "PROFILE_SCHEMA_VERSION", "PROFILES_DIR"]
 
 PROFILE_SCHEMA_VERSION = 1
 
@@ -68,16 +68,29 @@ def load_profile(name_or_path: str | Path | dict) -> dict[str, Any]:
     return data
 
 
+_DTYPE_KEYS = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+               torch.float8_e4m3fn: "fp8", torch.float8_e5m2: "fp8"}
+#: The dtype names a price is asked in (``dtype=``, ``--dtype``), each a key of a profile's ``peak_flops``.
+DTYPE_NAMES: tuple[str, ...] = tuple(dict.fromkeys(_DTYPE_KEYS.values()))
+#: Other spellings of those names (torch's), taken as them.
+DTYPE_ALIASES = {"float64": "fp64", "double": "fp64", "float32": "fp32", "float": "fp32", "bfloat16": "bf16",
+                 "float16": "fp16", "half": "fp16"}
+
+
 def dtype_key(dtype: torch.dtype) -> str:
     """The key of ``peak_flops`` that a tensor of ``dtype`` computes at."""
-    return {
-        torch.float64: "fp64",
-        torch.float32: "fp32",
-        torch.bfloat16: "bf16",
-        torch.float16: "fp16",
-        torch.float8_e4m3fn: "fp8",
-        torch.float8_e5m2: "fp8",
-    }.get(dtype, "fp32")
+    return _DTYPE_KEYS.get(dtype, "fp32")
+
+
+def dtype_name(value: str) -> str:
+    """``value`` as one of :data:`DTYPE_NAMES` (``"bfloat16"`` -> ``"bf16"``, any case); a ValueError naming them
+    when it is none."""
+    key = str(value).strip().lower()
+    key = DTYPE_ALIASES.get(key, key)
+    if key not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {value!r}; choose one of {', '.join(DTYPE_NAMES)} (bf16 and fp16 price a "
+                         "mixed-precision run, as torch.autocast makes it)")
+    return key
 
 
 #: What a counted FLOP runs in: a matrix product (mm, bmm, addmm, attention) or a convolution.

@@ -26,7 +26,7 @@ from partitioner.checks import whole
 from partitioner.devices import DeviceSpec
 from partitioner.graph import OpGraph
 from partitioner.profile_analytic import analytic_costs
-from partitioner.profile_autocast import autocast_walk, walk_autocast
+from partitioner.profile_autocast import autocast_walk, running_autocast, walk_autocast
 from partitioner.profile_measured import (PROFILE_THREADS, OneOpAtATime, SweepTimer, profiling_threads, to_device,
                                          unstable_timing_warning)
 from partitioner.profile_ops import OpCaller, OpCosts, count_kernels, fresh_args, requires_grad, tensor_bytes
@@ -121,10 +121,12 @@ def profile(
         # a low-precision dtype prices a mixed-precision run: the walk runs under autocast, and each op is priced
         # in the dtype it runs in there (a matmul in bf16, an fp32 reduction in fp32), as a pipeline's own profile is
         low = walk_autocast(dtype, walked_on) if timing == "analytic" else None
+        autocast = dtype if low is not None else running_autocast(walked_on)  # what the walk runs under
         walk = autocast_walk(gm, inputs, walked_on, low) if low is not None else contextlib.nullcontext((gm, inputs))
         with walk as (walked_gm, walked_inputs):
             runner = _OpRunner(walked_gm, walked_on, training=training, timing=timing, spec=spec,
-                               dtype=None if low is not None else dtype, repeats=repeats, warmup=warmup, alone=alone)
+                               dtype=None if autocast is not None else dtype, repeats=repeats, warmup=warmup,
+                               alone=alone)
             graph = runner.run(walked_inputs, progress)
         used_threads = torch.get_num_threads() if timing == "measured" and target.type == "cpu" else None
     info = gm.meta.get("smp_trace")
@@ -136,7 +138,7 @@ def profile(
         "device": str(target),
         "device_profile": spec.name if spec else None,
         "dtype": dtype,
-        "autocast": dtype if low is not None else None,
+        "autocast": autocast,
         "repeats": repeats if timing == "measured" else None,
         "threads": used_threads,
         "timing_spread": None if spread is None else round(spread, 4),

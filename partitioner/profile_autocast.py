@@ -25,9 +25,10 @@ import torch.fx as fx
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from partitioner.devices import dtype_key
 from partitioner.program import retarget_device
 
-__all__ = ["AUTOCAST_DTYPES", "walk_autocast", "autocast_walk"]
+__all__ = ["AUTOCAST_DTYPES", "walk_autocast", "running_autocast", "autocast_walk"]
 
 #: The ``dtype`` names that mean a mixed-precision run, and the dtype autocast makes its matmuls in.
 AUTOCAST_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -37,12 +38,19 @@ _CPU = torch.device("cpu")
 
 
 def walk_autocast(dtype: str | None, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype a walk on ``device`` priced in ``dtype`` runs under: None for full precision, and
-    when autocast is on there already (a pipeline profiling its stages under its own ``precision``)."""
+    """The autocast dtype a walk on ``device`` priced in ``dtype`` enters: None for full precision, and when
+    autocast is on there already (a pipeline profiling its stages under its own ``precision``)."""
     low = AUTOCAST_DTYPES.get(dtype or "")
-    if low is None or (device.type != "meta" and torch.is_autocast_enabled(device.type)):
+    if low is None or running_autocast(device) is not None:
         return None
     return low
+
+
+def running_autocast(device: torch.device) -> str | None:
+    """The name of the autocast dtype already on for ``device`` (``"bf16"``), or None (none on; meta has none)."""
+    if device.type == "meta" or not torch.is_autocast_enabled(device.type):
+        return None
+    return dtype_key(torch.get_autocast_dtype(device.type))
 
 
 @contextlib.contextmanager
@@ -57,12 +65,23 @@ def autocast_walk(gm: fx.GraphModule, inputs: list, device: torch.device,
     with warnings.catch_warnings():  # torch.export's pytree specs warn about their own deprecated class when copied
         warnings.simplefilter("ignore", FutureWarning)
         fake_gm = copy.deepcopy(gm)
+    _constants_as_attributes(fake_gm, gm)
     retarget_device(fake_gm, _META, _CPU)  # positions and masks the program makes "on the model's device"
     with FakeTensorMode(allow_non_fake_inputs=True):
         _fake_state(fake_gm)
         fake_inputs = [_fake(x) if isinstance(x, torch.Tensor) else x for x in inputs]
         with torch.autocast("cpu", dtype=low):
             yield fake_gm, fake_inputs
+
+
+def _constants_as_attributes(copied: nn.Module, original: nn.Module) -> None:
+    """Tensor constants the program reads (``get_attr``) back to plain attributes: copying a GraphModule registers
+    them as buffers, which the walk would take for state, not for the values an op saves."""
+    buffers = {name for name, _ in original.named_buffers(remove_duplicate=False)}
+    for prefix, module in copied.named_modules(remove_duplicate=False):
+        for name in [n for n in module._buffers if (f"{prefix}.{n}" if prefix else n) not in buffers]:
+            value = module._buffers.pop(name)
+            setattr(module, name, value)
 
 
 def _fake(t: torch.Tensor) -> torch.Tensor:
@@ -90,5 +109,5 @@ def _fake_state(gm: nn.Module) -> None:
             if b is not None:
                 module._buffers[name] = fake_of(b)
         for name, value in list(vars(module).items()):
-            if isinstance(value, torch.Tensor) and not name.startswith("_"):  # torch.export's lifted constants
+            if isinstance(value, torch.Tensor):  # tensor constants (torch.export's lifted ones, fx's)
                 setattr(module, name, fake_of(value))

@@ -9,6 +9,7 @@ from typing import Any, Union
 
 from partitioner.checks import flag, positive, whole
 from partitioner.cluster import Cluster
+from partitioner.devices import dtype_name
 from partitioner.errors import OptionError, PlanError, PlanningError
 from partitioner.ir import ScheduleKind
 from partitioner.plan import PLACEMENTS
@@ -69,6 +70,11 @@ class Profiling:
             raise PlanError(f"unknown timing {self.timing!r}; choose {' or '.join(TIMINGS)}")
         if self.frontend not in FRONTENDS:
             raise PlanError(f"unknown frontend {self.frontend!r}; choose one of {', '.join(FRONTENDS)}")
+        if self.dtype is not None:
+            try:
+                object.__setattr__(self, "dtype", dtype_name(self.dtype))
+            except ValueError as err:
+                raise PlanError(str(err)) from None
         leaf = self.leaf_modules
         object.__setattr__(self, "leaf_modules", (leaf,) if isinstance(leaf, (str, type)) else tuple(leaf))
         object.__setattr__(self, "repeats", whole(self.repeats, "repeats"))

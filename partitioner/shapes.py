@@ -92,13 +92,17 @@ class Candidate:
     shape: Shape
     global_batch: int
     plan: Plan | None = None
-    lower_bound: float = 0.0  # seconds: no plan the search makes of this shape is faster (see compute_bound)
-    #: seconds no plan of this shape is faster, whatever its cut (its busiest rank's share of the compute); the
-    #: lower_bound of a shape pruned by its screened partition's critical path is that partition's, above it
-    compute_bound: float = 0.0
+    #: seconds no plan of this shape is faster, whatever its cut: its busiest rank's share of the compute (a shape
+    #: pruned by its screened partition's critical path keeps it: that path bounds the partition, not the shape)
+    lower_bound: float = 0.0
     reason: str = ""
     needs: float | None = None  # bytes: the least a plan of this shape needs, when none fits
     final: bool = False  # solved with the full method and objective (a finalist), not only screened
+
+    @property
+    def compute_bound(self) -> float:
+        """:attr:`lower_bound`, by the name the step-time gap reads it by (the compute share it is)."""
+        return self.lower_bound
 
     @property
     def fits(self) -> bool:
@@ -329,7 +333,7 @@ def search_shapes(
     for shape in shapes:
         bound = _step_lower_bound(shape, base[shape.tensor_parallel], speed,
                                   global_batch / (shape.data_parallel * shape.microbatches) / profiled_batch)
-        candidates.append(Candidate(shape, global_batch, lower_bound=bound, compute_bound=bound))
+        candidates.append(Candidate(shape, global_batch, lower_bound=bound))
     # Screen every shape with the fast exact-bottleneck DP, then solve the finalists as plan() would.
     two_phase = request.method == "auto" and request.objective == "step_time"
     # Screened plans' schedules are not validated (a search builds hundreds; the simulator
@@ -364,7 +368,7 @@ def search_shapes(
         micro = global_batch // (cand.shape.data_parallel * cand.shape.microbatches)
         if own_graph(micro) is not None:
             # profiled at its own size: the scaled graph's bound does not hold for it, its own does
-            cand.lower_bound = cand.compute_bound = _step_lower_bound(
+            cand.lower_bound = _step_lower_bound(
                 cand.shape, _work(graph_of(micro, cand.shape.tensor_parallel), training), speed, 1.0)
         folded = coarse[profiled_batch, 1]
         per_rank = request.virtual_stages if ScheduleKind.parse(cand.shape.schedule).interleaved else 1

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from partitioner.devices import DTYPE_ALIASES
 from partitioner.profile_autocast import AUTOCAST_DTYPES
 
 __all__ = ["PRECISIONS", "Precision", "PipelineGradScaler"]
@@ -42,8 +43,8 @@ class Precision:
 
     @staticmethod
     def parse(value: str | None) -> Precision:
-        key = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}.get(
-            str(value).strip().lower(), str(value).strip().lower()) if value is not None else "fp32"
+        key = str(value).strip().lower() if value is not None else "fp32"
+        key = DTYPE_ALIASES.get(key, key)
         if key not in PRECISIONS:
             raise ValueError(f"unknown precision {value!r}; choose one of {', '.join(PRECISIONS)}")
         return Precision(key)

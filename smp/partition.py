@@ -38,7 +38,7 @@ from runtime.teardown import release_at_exit
 from runtime.tensor_parallel import TensorParallel, refuse_plan, tp_plan_for
 from smp.launch import DEFAULT_TIMEOUT, init_distributed, launched_by_torchrun, resolve_device
 from smp.pipeline_state import PipelineState
-from smp.plan_options import check_agrees, given_options
+from smp.plan_options import check_agrees, check_precision, given_options
 from smp.rank0_plan import plan_on_rank0
 
 __all__ = ["partition", "PipelinedModel", "PipelineError", "RuntimeConfigError"]
@@ -169,6 +169,7 @@ class PipelinedModel(PipelineState):
         tp_size = plan.tensor_parallel if plan is not None else self.request.tensor_parallel
         if plan is not None:
             check_agrees(plan, self.request, given)
+            check_precision(plan, self.precision.name)
             self.stages = plan.pipeline_ranks
         else:
             self.stages = self.request.stages or max(1, self.world_size // tp_size)
@@ -336,6 +337,10 @@ class PipelinedModel(PipelineState):
     def _make_plan(self, args: tuple, kwargs: dict) -> Plan:
         request = self.request.with_(stages=self.stages, training=True, data_parallel=self.layout.dp_size,
                                      placement=self.layout.placement)
+        if request.profiling.dtype is None and self.precision.dtype is not None:
+            # priced as the stages run: a model on meta (deferred initialization) is walked under autocast on
+            # fake tensors (autocast has no meta kernels); on a device the stages' autocast below already is on
+            request = request.with_(dtype=self.precision.name)
 
         def build() -> Plan:
             # profiling runs the model; keep every rank's RNG stream identical to the others'. Under the stages'

@@ -11,7 +11,7 @@ from partitioner.plan import Plan
 from partitioner.request import PlanRequest
 from runtime.errors import RuntimeConfigError
 
-__all__ = ["plan_facts", "given_options", "check_agrees"]
+__all__ = ["plan_facts", "given_options", "check_agrees", "check_precision"]
 
 
 def plan_facts(plan: Plan) -> dict[str, Any]:
@@ -54,3 +54,14 @@ def check_agrees(plan: Plan, request: PlanRequest, given: Mapping[str, Any]) -> 
         if not agrees:
             raise RuntimeConfigError(f"{name}={given[name]!r} disagrees with the plan's {fixed!r}: a plan fixes "
                                      f"its {name}; re-plan with smp.plan(..., {name}=...)")
+
+
+def check_precision(plan: Plan, precision: str) -> None:
+    """A plan priced for a mixed-precision run counts half-width activations: running it in another precision would
+    hold up to twice what it planned. (A plan priced in full precision runs in any: it counted more.)"""
+    priced = plan.graph.meta.get("autocast")
+    if priced is not None and priced != precision:
+        raise RuntimeConfigError(
+            f"this plan was priced for a {priced} mixed-precision run (its activations at {priced} width), but the "
+            f"pipeline runs precision={precision!r}: pass precision={priced!r} to smp.partition, or make the plan for "
+            f"this precision (dtype={precision!r}, --dtype {precision})")
