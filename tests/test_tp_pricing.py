@@ -125,7 +125,10 @@ def test_the_shape_search_weighs_t_within_a_node_skips_what_the_model_cannot_spl
             if c.shape.tensor_parallel > 1 and c.shape.data_parallel > 1:  # split stages' sharding weighed too
                 assert set(c.plan.sharding_weighed) == {"none", "shard_grad_op", "full_shard"}
     best = search.candidates[0].step_time
-    assert all(c.lower_bound >= best for c in search.candidates if c.plan is None and c.pruned)
+    for c in (c for c in search.candidates if c.plan is None and c.pruned):
+        # pruned by its bound, a bound no plan beats; or by its screened partition's critical path (that partition's
+        # bound, not the shape's: the shape keeps its compute bound)
+        assert c.lower_bound >= best or "screened partition's critical path" in c.reason, c.reason
     data = search.to_dict()
     assert data["tensor_parallel_skipped"] == {"8": search.skipped[8]}
     assert {c["tensor_parallel"] for c in data["candidates"]} == {1, 2, 4}
