@@ -27,8 +27,8 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,8 +137,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                 return "does not fit"
             if "not_weighed" in other:
                 return f"not weighed ({other['not_weighed'].split(': ', 1)[-1].split(' (')[0]})"
-            at_least = "≥ " if other.get("bound") else ""  # rows recorded before the rule was searched alone
-            return f"{at_least}{c['samples_per_second'] / other['samples_per_second']:.2f}x ({other['shape']})"
+            return f"{c['samples_per_second'] / other['samples_per_second']:.2f}x ({other['shape']})"
 
         lines.append(f"| {r['model']} | {r['devices']} | {c['data_parallel']} x {c['stages']}, m={c['microbatches']} "
                      f"({c['placement']}) | {c['samples_per_second']:.1f} | {vs('data parallel')} | {vs('pipeline')} | "

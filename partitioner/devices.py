@@ -16,7 +16,8 @@ import torch
 from partitioner.errors import ProfileError
 
 __all__ = ["DeviceSpec", "EfficiencyCurve", "Kernel", "KERNEL_KINDS", "load_profile", "find_profile",
-           "list_profiles", "dtype_key", "dtype_name", "DTYPE_NAMES", "DTYPE_ALIASES", "PROFILE_SCHEMA_VERSION", "PROFILES_DIR"]
+           "list_profiles", "dtype_key", "dtype_name", "DTYPE_NAMES", "DTYPE_ALIASES", "PROFILE_SCHEMA_VERSION",
+           "PROFILES_DIR"]
 
 PROFILE_SCHEMA_VERSION = 1
 

@@ -61,7 +61,8 @@ FINALIST_SLACK = 0.03
 MAX_FINALISTS = 3
 #: dp's branch-and-bound budget in the screen (a tenth of a full solve's ``DP_SEARCH_WORK``): on the Llama-3-70B
 #: shape search it ran out on most shapes at either budget, and the smaller one left the chosen plan and 113 of 116
-#: candidates' figures unchanged, the other three within 1.2% (docs/optimizer.md); the finalists get the full one.
+#: candidates' figures unchanged (one non-finalist 0.2% slower, two pruned at other path lengths: docs/optimizer.md);
+#: the finalists get the full one.
 SCREEN_DP_WORK = 500_000
 
 

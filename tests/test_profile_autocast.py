@@ -1,4 +1,4 @@
-"""A plan priced in bf16 counts what a mixed-precision run keeps: the profile's walk runs under autocast, on meta too."""
+"""A plan priced in bf16 counts what a mixed-precision run keeps: the profile walks under autocast, on meta too."""
 
 import pytest
 import torch
